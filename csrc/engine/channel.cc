@@ -1,0 +1,168 @@
+#include "engine/channel.h"
+
+#include <cstring>
+
+namespace rdkeras {
+namespace {
+
+constexpr size_t kFlagStride = 64;  // one cache line per flag
+
+size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+}  // namespace
+
+ChannelBase::ChannelBase(std::shared_ptr<Engine> engine, Role role, int peer, size_t control_bytes)
+    : engine_(std::move(engine)), role_(role), peer_(peer), local_bytes_(control_bytes) {
+  if (peer < 0 || peer >= engine_->worldSize() || peer == engine_->rank())
+    throw EngineError(strCat("channel peer ", peer, " is not another rank of this world (size ",
+                             engine_->worldSize(), ", this rank ", engine_->rank(), ")"));
+  local_ = static_cast<uint8_t*>(engine_->tracker().allocate(local_bytes_));
+  std::memset(local_, 0, local_bytes_);  // flags start at 0; touches every page once
+  local_key_ = engine_->tracker().registerRegion(local_, local_bytes_);
+}
+
+ChannelBase::~ChannelBase() {
+  try {
+    engine_->tracker().deregisterRegion(local_key_);
+  } catch (...) {
+  }
+  engine_->tracker().release(local_);
+}
+
+std::string ChannelBase::localDescriptor() const {
+  return strCat("channel;role=", role_ == Role::kSender ? "send" : "recv", ";rank=", engine_->rank(),
+                ";key=", local_key_, ";bytes=", local_bytes_);
+}
+
+void ChannelBase::connect(const std::string& remote) {
+  const std::string want = role_ == Role::kSender ? "recv" : "send";
+  if (field(remote, "role") != want || std::stoi(field(remote, "rank")) != peer_)
+    throw EngineError(strCat("channel descriptor mismatch: expected the ", want, " end on rank ", peer_,
+                             ", got ", remote));
+  remote_key_ = std::stoull(field(remote, "key"));
+}
+
+void ChannelBase::requireConnected(Role role, const char* op) const {
+  if (role_ != role)
+    throw EngineError(strCat(op, "() called on the ", role_ == Role::kSender ? "sending" : "receiving",
+                             " end of a channel"));
+  if (remote_key_ == 0) throw EngineError(strCat(op, "() before connect()"));
+}
+
+StaticChannel::StaticChannel(std::shared_ptr<Engine> engine, Role role, int peer, size_t nbytes)
+    : ChannelBase(std::move(engine), role, peer,
+                  role == Role::kReceiver ? 2 * roundUp(nbytes, 64) + 2 * kFlagStride : kFlagStride),
+      nbytes_(nbytes),
+      stride_(roundUp(nbytes, 64)) {}
+
+void StaticChannel::send(const void* data, size_t n) {
+  requireConnected(Role::kSender, "send");
+  if (n != nbytes_)
+    throw EngineError(strCat("static channel carries ", nbytes_, " bytes per message, got ", n,
+                             " (use a dynamic channel for changing shapes)"));
+  // Slot n%2 is free once the receiver released message n-2.
+  if (seq_ >= 2) engine_->waitFlag(local_, seq_ - 1, peer_, "ack of a static channel slot");
+  Transport& t = engine_->transport();
+  const Deadline deadline = engine_->deadline();
+  const uint64_t slot = seq_ % 2;
+  if (t.needsLocalRegistration() && n) engine_->tracker().lookupOrRegister(data, n);
+  t.write(peer_, data, remote_key_, slot * stride_, n, deadline);
+  t.writeFlag(peer_, remote_key_, 2 * stride_ + slot * kFlagStride, seq_ + 1, deadline);
+  ++seq_;
+}
+
+const void* StaticChannel::recv() {
+  requireConnected(Role::kReceiver, "recv");
+  const Deadline deadline = engine_->deadline();
+  // Release the previous message: the sender may now reuse its slot.
+  if (seq_ > 0) engine_->transport().writeFlag(peer_, remote_key_, 0, seq_, deadline);
+  const uint64_t slot = seq_ % 2;
+  engine_->waitFlag(local_ + 2 * stride_ + slot * kFlagStride, seq_ + 1, peer_, "static channel message");
+  ++seq_;
+  return local_ + slot * stride_;
+}
+
+DynamicChannel::DynamicChannel(std::shared_ptr<Engine> engine, Role role, int peer)
+    : ChannelBase(std::move(engine), role, peer,
+                  role == Role::kReceiver ? 2 * sizeof(DynamicRecord) : kFlagStride) {}
+
+uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
+  requireConnected(Role::kSender, "send");
+  if (meta.shape.size() > kMaxDims) throw EngineError(strCat("tensors of rank > ", kMaxDims, " unsupported"));
+  if (meta.dtype.size() >= sizeof(DynamicRecord::dtype)) throw EngineError("dtype string too long");
+  // Metadata slot n%2 is free once the receiver consumed record n-2.
+  if (seq_ >= 2) engine_->waitFlag(local_, seq_ - 1, peer_, "ack of a dynamic channel record");
+  DynamicRecord rec = {};
+  std::memcpy(rec.dtype, meta.dtype.data(), meta.dtype.size());
+  rec.ndim = static_cast<uint32_t>(meta.shape.size());
+  std::copy(meta.shape.begin(), meta.shape.end(), rec.shape);
+  rec.nbytes = meta.nbytes;
+  if (meta.nbytes > 0) {
+    auto [key, offset] = engine_->tracker().lookupOrRegister(data, meta.nbytes);
+    rec.src_key = key;
+    rec.src_offset = offset;
+  }
+  Transport& t = engine_->transport();
+  const Deadline deadline = engine_->deadline();
+  const uint64_t base = (seq_ % 2) * sizeof(DynamicRecord);
+  t.write(peer_, reinterpret_cast<const uint8_t*>(&rec) + 8, remote_key_, base + 8, sizeof(rec) - 8, deadline);
+  t.writeFlag(peer_, remote_key_, base, seq_ + 1, deadline);
+  return seq_++;
+}
+
+uint64_t DynamicChannel::acked() const { return loadAcquire(local_); }
+
+void DynamicChannel::waitAcked(uint64_t count) {
+  engine_->waitFlag(local_, count, peer_, "ack of a dynamic channel tensor");
+}
+
+void* DynamicChannel::recv(TensorMeta* meta) {
+  requireConnected(Role::kReceiver, "recv");
+  auto* rec = reinterpret_cast<DynamicRecord*>(local_ + (seq_ % 2) * sizeof(DynamicRecord));
+  engine_->waitFlag(&rec->flag, seq_ + 1, peer_, "dynamic channel metadata");
+  if (rec->ndim > kMaxDims) throw EngineError("corrupt dynamic channel record");
+  meta->dtype.assign(rec->dtype, strnlen(rec->dtype, sizeof(rec->dtype)));
+  meta->shape.assign(rec->shape, rec->shape + rec->ndim);
+  meta->nbytes = rec->nbytes;
+  TensorTracker& tracker = engine_->tracker();
+  void* dst = tracker.allocate(rec->nbytes);
+  const Deadline deadline = engine_->deadline();
+  try {
+    if (rec->nbytes) engine_->transport().read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
+    engine_->transport().writeFlag(peer_, remote_key_, 0, seq_ + 1, deadline);
+  } catch (...) {
+    tracker.release(dst);
+    throw;
+  }
+  ++seq_;
+  return dst;
+}
+
+double pingPong(StaticChannel& tx, StaticChannel& rx, int iterations, bool initiator) {
+  std::vector<uint8_t> msg(tx.nbytes(), 1);
+  const auto start = Clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    if (initiator) {
+      tx.send(msg.data(), msg.size());
+      rx.recv();
+    } else {
+      rx.recv();
+      tx.send(msg.data(), msg.size());
+    }
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double sendMany(StaticChannel& tx, const void* data, int iterations) {
+  const auto start = Clock::now();
+  for (int i = 0; i < iterations; ++i) tx.send(data, tx.nbytes());
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double recvMany(StaticChannel& rx, int iterations) {
+  const auto start = Clock::now();
+  for (int i = 0; i < iterations; ++i) rx.recv();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace rdkeras

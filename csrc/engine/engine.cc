@@ -1,0 +1,53 @@
+#include "engine/engine.h"
+
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace rdkeras {
+
+std::vector<std::string> nativeTransports() { return {"shm", "tcp"}; }
+
+Engine::Engine(int rank, int world_size, const EngineOptions& options)
+    : rank_(rank), world_size_(world_size), options_(options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw EngineError(strCat("invalid rank ", rank, " for world size ", world_size));
+  if (!(options.timeout_s > 0)) throw EngineError("timeout must be positive");
+  arena_ = std::make_unique<Arena>(options.arena_bytes);
+  tracker_ = std::make_unique<TensorTracker>(*arena_);
+  if (options.transport == "shm")
+    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_);
+  else if (options.transport == "tcp")
+    transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
+  else
+    throw EngineError(strCat("unknown native transport '", options.transport, "' (have: shm, tcp)"));
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::connect(const std::vector<std::string>& descriptors, const std::string& secret) {
+  if (connected_) throw EngineError("engine already connected");
+  transport_->connect(descriptors, secret, deadline());
+  connected_ = true;
+}
+
+void Engine::close() {
+  if (closed_) return;
+  closed_ = true;
+  if (transport_) transport_->shutdown();
+}
+
+Transport& Engine::transport() {
+  if (!connected_ || closed_) throw EngineError(closed_ ? "engine is closed" : "engine is not connected");
+  return *transport_;
+}
+
+void Engine::waitFlag(const void* flag, uint64_t value, int peer, const char* what) {
+  Transport& t = transport();
+  const Deadline deadline = this->deadline();
+  const bool ok = pollUntil([&] { return loadAcquire(flag) >= value; }, deadline, [&] { t.checkPeer(peer); });
+  if (!ok)
+    throw TimeoutError(strCat("timed out after ", deadline.seconds(), " s waiting for rank ", peer, " (", what,
+                              ")"));
+}
+
+}  // namespace rdkeras

@@ -1,0 +1,114 @@
+#include "engine/socket_util.h"
+
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace rdkeras {
+
+void sendAll(int fd, struct iovec* iov, int iovcnt, const Deadline& deadline, const std::string& peer) {
+  while (iovcnt > 0) {
+    struct msghdr msg = {};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = iovcnt;
+    const ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (deadline.expired())
+          throw TimeoutError(strCat("timed out after ", deadline.seconds(), " s sending to ", peer,
+                                    " (it stopped reading)"));
+        struct pollfd p = {fd, POLLOUT, 0};
+        poll(&p, 1, deadline.remainingMs(100) + 1);
+        continue;
+      }
+      throw PeerError(strCat("lost connection to ", peer, " while sending: ", std::strerror(errno)));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (iovcnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+}
+
+bool recvAll(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    if (r == 0) return false;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+void recvAll(int fd, void* buf, size_t n, const Deadline& deadline, const std::string& peer) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    if (!waitReadable(fd, deadline))
+      throw TimeoutError(strCat("timed out after ", deadline.seconds(), " s waiting for ", peer));
+    const ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    if (r == 0) throw PeerError(strCat(peer, " closed the connection"));
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      throw PeerError(strCat("lost connection to ", peer, ": ", std::strerror(errno)));
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+bool waitReadable(int fd, const Deadline& deadline) {
+  while (true) {
+    struct pollfd p = {fd, POLLIN, 0};
+    const int r = poll(&p, 1, deadline.remainingMs(100));
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) throwErrno("poll");
+    if (deadline.expired()) return false;
+  }
+}
+
+void setSocketBuffers(int fd, int bytes) {
+  // Best effort: the kernel caps these at net.core.{r,w}mem_max.
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+}
+
+std::string randomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  if (getrandom(raw.data(), bytes, 0) != static_cast<ssize_t>(bytes)) throwErrno("getrandom");
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+std::string hostIdentity() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  char netns[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  return strCat(boot_id, "/", n > 0 ? std::string(netns, n) : std::string("?"));
+}
+
+}  // namespace rdkeras

@@ -1,0 +1,77 @@
+// TensorTracker: where tensors that cross the wire live.
+//
+// It hands out 64-byte aligned blocks from the arena (registered memory), kept
+// per size class and reused, and it finds the region key for any buffer a
+// transfer names: arena blocks are registered once, on first use, and cached
+// for good (blocks are never returned to the arena); memory outside the arena
+// is registered by exact range into a small LRU cache. So a steady-state loop
+// of transfers performs no registration at all -- counters() shows it.
+// Thread-safe (one mutex; nothing here is on a per-byte path).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/arena.h"
+
+namespace rdkeras {
+
+struct TrackerCounters {
+  uint64_t registrations = 0;     // regions inserted into the table
+  uint64_t deregistrations = 0;
+  uint64_t bytes_registered = 0;  // summed over registrations
+  uint64_t cache_hits = 0;        // lookups answered without registering
+  uint64_t pool_allocations = 0;
+  uint64_t pool_reuses = 0;       // allocations served from a free list
+  uint64_t pool_bytes_reserved = 0;
+  uint64_t pool_bytes_in_use = 0;
+};
+
+class TensorTracker {
+ public:
+  static constexpr size_t kAlignment = 64;
+  static constexpr size_t kExternalCacheEntries = 64;
+
+  explicit TensorTracker(Arena& arena);
+
+  // A block of at least n bytes (n may be 0), 64-byte aligned, from the arena.
+  void* allocate(size_t n);
+  void release(void* p);
+  // Usable size of an allocated block.
+  size_t blockSize(const void* p) const;
+
+  uint64_t registerRegion(const void* p, size_t n);
+  void deregisterRegion(uint64_t key);
+  // (key, offset) such that [p, p+n) is region `key` at `offset`; registers on a miss.
+  std::pair<uint64_t, uint64_t> lookupOrRegister(const void* p, size_t n);
+
+  TrackerCounters counters() const;
+  static size_t sizeClass(size_t n);
+
+ private:
+  uint64_t insertLocked(const void* p, size_t n);
+
+  Arena& arena_;
+  mutable std::mutex mu_;
+  uint64_t bump_;                                         // next free arena offset
+  std::map<uint64_t, uint64_t> blocks_;                   // arena offset -> size class
+  std::unordered_map<uint64_t, bool> in_use_;             // arena offset -> allocated
+  std::unordered_map<uint64_t, std::vector<uint64_t>> free_;  // size class -> offsets
+  std::unordered_map<uint64_t, uint64_t> block_keys_;     // arena offset -> key
+  struct External {
+    uintptr_t start;
+    size_t length;
+    uint64_t key;
+    uint64_t last_use;
+  };
+  std::vector<External> external_;
+  uint64_t clock_ = 0;
+  TrackerCounters counters_;
+};
+
+}  // namespace rdkeras

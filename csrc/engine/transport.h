@@ -1,0 +1,78 @@
+// Transport: one-sided access to the registered memory of peer processes.
+//
+// A transport is created per process for a fixed world of ranks. After
+// connect(), every operation names a peer rank and addresses the peer's memory
+// only as (key, offset, length): keys come from the peer's region table, and
+// every access is checked against it (by the initiator where it can read the
+// table, as shm does; by the target otherwise, as tcp does).
+//
+// Semantics (the same for every transport):
+//  - write/read return when the local buffer may be reused / holds the data;
+//  - writeFlag stores an 8-byte value at an 8-aligned offset and is ordered
+//    after every earlier write to the same peer: a reader who sees the flag
+//    sees the data;
+//  - errors detected by the target (stale key, out of bounds) surface at the
+//    latest on the next operation to that peer or on flush(), as with RDMA
+//    completion errors;
+//  - every blocking call takes a Deadline and throws TimeoutError/PeerError
+//    naming the peer rank.
+// Threading: operations may be called from any thread; a transport may run
+// background progress threads (tcp does).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/common.h"
+
+namespace rdkeras {
+
+class Arena;
+
+struct TransportOptions {
+  std::string advertise_host = "127.0.0.1";  // tcp: address peers connect to
+  std::string bind_host = "0.0.0.0";         // tcp: address to listen on
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual const char* name() const = 0;
+  // Opaque text peers need to connect to this process.
+  virtual std::string localDescriptor() const = 0;
+  // Connects to every peer. descriptors[r] is rank r's localDescriptor().
+  // `secret` must match on both ends of each connection.
+  virtual void connect(const std::vector<std::string>& descriptors, const std::string& secret,
+                       const Deadline& deadline) = 0;
+
+  virtual void write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
+                     const Deadline& deadline) = 0;
+  virtual void read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
+                    const Deadline& deadline) = 0;
+  virtual void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value,
+                         const Deadline& deadline) = 0;
+  // Waits until every earlier operation to `peer` completed at the target,
+  // and raises any error it reported.
+  virtual void flush(int peer, const Deadline& deadline) = 0;
+  // Throws PeerError if `peer` is known to be gone.
+  virtual void checkPeer(int peer) = 0;
+  // Whether the source of a write must lie in registered memory (verbs: yes).
+  virtual bool needsLocalRegistration() const { return false; }
+  // Closes connections and stops background threads. Idempotent.
+  virtual void shutdown() = 0;
+};
+
+// Shared checks used by transports that validate accesses themselves.
+void checkFlagOffset(uint64_t offset);
+// Throws RemoteAccessError unless [offset, offset+length) lies inside `region_length`.
+void checkBounds(const char* op, int peer, uint64_t key, uint64_t region_length, uint64_t offset,
+                 uint64_t length);
+[[noreturn]] void throwUnknownKey(const char* op, int peer, uint64_t key);
+
+// Descriptors are "name;k=v;k=v" text: readable in logs, no versioned binary.
+std::string field(const std::string& descriptor, const std::string& key);
+
+}  // namespace rdkeras

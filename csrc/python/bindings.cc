@@ -1,0 +1,231 @@
+// The only binding file: a thin pybind11 face over csrc/engine. Buffers go in
+// through the buffer protocol (numpy, memoryview, DLPack-backed arrays) and come
+// out as numpy arrays over engine memory that keep that memory alive. Every
+// call that can wait releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "engine/channel.h"
+#include "engine/engine.h"
+
+namespace py = pybind11;
+using namespace rdkeras;
+
+namespace {
+
+struct Span {
+  void* ptr;
+  size_t size;
+};
+
+Span span(const py::buffer& buffer, bool writable) {
+  py::buffer_info info = buffer.request(writable);
+  const bool contiguous = [&] {
+    py::ssize_t expect = info.itemsize;
+    for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] != 1 && info.strides[d] != expect) return false;
+      expect *= info.shape[d];
+    }
+    return true;
+  }();
+  if (!contiguous) throw py::value_error("buffer must be C-contiguous (use numpy.ascontiguousarray)");
+  return {info.ptr, static_cast<size_t>(info.size * info.itemsize)};
+}
+
+// A uint8 array over a tracker block; the block returns to the pool when the array dies.
+py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nbytes) {
+  struct Holder {
+    std::shared_ptr<Engine> engine;
+    void* ptr;
+  };
+  auto* holder = new Holder{engine, ptr};
+  py::capsule owner(holder, [](void* h) {
+    auto* b = static_cast<Holder*>(h);
+    b->engine->tracker().release(b->ptr);
+    delete b;
+  });
+  return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, ptr, owner);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "rdkeras C++ engine: registered memory, one-sided transports, channels.";
+
+  auto engine_error = py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
+  py::register_exception<TimeoutError>(m, "TimeoutError", py::make_tuple(engine_error, py::handle(PyExc_TimeoutError)));
+  py::register_exception<PeerError>(m, "PeerError", py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)));
+  py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
+
+  m.def("native_transports", &nativeTransports);
+
+  py::class_<TrackerCounters>(m, "TrackerCounters")
+      .def_readonly("registrations", &TrackerCounters::registrations)
+      .def_readonly("deregistrations", &TrackerCounters::deregistrations)
+      .def_readonly("bytes_registered", &TrackerCounters::bytes_registered)
+      .def_readonly("cache_hits", &TrackerCounters::cache_hits)
+      .def_readonly("pool_allocations", &TrackerCounters::pool_allocations)
+      .def_readonly("pool_reuses", &TrackerCounters::pool_reuses)
+      .def_readonly("pool_bytes_reserved", &TrackerCounters::pool_bytes_reserved)
+      .def_readonly("pool_bytes_in_use", &TrackerCounters::pool_bytes_in_use)
+      .def("as_dict", [](const TrackerCounters& c) {
+        py::dict d;
+        d["registrations"] = c.registrations;
+        d["deregistrations"] = c.deregistrations;
+        d["bytes_registered"] = c.bytes_registered;
+        d["cache_hits"] = c.cache_hits;
+        d["pool_allocations"] = c.pool_allocations;
+        d["pool_reuses"] = c.pool_reuses;
+        d["pool_bytes_reserved"] = c.pool_bytes_reserved;
+        d["pool_bytes_in_use"] = c.pool_bytes_in_use;
+        return d;
+      });
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes, double timeout,
+                       const std::string& advertise_host, const std::string& bind_host) {
+             EngineOptions o;
+             o.transport = transport;
+             o.arena_bytes = arena_bytes;
+             o.timeout_s = timeout;
+             o.transport_options.advertise_host = advertise_host;
+             o.transport_options.bind_host = bind_host;
+             return std::make_shared<Engine>(rank, world_size, o);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
+           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "0.0.0.0")
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world_size", &Engine::worldSize)
+      .def_property_readonly("transport", &Engine::transportName)
+      .def_property_readonly("timeout", &Engine::timeout)
+      .def_property_readonly("descriptor", &Engine::localDescriptor)
+      .def("connect", &Engine::connect, py::arg("descriptors"), py::arg("secret"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def("alloc",
+           [](const std::shared_ptr<Engine>& e, size_t nbytes) {
+             return blockArray(e, e->tracker().allocate(nbytes), nbytes);
+           },
+           py::arg("nbytes"))
+      .def("register",
+           [](Engine& e, const py::buffer& b) {
+             Span s = span(b, false);
+             return e.tracker().registerRegion(s.ptr, s.size);
+           })
+      .def("deregister", [](Engine& e, uint64_t key) { e.tracker().deregisterRegion(key); })
+      .def("lookup_or_register",
+           [](Engine& e, const py::buffer& b) {
+             Span s = span(b, false);
+             return e.tracker().lookupOrRegister(s.ptr, s.size);
+           })
+      .def("write",
+           [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
+             Span s = span(src, false);
+             py::gil_scoped_release nogil;
+             e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline());
+           },
+           py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
+      .def("read",
+           [](Engine& e, int peer, const py::buffer& dst, uint64_t key, uint64_t offset) {
+             Span s = span(dst, true);
+             py::gil_scoped_release nogil;
+             e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline());
+           },
+           py::arg("peer"), py::arg("dst"), py::arg("key"), py::arg("offset") = 0)
+      .def("write_flag",
+           [](Engine& e, int peer, uint64_t key, uint64_t offset, uint64_t value) {
+             py::gil_scoped_release nogil;
+             e.transport().writeFlag(peer, key, offset, value, e.deadline());
+           },
+           py::arg("peer"), py::arg("key"), py::arg("offset"), py::arg("value"))
+      .def("flush",
+           [](Engine& e, int peer) {
+             py::gil_scoped_release nogil;
+             e.transport().flush(peer, e.deadline());
+           })
+      .def("check_peer", [](Engine& e, int peer) { e.transport().checkPeer(peer); })
+      .def("wait_flag",
+           [](Engine& e, const py::buffer& b, uint64_t offset, uint64_t value, int peer) {
+             Span s = span(b, false);
+             if (offset % 8 || offset + 8 > s.size) throw py::value_error("flag offset out of range or unaligned");
+             py::gil_scoped_release nogil;
+             e.waitFlag(static_cast<uint8_t*>(s.ptr) + offset, value, peer, "flag");
+           },
+           py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
+      .def("counters", [](Engine& e) { return e.tracker().counters(); });
+
+  py::enum_<Role>(m, "Role").value("SENDER", Role::kSender).value("RECEIVER", Role::kReceiver);
+
+  py::class_<StaticChannel, std::shared_ptr<StaticChannel>>(m, "StaticChannel")
+      .def(py::init<std::shared_ptr<Engine>, Role, int, size_t>(), py::arg("engine"), py::arg("role"),
+           py::arg("peer"), py::arg("nbytes"))
+      .def_property_readonly("descriptor", &StaticChannel::localDescriptor)
+      .def_property_readonly("nbytes", &StaticChannel::nbytes)
+      .def_property_readonly("sequence", &StaticChannel::sequence)
+      .def_property_readonly("peer", &StaticChannel::peer)
+      .def("connect", &StaticChannel::connect)
+      .def("send",
+           [](StaticChannel& ch, const py::buffer& data) {
+             Span s = span(data, false);
+             py::gil_scoped_release nogil;
+             ch.send(s.ptr, s.size);
+           })
+      .def("recv", [](py::object self) {
+        auto& ch = self.cast<StaticChannel&>();
+        const void* p;
+        {
+          py::gil_scoped_release nogil;
+          p = ch.recv();
+        }
+        // A view into the slot; the channel (its owner) stays alive with it.
+        return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(ch.nbytes())}, {1}, p, self);
+      });
+
+  py::class_<DynamicChannel, std::shared_ptr<DynamicChannel>>(m, "DynamicChannel")
+      .def(py::init<std::shared_ptr<Engine>, Role, int>(), py::arg("engine"), py::arg("role"), py::arg("peer"))
+      .def_property_readonly("descriptor", &DynamicChannel::localDescriptor)
+      .def_property_readonly("sequence", &DynamicChannel::sequence)
+      .def_property_readonly("peer", &DynamicChannel::peer)
+      .def_property_readonly("acked", &DynamicChannel::acked)
+      .def("connect", &DynamicChannel::connect)
+      .def("wait_acked", &DynamicChannel::waitAcked, py::call_guard<py::gil_scoped_release>())
+      .def("send",
+           [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype, std::vector<int64_t> shape) {
+             Span s = span(data, false);
+             TensorMeta meta{dtype, std::move(shape), s.size};
+             py::gil_scoped_release nogil;
+             return ch.send(s.ptr, meta);
+           },
+           py::arg("data"), py::arg("dtype"), py::arg("shape"))
+      .def("recv", [](DynamicChannel& ch) {
+        TensorMeta meta;
+        void* p;
+        {
+          py::gil_scoped_release nogil;
+          p = ch.recv(&meta);
+        }
+        return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype, py::tuple(py::cast(meta.shape)));
+      });
+
+  m.def("ping_pong", &pingPong, py::arg("tx"), py::arg("rx"), py::arg("iterations"), py::arg("initiator"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("send_many",
+        [](StaticChannel& tx, const py::buffer& data, int iterations) {
+          Span s = span(data, false);
+          if (s.size != tx.nbytes()) throw py::value_error("data size differs from the channel's message size");
+          py::gil_scoped_release nogil;
+          return sendMany(tx, s.ptr, iterations);
+        });
+  m.def("recv_many", &recvMany, py::call_guard<py::gil_scoped_release>());
+  m.def("memcpy",
+        [](const py::buffer& dst, const py::buffer& src) {
+          Span d = span(dst, true), s = span(src, false);
+          if (d.size != s.size) throw py::value_error("memcpy: sizes differ");
+          py::gil_scoped_release nogil;
+          std::memcpy(d.ptr, s.ptr, s.size);
+        },
+        "Single-thread memcpy (the physical limit the benchmarks compare against).");
+}

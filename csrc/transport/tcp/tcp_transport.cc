@@ -1,0 +1,453 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "engine/socket_util.h"
+
+namespace rdkeras {
+namespace {
+
+enum Op : uint32_t {
+  kWrite = 1,     // payload follows
+  kFlag = 2,      // length field carries the value
+  kReadReq = 3,
+  kFence = 4,
+  kReadResp = 5,  // payload follows
+  kFenceAck = 6,
+  kError = 7,     // length bytes of message follow; id names the failed op
+};
+
+struct Header {
+  uint32_t op;
+  uint32_t reserved;
+  uint64_t id;
+  uint64_t key;
+  uint64_t offset;
+  uint64_t length;
+};
+
+constexpr uint32_t kHelloMagic = 0x54435031;  // "TCP1"
+constexpr int kRoleInitiator = 0;  // the connector sends requests on this socket
+constexpr int kRoleTarget = 1;     // the acceptor sends requests on this socket
+
+struct Hello {
+  uint32_t magic;
+  int32_t rank;
+  int32_t role;
+  uint32_t secret_len;
+  char secret[128];
+};
+
+// Background threads reply with this deadline; a dead initiator ends them sooner (EPIPE).
+constexpr double kReplyTimeoutS = 600;
+
+void tuneSocket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setSocketBuffers(fd, 8 << 20);
+}
+
+int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer) {
+  struct addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  struct addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0)
+    throw EngineError(strCat("tcp: cannot resolve rank ", peer, "'s address ", host, ": ", gai_strerror(rc)));
+  int fd = -1;
+  std::string why = "no address";
+  for (auto* ai = res; ai && fd < 0; ai = ai->ai_next) {
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      why = std::strerror(errno);
+      close(fd);
+      fd = -1;
+      continue;
+    }
+    struct pollfd p = {fd, POLLOUT, 0};
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (poll(&p, 1, deadline.remainingMs(1 << 30)) != 1 ||
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      why = err ? std::strerror(err) : "timed out";
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(res);
+  if (fd < 0) throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
+  // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  tuneSocket(fd);
+  return fd;
+}
+
+}  // namespace
+
+TcpTransport::TcpTransport(int rank, int world_size, Arena& arena, const TransportOptions& options)
+    : rank_(rank), world_size_(world_size), arena_(arena), options_(options) {
+  struct addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  struct addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(options_.bind_host.c_str(), "0", &hints, &res); rc != 0)
+    throw EngineError(strCat("tcp: bad bind address ", options_.bind_host, ": ", gai_strerror(rc)));
+  listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0 || bind(listen_fd_, res->ai_addr, res->ai_addrlen) != 0 || listen(listen_fd_, 128) != 0) {
+    freeaddrinfo(res);
+    throwErrno(strCat("tcp: listen on ", options_.bind_host));
+  }
+  freeaddrinfo(res);
+  struct sockaddr_storage addr;
+  socklen_t len = sizeof(addr);
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  for (int r = 0; r < world_size; ++r) peers_.push_back(std::make_unique<Peer>());
+}
+
+TcpTransport::~TcpTransport() { shutdown(); }
+
+std::string TcpTransport::localDescriptor() const {
+  return strCat("tcp;host=", options_.advertise_host, ";port=", port_);
+}
+
+void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
+                           const Deadline& deadline) {
+  if (static_cast<int>(descriptors.size()) != world_size_) throw EngineError("tcp: need one descriptor per rank");
+  if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
+  // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
+  for (int r = 0; r < rank_; ++r) {
+    for (int role : {kRoleInitiator, kRoleTarget}) {
+      const int fd = connectTcp(field(descriptors[r], "host"), field(descriptors[r], "port"), deadline, r);
+      Hello hello = {kHelloMagic, rank_, role, static_cast<uint32_t>(secret.size()), {}};
+      std::memcpy(hello.secret, secret.data(), secret.size());
+      struct iovec iov = {&hello, sizeof(hello)};
+      Hello reply;
+      try {
+        sendAll(fd, &iov, 1, deadline, strCat("rank ", r));
+        recvAll(fd, &reply, sizeof(reply), deadline, strCat("rank ", r));
+      } catch (const PeerError&) {
+        close(fd);
+        throw PeerError(strCat("tcp: rank ", r, " refused the connection (wrong job secret?)"));
+      } catch (...) {
+        close(fd);
+        throw;
+      }
+      if (reply.magic != kHelloMagic || reply.rank != r) {
+        close(fd);
+        throw EngineError(strCat("tcp: unexpected answer from rank ", r, "'s address"));
+      }
+      (role == kRoleInitiator ? peers_[r]->out_fd : peers_[r]->in_fd) = fd;
+    }
+  }
+  for (int expected = 2 * (world_size_ - 1 - rank_); expected > 0;) {
+    if (!waitReadable(listen_fd_, deadline)) {
+      std::string missing;
+      for (int r = rank_ + 1; r < world_size_; ++r)
+        if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) missing += strCat(missing.empty() ? "" : ", ", r);
+      throw TimeoutError(strCat("tcp: timed out after ", deadline.seconds(), " s waiting for rank(s) ",
+                                missing, " to connect"));
+    }
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    tuneSocket(fd);
+    Hello hello;
+    try {
+      recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
+    } catch (const EngineError&) {
+      close(fd);
+      continue;
+    }
+    const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
+                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
+                    hello.rank < world_size_ && (hello.role == kRoleInitiator || hello.role == kRoleTarget);
+    int& slot = ok ? (hello.role == kRoleInitiator ? peers_[hello.rank]->in_fd : peers_[hello.rank]->out_fd)
+                   : listen_fd_;
+    if (!ok || slot >= 0) {
+      close(fd);  // a stranger, a wrong secret or a duplicate: refuse without answering
+      continue;
+    }
+    Hello reply = {kHelloMagic, rank_, hello.role, 0, {}};
+    struct iovec iov = {&reply, sizeof(reply)};
+    sendAll(fd, &iov, 1, deadline, strCat("rank ", hello.rank));
+    slot = fd;
+    --expected;
+  }
+  close(listen_fd_);
+  listen_fd_ = -1;
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    peers_[r]->serve_thread = std::thread(&TcpTransport::serveLoop, this, r);
+    peers_[r]->reply_thread = std::thread(&TcpTransport::replyLoop, this, r);
+  }
+}
+
+void TcpTransport::markDead(int peer, const std::string& why) {
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (!p.dead.exchange(true)) p.dead_reason = why;
+  for (auto& [id, pending] : p.pending) {
+    if (pending->busy) continue;  // the reply thread settles it
+    int expected = 0;
+    if (pending->state.compare_exchange_strong(expected, 2)) pending->error = p.dead_reason;
+  }
+}
+
+void TcpTransport::checkPeer(int peer) {
+  if (peer < 0 || peer >= world_size_ || peer == rank_)
+    throw EngineError(strCat("tcp: no connection to rank ", peer));
+  Peer& p = *peers_[peer];
+  if (p.dead.load()) {
+    std::lock_guard<std::mutex> lock(p.mu);
+    throw PeerError(strCat("rank ", peer, ": ", p.dead_reason));
+  }
+}
+
+TcpTransport::Peer& TcpTransport::live(int peer) {
+  checkPeer(peer);
+  Peer& p = *peers_[peer];
+  if (p.out_fd < 0) throw EngineError(strCat("tcp: not connected to rank ", peer));
+  return p;
+}
+
+void TcpTransport::raisePending(int peer) {
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (!p.async_error.empty()) {
+    std::string e;
+    e.swap(p.async_error);
+    throw RemoteAccessError(e);
+  }
+}
+
+void TcpTransport::sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key, uint64_t offset,
+                               uint64_t length, const void* payload, size_t payload_len,
+                               const Deadline& deadline) {
+  Peer& p = live(peer);
+  raisePending(peer);
+  Header h = {op, 0, id, key, offset, length};
+  struct iovec iov[2] = {{&h, sizeof(h)}, {const_cast<void*>(payload), payload_len}};
+  std::lock_guard<std::mutex> lock(p.send_mu);
+  try {
+    sendAll(p.out_fd, iov, payload_len ? 2 : 1, deadline, strCat("rank ", peer));
+  } catch (const PeerError&) {
+    markDead(peer, "connection lost (process exited?)");
+    throw;
+  }
+}
+
+void TcpTransport::write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
+                         const Deadline& deadline) {
+  sendRequest(peer, kWrite, 0, key, offset, length, src, length, deadline);
+}
+
+void TcpTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) {
+  checkFlagOffset(offset);
+  sendRequest(peer, kFlag, 0, key, offset, value, nullptr, 0, deadline);
+}
+
+void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
+                        const Deadline& deadline) {
+  Peer& p = live(peer);
+  auto pending = std::make_shared<PendingRead>();
+  pending->dst = dst;
+  pending->length = length;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    id = p.next_id++;
+    p.pending[id] = pending;
+  }
+  auto forget = [&] {
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.pending.erase(id);
+  };
+  try {
+    sendRequest(peer, kReadReq, id, key, offset, length, nullptr, 0, deadline);
+  } catch (...) {
+    forget();
+    throw;
+  }
+  const bool done = pollUntil([&] { return pending->state.load(std::memory_order_acquire) != 0; }, deadline,
+                              [] {});
+  if (!done) {
+    // The reply may be landing in dst right now: break the connection and wait
+    // until the reply thread has let go of it before the caller frees dst.
+    markDead(peer, strCat("a read timed out after ", deadline.seconds(), " s; connection closed"));
+    ::shutdown(p.out_fd, SHUT_RDWR);
+    while (pending->state.load() == 0) sched_yield();  // set by markDead or the reply thread
+    forget();
+    throw TimeoutError(strCat("tcp: timed out after ", deadline.seconds(), " s waiting for rank ", peer,
+                              " to answer a read of ", length, " bytes"));
+  }
+  forget();
+  if (pending->state.load() == 2) {
+    if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error));
+    throw RemoteAccessError(pending->error);
+  }
+}
+
+void TcpTransport::flush(int peer, const Deadline& deadline) {
+  Peer& p = live(peer);
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    id = p.next_id++;
+  }
+  sendRequest(peer, kFence, id, 0, 0, 0, nullptr, 0, deadline);
+  const bool done = pollUntil([&] { return p.fences_acked.load(std::memory_order_acquire) >= id; }, deadline,
+                              [&] { checkPeer(peer); });
+  if (!done)
+    throw TimeoutError(strCat("tcp: timed out after ", deadline.seconds(), " s waiting for rank ", peer,
+                              " to complete earlier operations"));
+  raisePending(peer);
+}
+
+void TcpTransport::serveLoop(int peer) {
+  const int fd = peers_[peer]->in_fd;
+  std::vector<char> drain;
+  auto reply = [&](uint32_t op, uint64_t id, const void* payload, uint64_t len, uint64_t failed_op = 0) {
+    Header h = {op, 0, id, 0, failed_op, len};
+    struct iovec iov[2] = {{&h, sizeof(h)}, {const_cast<void*>(payload), len}};
+    sendAll(fd, iov, len ? 2 : 1, Deadline(kReplyTimeoutS), strCat("rank ", peer));
+  };
+  try {
+    Header h;
+    while (recvAll(fd, &h, sizeof(h))) {
+      const char* op_name = h.op == kWrite ? "write" : h.op == kFlag ? "writeFlag" : "read";
+      const uint64_t access_len = h.op == kFlag ? 8 : h.length;
+      uint8_t* target = nullptr;
+      std::string error;
+      if (h.op == kWrite || h.op == kFlag || h.op == kReadReq) {
+        RegionInfo info;
+        try {
+          if (!arena_.table().lookup(h.key, &info)) throwUnknownKey(op_name, rank_, h.key);
+          checkBounds(op_name, rank_, h.key, info.length, h.offset, access_len);
+          if (h.op == kFlag) checkFlagOffset(h.offset);
+          target = (info.kind == RegionKind::kArena ? arena_.base() + info.addr
+                                                    : reinterpret_cast<uint8_t*>(info.addr)) +
+                   h.offset;
+        } catch (const RemoteAccessError& e) {
+          error = e.what();
+        }
+      }
+      switch (h.op) {
+        case kWrite:
+          if (target) {
+            if (!recvAll(fd, target, h.length)) throw PeerError("eof");
+          } else {
+            for (uint64_t left = h.length; left > 0;) {  // discard the payload
+              drain.resize(std::min<uint64_t>(left, 1 << 20));
+              if (!recvAll(fd, drain.data(), drain.size())) throw PeerError("eof");
+              left -= drain.size();
+            }
+            reply(kError, h.id, error.data(), error.size(), h.op);
+          }
+          break;
+        case kFlag:
+          if (target)
+            storeRelease(target, h.length);
+          else
+            reply(kError, h.id, error.data(), error.size(), h.op);
+          break;
+        case kReadReq:
+          if (target)
+            reply(kReadResp, h.id, target, h.length);
+          else
+            reply(kError, h.id, error.data(), error.size(), h.op);
+          break;
+        case kFence:
+          reply(kFenceAck, h.id, nullptr, 0);
+          break;
+        default:
+          throw EngineError(strCat("tcp: protocol error from rank ", peer, " (op ", h.op, ")"));
+      }
+    }
+  } catch (const std::exception& e) {
+    (void)e;
+  }
+  if (!closing_.load()) markDead(peer, "closed the connection (process exited?)");
+}
+
+void TcpTransport::replyLoop(int peer) {
+  Peer& p = *peers_[peer];
+  const int fd = p.out_fd;
+  Header h;
+  while (recvAll(fd, &h, sizeof(h))) {
+    if (h.op == kFenceAck) {
+      p.fences_acked.store(h.id, std::memory_order_release);
+      continue;
+    }
+    std::shared_ptr<PendingRead> pending;
+    {
+      std::lock_guard<std::mutex> lock(p.mu);
+      auto it = p.pending.find(h.id);
+      if (it != p.pending.end() && it->second->state.load() == 0) {
+        pending = it->second;
+        pending->busy = true;  // markDead must not settle it while we write into dst
+      }
+    }
+    if (h.op == kReadResp) {
+      if (!pending || pending->length != h.length) break;  // protocol error
+      const bool ok = recvAll(fd, pending->dst, h.length);
+      {
+        std::lock_guard<std::mutex> lock(p.mu);
+        if (!ok) pending->error = "connection lost during a read";
+        pending->busy = false;
+        pending->state.store(ok ? 1 : 2, std::memory_order_release);
+      }
+      if (!ok) break;
+    } else if (h.op == kError) {
+      std::string msg(h.length, '\0');
+      if (!recvAll(fd, msg.data(), msg.size())) break;
+      std::lock_guard<std::mutex> lock(p.mu);
+      if (pending) {
+        pending->error = msg;
+        pending->busy = false;
+        pending->state.store(2, std::memory_order_release);
+      } else if (p.async_error.empty()) {
+        p.async_error = msg;
+      }
+    } else {
+      break;
+    }
+  }
+  if (!closing_.load()) markDead(peer, "closed the connection (process exited?)");
+}
+
+void TcpTransport::shutdown() {
+  closing_.store(true);
+  for (auto& p : peers_) {
+    for (int fd : {p->in_fd, p->out_fd})
+      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
+  for (auto& p : peers_) {
+    if (p->serve_thread.joinable()) p->serve_thread.join();
+    if (p->reply_thread.joinable()) p->reply_thread.join();
+    for (int* fd : {&p->in_fd, &p->out_fd}) {
+      if (*fd >= 0) close(*fd);
+      *fd = -1;
+    }
+  }
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+  }
+}
+
+}  // namespace rdkeras

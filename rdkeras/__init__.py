@@ -1,0 +1,16 @@
+"""rdkeras: RDMA-style one-sided transfers for distributed Keras training."""
+
+from rdkeras.engine import TRANSPORTS, Engine
+from rdkeras.errors import AuthenticationError, EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRANSPORTS",
+    "AuthenticationError",
+    "Engine",
+    "EngineError",
+    "PeerError",
+    "RemoteAccessError",
+    "TimeoutError",
+]

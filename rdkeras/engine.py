@@ -1,0 +1,279 @@
+"""The engine's Python face: a connected set of ranks and the channels between them.
+
+    with Engine.from_env(transport="shm") as eng:
+        if eng.rank == 0:
+            tx = eng.static_channel("act", src=0, dst=1, shape=(32, 128), dtype="float32")
+            tx.send(x)
+        else:
+            rx = eng.static_channel("act", src=0, dst=1, shape=(32, 128), dtype="float32")
+            y = rx.recv()            # a view into registered memory: no copy
+
+Native transports ("shm", "tcp") run in C++ (rdkeras._engine); "grpc" is the
+RPC baseline with the same API (rdkeras.transports.grpc), so a benchmark flips
+the transport and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rdkeras import _engine
+from rdkeras._bootstrap import Store
+from rdkeras.errors import EngineError
+
+TRANSPORTS = ("shm", "tcp", "grpc")
+DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
+DEFAULT_TIMEOUT = 300.0
+
+
+def _env(name: str, default: Any = None) -> Any:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value
+
+
+class Engine:
+    """A process's endpoint in a job of `world_size` ranks.
+
+    Args:
+        rank: This process's rank (default: ``RDKERAS_RANK`` or 0).
+        world_size: Number of ranks (default: ``RDKERAS_WORLD_SIZE`` or 1).
+        transport: "shm" (one host), "tcp" or "grpc" (default: ``RDKERAS_TRANSPORT`` or "shm").
+        master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
+        master_port: Its port (``RDKERAS_MASTER_PORT``).
+        token: The job token all ranks share (``RDKERAS_JOB_TOKEN``); required for
+            more than one rank. The launcher generates one.
+        timeout: Seconds any wait may take before it fails naming the peer
+            (``RDKERAS_TIMEOUT``, default 300).
+        arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
+    """
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        transport: str | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        token: str | bytes | None = None,
+        timeout: float | None = None,
+        arena_bytes: int | None = None,
+    ):
+        self.rank = int(_env("RDKERAS_RANK", 0) if rank is None else rank)
+        self.world_size = int(_env("RDKERAS_WORLD_SIZE", 1) if world_size is None else world_size)
+        self.transport = str(_env("RDKERAS_TRANSPORT", "shm") if transport is None else transport)
+        self.timeout = float(_env("RDKERAS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout)
+        arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        master_addr = str(_env("RDKERAS_MASTER_ADDR", "127.0.0.1") if master_addr is None else master_addr)
+        master_port = int(_env("RDKERAS_MASTER_PORT", 0) if master_port is None else master_port)
+        token = _env("RDKERAS_JOB_TOKEN") if token is None else token
+        if token is None:
+            if self.world_size > 1:
+                raise EngineError(
+                    "no job token: set RDKERAS_JOB_TOKEN to the same secret on every rank "
+                    "(python -m rdkeras.launch does this for you)"
+                )
+            token = secrets.token_hex(16)
+        if self.world_size > 1 and master_port == 0:
+            raise EngineError("no rendezvous port: set RDKERAS_MASTER_PORT (and RDKERAS_MASTER_ADDR)")
+        token_bytes = token.encode() if isinstance(token, str) else bytes(token)
+
+        self._names: set[str] = set()
+        self._closed = False
+        self.store = Store(self.rank, self.world_size, master_addr, master_port, token_bytes, self.timeout)
+        try:
+            advertise = self.store.local_host
+            if self.transport == "grpc":
+                from rdkeras.transports.grpc import GrpcEngine
+
+                self._impl: Any = GrpcEngine(self.rank, self.world_size, self.timeout, advertise_host=advertise)
+                self._channels: Any = GrpcEngine
+            else:
+                self._impl = _engine.Engine(self.rank, self.world_size, self.transport, arena_bytes,
+                                            self.timeout, advertise_host=advertise)
+                self._channels = _engine
+            descriptors = self.store.all_gather("endpoints", self._impl.descriptor.encode())
+            if self.rank == 0:
+                self.store.set("transport-secret", secrets.token_hex(32).encode())
+            (secret,) = self.store.get(["transport-secret"], waiting_for=[0])
+            self._impl.connect([d.decode() for d in descriptors], secret.decode())
+        except BaseException:
+            self.store.close()
+            raise
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Engine:
+        """An engine configured from ``RDKERAS_*`` variables; keyword arguments win."""
+        return cls(**overrides)
+
+    # -- registered memory and one-sided access ---------------------------------
+
+    def empty(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
+        """An uninitialized array in registered memory (64-byte aligned)."""
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self._impl.alloc(nbytes).view(dtype).reshape(shape)
+
+    def register(self, array: np.ndarray) -> int:
+        """Registers `array`'s memory; returns the key peers address it by."""
+        return self._impl.register(array)
+
+    def deregister(self, key: int) -> None:
+        self._impl.deregister(key)
+
+    def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
+        """One-sided write of `src`'s bytes into `peer`'s region `key` at `offset`."""
+        self._impl.write(peer, src, key, offset)
+
+    def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
+        """One-sided read of len(dst) bytes from `peer`'s region `key` at `offset`."""
+        self._impl.read(peer, dst, key, offset)
+
+    def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
+        """Sets an 8-byte flag, ordered after every earlier write to `peer`."""
+        self._impl.write_flag(peer, key, offset, value)
+
+    def flush(self, peer: int) -> None:
+        """Waits until earlier operations to `peer` completed; raises errors it reported."""
+        self._impl.flush(peer)
+
+    def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
+        """Waits until the 8-byte flag at `offset` in local `buffer` is >= value."""
+        self._impl.wait_flag(buffer, offset, value, peer)
+
+    def counters(self) -> dict[str, int]:
+        """Tensor tracker counters: registrations, bytes_registered, cache_hits, pool_*."""
+        return self._impl.counters().as_dict()
+
+    # -- channels ----------------------------------------------------------------
+
+    def _pair(self, kind: str, name: str, src: int, dst: int, make: Any, spec: str) -> Any:
+        if self.rank not in (src, dst) or src == dst:
+            raise ValueError(f"channel {name!r} connects ranks {src}->{dst}; this is rank {self.rank}")
+        if name in self._names:
+            raise ValueError(f"channel name {name!r} is already used on this engine")
+        self._names.add(name)
+        sending = self.rank == src
+        role = _engine.Role.SENDER if sending else _engine.Role.RECEIVER
+        peer = dst if sending else src
+        channel = make(role, peer)
+        mine, theirs = ("send", "recv") if sending else ("recv", "send")
+        self.store.set(f"ch/{kind}/{name}/{mine}", f"{spec}\n{channel.descriptor}".encode())
+        (remote,) = self.store.get([f"ch/{kind}/{name}/{theirs}"], waiting_for=[peer])
+        remote_spec, remote_desc = remote.decode().split("\n", 1)
+        if remote_spec != spec:
+            raise ValueError(f"channel {name!r}: this rank declares {spec}, rank {peer} declares {remote_spec}")
+        channel.connect(remote_desc)
+        return channel
+
+    def static_channel(self, name: str, src: int, dst: int, shape: Sequence[int], dtype: Any) -> Any:
+        """A channel for tensors of one fixed shape and dtype (a pre-registered destination).
+
+        Both ranks call this with the same arguments; `src` gets a StaticSender,
+        `dst` a StaticReceiver.
+        """
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        ch = self._pair("static", name, src, dst,
+                        lambda role, peer: self._channels.StaticChannel(self._impl, role, peer, nbytes),
+                        f"{dtype.str}{list(shape)}")
+        return StaticSender(ch, shape, dtype) if self.rank == src else StaticReceiver(ch, shape, dtype)
+
+    def dynamic_channel(self, name: str, src: int, dst: int) -> Any:
+        """A channel for tensors whose shape/dtype is known only at run time."""
+        ch = self._pair("dynamic", name, src, dst,
+                        lambda role, peer: self._channels.DynamicChannel(self._impl, role, peer), "dynamic")
+        return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
+
+    def barrier(self, name: str = "barrier") -> None:
+        self.store.barrier(name)
+
+    def close(self) -> None:
+        """Waits (briefly) for the other ranks, then closes connections."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.store.barrier("close", timeout=min(self.timeout, 30.0))
+        except EngineError:
+            pass  # a peer is gone; close anyway
+        finally:
+            self._impl.close()
+            self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StaticSender:
+    """Sending end of a static channel: each send() is one remote write plus a flag."""
+
+    def __init__(self, channel: Any, shape: tuple[int, ...], dtype: np.dtype):
+        self.channel, self.shape, self.dtype = channel, shape, dtype
+
+    def send(self, array: Any) -> None:
+        a = np.asarray(array)
+        if a.shape != self.shape or a.dtype != self.dtype:
+            raise ValueError(f"static channel carries {self.dtype}{list(self.shape)}, got {a.dtype}{list(a.shape)}")
+        self.channel.send(np.ascontiguousarray(a))
+
+
+class StaticReceiver:
+    """Receiving end of a static channel."""
+
+    def __init__(self, channel: Any, shape: tuple[int, ...], dtype: np.dtype):
+        self.channel, self.shape, self.dtype = channel, shape, dtype
+
+    def recv(self) -> np.ndarray:
+        """The next tensor, in place in the registered slot: valid until the next recv()."""
+        return self.channel.recv().view(self.dtype).reshape(self.shape)
+
+
+class DynamicSender:
+    """Sending end of a dynamic channel: publishes metadata; the receiver reads the data."""
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self._inflight: deque[tuple[int, np.ndarray]] = deque()
+
+    def send(self, array: Any) -> None:
+        """Publishes `array`; the engine keeps it alive until the receiver has read it."""
+        a = np.ascontiguousarray(array)
+        seq = self.channel.send(a, a.dtype.str, list(a.shape))
+        self._inflight.append((seq, a))
+        acked = self.channel.acked
+        while self._inflight and self._inflight[0][0] < acked:
+            self._inflight.popleft()
+
+    def flush(self) -> None:
+        """Waits until the receiver has read everything sent."""
+        self.channel.wait_acked(self.channel.sequence)
+        self._inflight.clear()
+
+
+class DynamicReceiver:
+    """Receiving end of a dynamic channel."""
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+
+    def recv(self) -> np.ndarray:
+        """The next tensor, in a registered buffer the returned array owns."""
+        buf, dtype, shape = self.channel.recv()
+        return buf.view(np.dtype(dtype)).reshape(shape)

@@ -1,0 +1,1 @@
+"""Transports implemented in Python (the native ones live in csrc/transport/)."""
