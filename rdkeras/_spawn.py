@@ -50,7 +50,7 @@ def worker_env(rank: int, world_size: int, port: int, token: str, extra: dict[st
 
 def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, timeout: float = 120,
                env: dict[str, str] | None = None, per_rank_env: list[dict[str, str]] | None = None,
-               ) -> list[RankResult]:
+               only_ranks: list[int] | None = None, stop_on_failure: bool = True) -> list[RankResult]:
     """Runs ``module:function(**kwargs)`` on every rank; returns each rank's JSON-able result.
 
     A rank's result is what the function returns. Raises nothing itself:
@@ -65,7 +65,7 @@ def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, time
     )
     port, token = free_port(), secrets.token_hex(16)
     procs = []
-    for rank in range(world_size):
+    for rank in range(world_size) if only_ranks is None else only_ranks:
         extra = dict(env or {})
         extra.update((per_rank_env or [{}] * world_size)[rank])
         procs.append(subprocess.Popen(
@@ -76,7 +76,8 @@ def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, time
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
+            if time.monotonic() > deadline or failed:
                 time.sleep(0.5 if time.monotonic() <= deadline else 0)  # let a peer report its own error
                 break
             time.sleep(0.01)
@@ -85,7 +86,7 @@ def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, time
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     results = []
-    for rank, p in enumerate(procs):
+    for rank, p in zip(range(world_size) if only_ranks is None else only_ranks, procs):
         out = p.communicate()[0]
         value = None
         for line in out.splitlines():

@@ -231,7 +231,7 @@ class StaticSender:
         a = np.asarray(array)
         if a.shape != self.shape or a.dtype != self.dtype:
             raise ValueError(f"static channel carries {self.dtype}{list(self.shape)}, got {a.dtype}{list(a.shape)}")
-        self.channel.send(np.ascontiguousarray(a))
+        self.channel.send(np.asarray(a, order="C"))
 
 
 class StaticReceiver:
@@ -254,7 +254,7 @@ class DynamicSender:
 
     def send(self, array: Any) -> None:
         """Publishes `array`; the engine keeps it alive until the receiver has read it."""
-        a = np.ascontiguousarray(array)
+        a = np.asarray(array, order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
         seq = self.channel.send(a, a.dtype.str, list(a.shape))
         self._inflight.append((seq, a))
         acked = self.channel.acked

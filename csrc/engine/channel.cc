@@ -60,14 +60,27 @@ void StaticChannel::send(const void* data, size_t n) {
   if (n != nbytes_)
     throw EngineError(strCat("static channel carries ", nbytes_, " bytes per message, got ", n,
                              " (use a dynamic channel for changing shapes)"));
-  // Slot n%2 is free once the receiver released message n-2.
+  // The slot not holding message n-1 is free once message n-2 was released.
   if (seq_ >= 2) engine_->waitFlag(local_, seq_ - 1, peer_, "ack of a static channel slot");
+  uint64_t slot = seq_ == 0 ? 0 : 1 - last_slot_;
+  if (seq_ >= 1) {
+    // Prefer the slot of message n-1 once it is released too: it is still in
+    // this core's cache (measured at 4 MB: 0.77 -> 0.98 x memcpy when streaming).
+    // For large messages, give a receiver that is about to release it a moment.
+    auto released = [&] { return loadAcquire(local_) >= seq_; };
+    bool reuse = released();
+    if (!reuse && n >= kReuseWaitBytes) {
+      const auto until = Clock::now() + std::chrono::microseconds(2);
+      while (!(reuse = released()) && Clock::now() < until) cpuRelax();
+    }
+    if (reuse) slot = last_slot_;
+  }
   Transport& t = engine_->transport();
   const Deadline deadline = engine_->deadline();
-  const uint64_t slot = seq_ % 2;
   if (t.needsLocalRegistration() && n) engine_->tracker().lookupOrRegister(data, n);
   t.write(peer_, data, remote_key_, slot * stride_, n, deadline);
   t.writeFlag(peer_, remote_key_, 2 * stride_ + slot * kFlagStride, seq_ + 1, deadline);
+  last_slot_ = slot;
   ++seq_;
 }
 
@@ -76,8 +89,16 @@ const void* StaticChannel::recv() {
   const Deadline deadline = engine_->deadline();
   // Release the previous message: the sender may now reuse its slot.
   if (seq_ > 0) engine_->transport().writeFlag(peer_, remote_key_, 0, seq_, deadline);
-  const uint64_t slot = seq_ % 2;
-  engine_->waitFlag(local_ + 2 * stride_ + slot * kFlagStride, seq_ + 1, peer_, "static channel message");
+  // Message n is in whichever slot's flag reads n+1 (flags only grow).
+  const uint8_t* flags = local_ + 2 * stride_;
+  uint64_t slot = 0;
+  engine_->wait(
+      [&] {
+        for (slot = 0; slot < 2; ++slot)
+          if (loadAcquire(flags + slot * kFlagStride) == seq_ + 1) return true;
+        return false;
+      },
+      peer_, "static channel message");
   ++seq_;
   return local_ + slot * stride_;
 }

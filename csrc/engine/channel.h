@@ -2,12 +2,13 @@
 //
 // StaticChannel -- shape and dtype known in advance. The receiver owns a
 // registered, double-buffered destination: [slot 0 | slot 1 | flag 0 | flag 1].
-// The sender writes message n into slot n%2, then flag n%2 := n+1 (ordered
-// after the data). The receiver polls the flag and hands out the slot in
-// place; on its next recv() it acks (one-sided write into the sender's ack
-// word: "n messages released"), and the sender waits for that ack before it
-// reuses a slot. So the sender never overwrites unread data and is at most
-// one message ahead.
+// The sender writes message n into a free slot s, then flag s := n+1 (ordered
+// after the data). The receiver polls both flags for n+1 and hands out the slot
+// in place; on its next recv() it acks (one-sided write into the sender's ack
+// word: "n messages released"). The sender writes into the slot of message n-1
+// when that one is already released (still warm in its cache), otherwise into
+// the other, which the ack of message n-2 freed. So the sender never
+// overwrites unread data and is at most one message ahead.
 //
 // DynamicChannel -- shape known only at run time. The sender writes a
 // metadata record (dtype, shape, bytes, source key/offset) into the receiver's
@@ -58,6 +59,9 @@ class ChannelBase {
 
 class StaticChannel : public ChannelBase {
  public:
+  // From this size on, send() waits up to 2 us for the warm slot to be released.
+  static constexpr size_t kReuseWaitBytes = 2 << 20;
+
   StaticChannel(std::shared_ptr<Engine> engine, Role role, int peer, size_t nbytes);
 
   size_t nbytes() const { return nbytes_; }
@@ -70,6 +74,7 @@ class StaticChannel : public ChannelBase {
  private:
   size_t nbytes_;
   size_t stride_;
+  uint64_t last_slot_ = 0;
 };
 
 struct TensorMeta {

@@ -42,9 +42,13 @@ Transport& Engine::transport() {
 }
 
 void Engine::waitFlag(const void* flag, uint64_t value, int peer, const char* what) {
+  wait([&] { return loadAcquire(flag) >= value; }, peer, what);
+}
+
+void Engine::wait(const std::function<bool()>& ready, int peer, const char* what) {
   Transport& t = transport();
   const Deadline deadline = this->deadline();
-  const bool ok = pollUntil([&] { return loadAcquire(flag) >= value; }, deadline, [&] { t.checkPeer(peer); });
+  const bool ok = pollUntil(ready, deadline, [&] { t.checkPeer(peer); });
   if (!ok)
     throw TimeoutError(strCat("timed out after ", deadline.seconds(), " s waiting for rank ", peer, " (", what,
                               ")"));

@@ -3,6 +3,7 @@
 // every buffer it lent out.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Waits until the 8-byte flag at `flag` is >= value. Checks `peer` is alive
   // while waiting; on timeout the error says what it waited for and from whom.
   void waitFlag(const void* flag, uint64_t value, int peer, const char* what);
+  // Waits until ready() returns true, with the same checks.
+  void wait(const std::function<bool()>& ready, int peer, const char* what);
 
  private:
   int rank_;

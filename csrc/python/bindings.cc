@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "engine/channel.h"
+#include "engine/copy.h"
 #include "engine/engine.h"
 
 namespace py = pybind11;
@@ -61,6 +62,7 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
 
   m.def("native_transports", &nativeTransports);
+  m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");
 
   py::class_<TrackerCounters>(m, "TrackerCounters")
       .def_readonly("registrations", &TrackerCounters::registrations)
@@ -221,11 +223,16 @@ PYBIND11_MODULE(_engine, m) {
         });
   m.def("recv_many", &recvMany, py::call_guard<py::gil_scoped_release>());
   m.def("memcpy",
-        [](const py::buffer& dst, const py::buffer& src) {
+        [](const py::buffer& dst, const py::buffer& src, bool nontemporal) {
           Span d = span(dst, true), s = span(src, false);
           if (d.size != s.size) throw py::value_error("memcpy: sizes differ");
           py::gil_scoped_release nogil;
-          std::memcpy(d.ptr, s.ptr, s.size);
+          if (nontemporal)
+            copyNonTemporal(d.ptr, s.ptr, s.size);
+          else
+            std::memcpy(d.ptr, s.ptr, s.size);
         },
-        "Single-thread memcpy (the physical limit the benchmarks compare against).");
+        py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
+        "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
+  m.def("nontemporal_threshold", &nonTemporalThreshold);
 }

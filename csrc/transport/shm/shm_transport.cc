@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "engine/copy.h"
 #include "engine/socket_util.h"
 
 namespace rdkeras {
@@ -191,7 +192,10 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
 ShmTransport::Peer& ShmTransport::live(int peer) {
   if (peer < 0 || peer >= world_size_ || peer == rank_ || !peers_[peer])
     throw EngineError(strCat("shm: no connection to rank ", peer));
-  checkPeer(peer);
+  // Only the cached verdict: a syscall per operation would triple small-message
+  // latency. Writing into a dead peer's mapping is harmless; waits poll the
+  // socket (checkPeer) and name the dead peer.
+  if (peers_[peer]->dead) checkPeer(peer);
   return *peers_[peer];
 }
 
@@ -246,7 +250,7 @@ void ShmTransport::write(int peer, const void* src, uint64_t key, uint64_t offse
   const RegionInfo info = resolve("write", peer, key, offset, length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
-    std::memcpy(peers_[peer]->arena.base() + info.addr + offset, src, length);
+    transferCopy(peers_[peer]->arena.base() + info.addr + offset, src, length);
   else
     cma(true, peer, const_cast<void*>(src), info.addr + offset, length);
 }
@@ -256,7 +260,7 @@ void ShmTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
   const RegionInfo info = resolve("read", peer, key, offset, length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
-    std::memcpy(dst, peers_[peer]->arena.base() + info.addr + offset, length);
+    transferCopy(dst, peers_[peer]->arena.base() + info.addr + offset, length);
   else
     cma(false, peer, dst, info.addr + offset, length);
 }
@@ -270,7 +274,10 @@ void ShmTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t v
   storeRelease(peers_[peer]->arena.base() + info.addr + offset, value);
 }
 
-void ShmTransport::flush(int peer, const Deadline&) { live(peer); }
+void ShmTransport::flush(int peer, const Deadline&) {
+  live(peer);
+  checkPeer(peer);  // every operation completed synchronously; only liveness is left to report
+}
 
 void ShmTransport::shutdown() {
   for (auto& p : peers_) {

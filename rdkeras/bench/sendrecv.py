@@ -1,0 +1,262 @@
+"""The seed's Send/Recv benchmark: time to move one tensor between two processes.
+
+For each transport (shm, tcp, grpc) and channel mode (static: one remote write
+into a pre-registered slot; dynamic: metadata write, then a remote read), two
+processes pinned to separate cores send messages of 1 MB ... 256 MB back to
+back; 8 B ... 64 KB messages go in a ping-pong for one-way latency. Single-core
+memcpy of the same sizes, timed in the sending process right before each
+transfer, is the physical limit. Prints a table, writes JSON and a log-log plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MB = 1 << 20
+BANDWIDTH_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
+LATENCY_SIZES = [8, 64, 512, 4096, 65536]
+GRPC_QUICK_MAX = 64 * MB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and no 256 MB gRPC (under a minute)")
+    p.add_argument("--transports", default="shm,tcp,grpc", help="comma-separated (default: shm,tcp,grpc)")
+    p.add_argument("--out", default="bench-results", help="folder for sendrecv.json and sendrecv.png")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for each transport's run")
+
+
+def _iterations(size: int, transport: str, quick: bool) -> int:
+    budget = (0.03 if quick else 0.2) * (0.1 if transport == "grpc" else 1.0)  # seconds per round
+    speed = {"shm": 8e9, "tcp": 2e9, "grpc": 0.3e9}[transport]
+    return int(np.clip(budget * speed / size, 2, 200))
+
+
+def _pin(rank: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def _memcpy_seconds(src: np.ndarray, dst: np.ndarray, iters: int, nontemporal: bool) -> float:
+    from rdkeras import _engine
+
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _engine.memcpy(dst, src, nontemporal)
+    return (time.perf_counter() - t0) / iters
+
+
+def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list[int]) -> dict:
+    """Runs inside each of the two ranks; rank 0 (the sender) returns the timings."""
+    import rdkeras
+    from rdkeras import _engine
+
+    rounds = 5 if quick else 7
+    native = transport != "grpc"
+    out: dict[str, Any] = {"bandwidth": [], "latency": [], "memcpy": [], "memcpy_nt": []}
+    with rdkeras.Engine(transport=transport) as eng:
+        _pin(eng.rank)
+        sender = eng.rank == 0
+        done = eng.static_channel("done", 1, 0, (1,), np.uint8)  # "all received": the clock stops
+        modes = ["static", "dynamic"] if native else ["rpc"]
+        for mode in modes:
+            for size in sizes:
+                iters = _iterations(size, transport, quick)
+                name = f"{mode}-{size}"
+                if mode == "dynamic":
+                    ch = eng.dynamic_channel(name, 0, 1)
+                else:
+                    ch = eng.static_channel(name, 0, 1, (size,), np.uint8)
+                src = eng.empty(size) if native else np.empty(size, np.uint8)
+                src[:] = 7
+                # memcpy rounds interleave with transfer rounds, so both see the same machine.
+                with_memcpy = sender and native and mode == "static"
+                copy_dst = np.zeros(size, np.uint8) if with_memcpy else None
+                times, glibc, stream = [], [], []
+                for r in range(rounds + 1):  # round 0 warms up (page faults, pool)
+                    if with_memcpy:
+                        glibc.append(_memcpy_seconds(src, copy_dst, iters, False))
+                        stream.append(_memcpy_seconds(src, copy_dst, iters, True))
+                    eng.barrier(f"{name}-{r}")
+                    t0 = time.perf_counter()
+                    if sender:
+                        if native and mode == "static":
+                            _engine.send_many(ch.channel, src, iters)
+                        else:
+                            for _ in range(iters):
+                                ch.send(src)
+                        done.recv()
+                        times.append((time.perf_counter() - t0) / iters)
+                    else:
+                        if native and mode == "static":
+                            _engine.recv_many(ch.channel, iters)
+                        else:
+                            for _ in range(iters):
+                                last = ch.recv()
+                            assert last[0] == 7 and last[-1] == 7, "payload corrupted"
+                        done.send(np.zeros(1, np.uint8))
+                if sender:
+                    out["bandwidth"].append([mode, size, statistics.median(times[1:])])
+                if with_memcpy:
+                    out["memcpy"].append([size, statistics.median(glibc[1:])])
+                    out["memcpy_nt"].append([size, statistics.median(stream[1:])])
+                if mode == "dynamic" and sender:
+                    ch.flush()
+                del ch, src, copy_dst
+        # One-way latency: ping-pong over a pair of static channels.
+        for size in latency_sizes:
+            fwd = eng.static_channel(f"ping-{size}", 0, 1, (size,), np.uint8)
+            bwd = eng.static_channel(f"pong-{size}", 1, 0, (size,), np.uint8)
+            tx, rx = (fwd, bwd) if sender else (bwd, fwd)
+            iters = 2000 if native else 50
+            msg = np.ones(size, np.uint8)
+            best = float("inf")
+            for r in range(rounds + 1):
+                eng.barrier(f"lat-{size}-{r}")
+                if native:
+                    seconds = _engine.ping_pong(tx.channel, rx.channel, iters, sender)
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        if sender:
+                            tx.send(msg)
+                            rx.recv()
+                        else:
+                            rx.recv()
+                            tx.send(msg)
+                    seconds = time.perf_counter() - t0
+                if r:
+                    best = min(best, seconds / iters / 2)
+            if sender:
+                out["latency"].append([size, best])
+    return out if sender else {}
+
+
+def _engine_threshold() -> str:
+    from rdkeras import _engine
+
+    t = _engine.nontemporal_threshold()
+    return "never" if t >= 1 << 62 else _fmt_size(t)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MB} MB" if n >= MB else f"{n // 1024} KB" if n >= 1024 else f"{n} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdkeras._spawn import spawn_call
+
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    results: dict[str, dict] = {}
+    started = time.time()
+    for t in transports:
+        sizes = [s for s in BANDWIDTH_SIZES if not (t == "grpc" and args.quick and s > GRPC_QUICK_MAX)]
+        print(f"[sendrecv] {t}: {len(sizes)} sizes ...", flush=True)
+        ranks = spawn_call("rdkeras.bench.sendrecv:rank_main", 2,
+                           {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": LATENCY_SIZES},
+                           timeout=args.timeout)
+        failed = [r for r in ranks if r.returncode != 0]
+        if failed:
+            print(f"[sendrecv] {t} failed on rank {failed[0].rank}:\n{failed[0].output[-2000:]}")
+            return 1
+        results[t] = ranks[0].value
+
+    native = next((r for r in results.values() if r["memcpy"]), {"memcpy": [], "memcpy_nt": []})
+    memcpy = dict(native["memcpy"])
+    memcpy_nt = dict(native["memcpy_nt"])
+    grpc = {s: sec for _, s, sec in results.get("grpc", {}).get("bandwidth", [])}
+    rows = []
+    for t, r in results.items():
+        for mode, size, sec in r["bandwidth"]:
+            rows.append({
+                "transport": t, "mode": mode, "bytes": size, "seconds": sec, "GBps": size / sec / 1e9,
+                "x_memcpy": memcpy[size] / sec if size in memcpy else None,
+                "x_grpc": grpc[size] / sec if size in grpc and t != "grpc" else None,
+            })
+    for label, table in (("glibc", memcpy), ("stream", memcpy_nt)):
+        for size, sec in table.items():
+            rows.append({"transport": "memcpy", "mode": label, "bytes": size, "seconds": sec,
+                         "GBps": size / sec / 1e9, "x_memcpy": memcpy[size] / sec,
+                         "x_grpc": grpc[size] / sec if size in grpc else None})
+
+    print(f"\nSend/Recv, 2 processes, one message at a time ({time.time() - started:.0f} s)")
+    print("memcpy: one core, same sizes, timed in the sender just before its transfers; 'glibc' is")
+    print("memcpy(3) (the x memcpy reference), 'stream' uses non-temporal stores as shm does for")
+    print(f"messages >= {_engine_threshold()} (RDKERAS_NT_THRESHOLD).")
+    header = f"{'transport':<9} {'mode':<8} {'size':>7} {'ms/transfer':>12} {'GB/s':>7} {'x memcpy':>9} {'x gRPC':>8}"
+    print(header + "\n" + "-" * len(header))
+    for row in sorted(rows, key=lambda x: (x["bytes"], x["transport"] != "memcpy", x["transport"], x["mode"])):
+        xm = f"{row['x_memcpy']:.2f}" if row["x_memcpy"] is not None else "-"
+        xg = f"{row['x_grpc']:.1f}" if row["x_grpc"] is not None else "-"
+        print(f"{row['transport']:<9} {row['mode']:<8} {_fmt_size(row['bytes']):>7} {row['seconds'] * 1e3:>12.3f} "
+              f"{row['GBps']:>7.2f} {xm:>9} {xg:>8}")
+
+    print("\nOne-way latency (ping-pong / 2), static channels")
+    lat_sizes = LATENCY_SIZES
+    print(f"{'transport':<9} " + " ".join(f"{_fmt_size(s):>9}" for s in lat_sizes))
+    for t, r in results.items():
+        lat = dict((s, sec) for s, sec in r["latency"])
+        print(f"{t:<9} " + " ".join(f"{lat[s] * 1e6:>7.2f}us" for s in lat_sizes))
+
+    targets = []
+    shm_static = [x for x in rows if x["transport"] == "shm" and x["mode"] == "static" and x["x_memcpy"]]
+    if shm_static:
+        worst = min(shm_static, key=lambda x: x["x_memcpy"])
+        targets.append(("shm static >= 0.85 x memcpy at 1-256 MB", worst["x_memcpy"] >= 0.85,
+                        f"worst {worst['x_memcpy']:.2f} at {_fmt_size(worst['bytes'])}"))
+        at64 = next((x for x in shm_static if x["bytes"] == 64 * MB and x["x_grpc"]), None)
+        if at64:
+            targets.append(("shm static >= 20 x gRPC at 64 MB", at64["x_grpc"] >= 20, f"{at64['x_grpc']:.1f}x"))
+    if "shm" in results:
+        lat8 = dict(results["shm"]["latency"])[8]
+        targets.append(("shm 8-byte one-way latency <= 2 us", lat8 <= 2e-6, f"{lat8 * 1e6:.2f} us"))
+    if targets:
+        print("\nTargets")
+        for what, ok, detail in targets:
+            print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sendrecv.json").write_text(json.dumps({"rows": rows, "latency": {t: r["latency"] for t, r in results.items()},
+                                                   "quick": args.quick}, indent=1))
+    _plot(rows, out / "sendrecv.png")
+    print(f"\nwrote {out / 'sendrecv.json'} and {out / 'sendrecv.png'}")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    series: dict[str, list] = {}
+    for row in rows:
+        series.setdefault(f"{row['transport']} {row['mode']}".replace("grpc rpc", "gRPC"), []).append(row)
+    for label, pts in sorted(series.items()):
+        pts.sort(key=lambda x: x["bytes"])
+        style = {"linestyle": "--" if "glibc" in label else ":", "color": "k"} if label.startswith("memcpy") else {
+            "marker": "o"}
+        ax.plot([p["bytes"] / MB for p in pts], [p["seconds"] * 1e3 for p in pts], label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (MB)")
+    ax.set_ylabel("time per transfer (ms)")
+    ax.set_title("Send/Recv between two processes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""Transport conformance: written once, run for every transport (2 processes each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ALL_TRANSPORTS, NATIVE, run_ranks
+
+
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_bytes_arrive_intact_for_every_size(transport):
+    results = run_ranks("write_read_sizes", transport=transport)
+    for r in results:
+        checked = r.value["checked"]
+        assert len(checked) == 10  # 5 sizes x (arena region, external region)
+        assert all(ok for _, _, ok in checked), f"rank {r.rank}: {checked}"
+
+
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_flags_never_overtake_data(transport):
+    iterations = 60 if transport == "grpc" else 600
+    receiver = run_ranks("flag_ordering", transport=transport, iterations=iterations)[1].value
+    assert receiver == {"bad": 0, "iterations": iterations}
+
+
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_out_of_bounds_and_stale_keys_raise(transport):
+    initiator, target = run_ranks("access_errors", transport=transport)
+    e = initiator.value
+    for name in ("write_oob", "read_oob"):
+        assert e[name] is not None, f"{name} was accepted"
+        assert e[name][0] == "RemoteAccessError" and "out of bounds" in e[name][1], e[name]
+        assert "rank 1" in e[name][1]
+    for name in ("write_stale", "read_stale", "flag_stale"):
+        assert e[name] is not None, f"{name} was accepted"
+        assert e[name][0] == "RemoteAccessError" and "stale" in e[name][1], e[name]
+    assert e["flag_unaligned"][0] == "RemoteAccessError" and "aligned" in e["flag_unaligned"][1]
+    assert target.value["after"] == 42  # the connection still works after the errors
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_channels_round_trip_dtypes_and_shapes(transport, mode):
+    results = run_ranks("channel_roundtrip", transport=transport, mode=mode, timeout=180)
+    assert results[0].value == {"mismatches": []}
+
+
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_dynamic_channel_shape_changes_every_step(transport):
+    assert run_ranks("dynamic_changing_shapes", transport=transport, steps=40)[1].value == {"wrong": 0}
+
+
+@pytest.mark.parametrize("transport", NATIVE)
+def test_steady_state_loop_registers_nothing(transport):
+    for r in run_ranks("steady_state_registrations", transport=transport, steps=30):
+        before, after = r.value["before"], r.value["after"]
+        assert after["registrations"] == before["registrations"], f"rank {r.rank}: {before} -> {after}"
+        assert after["bytes_registered"] == before["bytes_registered"]
+        if r.rank == 0:  # the sender looked its sources up: all hits
+            assert after["cache_hits"] - before["cache_hits"] == 2 * 30
+        else:  # the receiver's buffers came back from the pool
+            assert after["pool_reuses"] > before["pool_reuses"]

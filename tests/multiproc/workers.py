@@ -1,0 +1,233 @@
+"""Functions that run inside each rank of a multi-process test (see conftest.run_ranks).
+
+Each returns a JSON-able value the test asserts on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+import numpy as np
+
+import rdkeras
+from rdkeras.errors import EngineError
+
+SIZES = [0, 1, 7, 4096, 64 << 20]
+
+
+def _publish(eng: rdkeras.Engine, name: str, value: int) -> None:
+    eng.store.set(name, str(value).encode())
+
+
+def _fetch(eng: rdkeras.Engine, name: str, rank: int) -> int:
+    return int(eng.store.get([name], waiting_for=[rank])[0])
+
+
+def write_read_sizes() -> dict:
+    """Rank 0 writes then reads back every size into rank 1's arena and external regions."""
+    out: dict = {"checked": []}
+    with rdkeras.Engine() as eng:
+        rng = np.random.default_rng(1234)
+        payloads = {n: rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES}
+        flags = eng.empty(8, np.uint64)
+        flags[:] = 0
+        _publish(eng, f"flags/{eng.rank}", eng.register(flags))
+        peer_flags = _fetch(eng, f"flags/{1 - eng.rank}", 1 - eng.rank)
+        if eng.rank == 1:
+            regions = {"arena": eng.empty(max(SIZES) + 64), "external": np.zeros(max(SIZES) + 64, np.uint8)}
+            for kind, buf in regions.items():
+                _publish(eng, f"key/{kind}", eng.register(buf))
+            step = 0
+            for kind, buf in regions.items():
+                for n in SIZES:
+                    step += 1
+                    eng.wait_flag(flags, 0, step, peer=0)  # "payload `step` is in place"
+                    out["checked"].append([kind, n, bool(np.array_equal(buf[3 : 3 + n], payloads[n]))])
+                    eng.write_flag(0, peer_flags, 0, step)  # "checked; go on"
+        else:
+            step = 0
+            for kind in ("arena", "external"):
+                key = _fetch(eng, f"key/{kind}", 1)
+                for n in SIZES:
+                    step += 1
+                    eng.write(1, payloads[n], key, offset=3)
+                    eng.write_flag(1, peer_flags, 0, step)
+                    back = np.zeros(n, np.uint8)
+                    eng.read(1, back, key, offset=3)
+                    out["checked"].append([kind, n, bool(np.array_equal(back, payloads[n]))])
+                    eng.wait_flag(flags, 0, step, peer=1)
+    return out
+
+
+def flag_ordering(iterations: int) -> dict:
+    """Flags never overtake data: every flag the receiver sees comes with the whole payload."""
+    sizes = [8, 4096, 1 << 20, 24 << 20]  # 24 MiB: glibc memcpy switches to non-temporal stores
+    bad = 0
+    with rdkeras.Engine() as eng:
+        peer = 1 - eng.rank
+        data = eng.empty(max(sizes))
+        flags = eng.empty(8, np.uint64)
+        flags[:] = 0
+        _publish(eng, f"data/{eng.rank}", eng.register(data))
+        _publish(eng, f"flags/{eng.rank}", eng.register(flags))
+        peer_data, peer_flags = _fetch(eng, f"data/{peer}", peer), _fetch(eng, f"flags/{peer}", peer)
+        src = np.empty(max(sizes), np.uint8)
+        for i in range(1, iterations + 1):
+            n = sizes[i % len(sizes)] if i % 16 == 0 else sizes[i % 2]
+            if eng.rank == 0:
+                src[:n] = (np.arange(n) + i) % 251
+                eng.write(1, src[:n], peer_data)
+                eng.write_flag(1, peer_flags, 0, i)  # "payload i is complete"
+                eng.wait_flag(flags, 8, i, peer=1)  # its ack
+            else:
+                eng.wait_flag(flags, 0, i, peer=0)
+                expect = zlib.crc32(((np.arange(n) + i) % 251).astype(np.uint8))
+                bad += zlib.crc32(data[:n]) != expect
+                eng.write_flag(0, peer_flags, 8, i)
+    return {"bad": int(bad), "iterations": iterations}
+
+
+def access_errors() -> dict:
+    """Out-of-bounds and stale-key accesses raise clear errors; the connection survives."""
+    errors: dict = {}
+    with rdkeras.Engine() as eng:
+        if eng.rank == 1:
+            region = eng.empty(4096)
+            region[:] = 0
+            _publish(eng, "key", eng.register(region))
+            stale = eng.register(eng.empty(64))
+            eng.deregister(stale)
+            _publish(eng, "stale", stale)
+            eng.barrier("done")
+            errors["after"] = int(region[100])
+        else:
+            key, stale = _fetch(eng, "key", 1), _fetch(eng, "stale", 1)
+            attempts = {
+                "write_oob": lambda: eng.write(1, np.ones(16, np.uint8), key, offset=4090),
+                "read_oob": lambda: eng.read(1, np.zeros(8, np.uint8), key, offset=4096 + 8),
+                "write_stale": lambda: eng.write(1, np.ones(16, np.uint8), stale),
+                "read_stale": lambda: eng.read(1, np.zeros(16, np.uint8), stale),
+                "flag_stale": lambda: eng.write_flag(1, stale, 0, 1),
+                "flag_unaligned": lambda: eng.write_flag(1, key, 3, 1),
+            }
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                    eng.flush(1)  # target-side errors surface here at the latest
+                    errors[name] = None
+                except EngineError as e:
+                    errors[name] = [type(e).__name__, str(e)]
+            eng.write(1, np.full(1, 42, np.uint8), key, offset=100)  # still works
+            eng.flush(1)
+            eng.barrier("done")
+    return errors
+
+
+DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint16", "bool", "complex64"]
+SHAPES = [(), (1,), (3, 5), (2, 3, 4)]
+
+
+def _tensor(i: int, dtype: str, shape: tuple) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return (rng.standard_normal(shape) * 100).astype(dtype)
+
+
+def channel_roundtrip(mode: str) -> dict:
+    """Rank 0 -> rank 1 -> rank 0 for every dtype and shape; rank 0 checks equality."""
+    mismatches = []
+    with rdkeras.Engine() as eng:
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                name = f"{mode}-{dtype}-{len(shape)}"
+                if mode == "static":
+                    there = eng.static_channel(f"{name}-fwd", 0, 1, shape, dtype)
+                    back = eng.static_channel(f"{name}-bwd", 1, 0, shape, dtype)
+                else:
+                    there = eng.dynamic_channel(f"{name}-fwd", 0, 1)
+                    back = eng.dynamic_channel(f"{name}-bwd", 1, 0)
+                for step in range(3):
+                    x = _tensor(step, dtype, shape)
+                    if eng.rank == 0:
+                        there.send(x)
+                        y = back.recv()
+                        if y.dtype != x.dtype or y.shape != x.shape or not np.array_equal(x, y):
+                            mismatches.append([dtype, list(shape), step])
+                    else:
+                        back.send(there.recv().copy())
+    return {"mismatches": mismatches}
+
+
+def dynamic_changing_shapes(steps: int) -> dict:
+    """A dynamic channel whose shape changes every step (like a variable-length batch)."""
+    wrong = 0
+    with rdkeras.Engine() as eng:
+        ch = eng.dynamic_channel("seq", 0, 1)
+        for i in range(steps):
+            shape = (1 + i % 5, 3 + (7 * i) % 11, 4)
+            x = _tensor(i, "float32", shape)
+            if eng.rank == 0:
+                ch.send(x)
+            else:
+                y = ch.recv()
+                wrong += y.shape != shape or not np.array_equal(x, y)
+        if eng.rank == 0:
+            ch.flush()
+    return {"wrong": int(wrong)}
+
+
+def steady_state_registrations(steps: int) -> dict:
+    """After a warm-up step, a loop of transfers registers nothing new."""
+    with rdkeras.Engine() as eng:
+        st = eng.static_channel("st", 0, 1, (256, 256), "float32")
+        dy = eng.dynamic_channel("dy", 0, 1)
+        src = eng.empty((128, 64), np.float32)  # a tensor the tracker placed in registered memory
+        user = np.ones((32, 32), np.float32)  # a user array outside it: registered once, then cached
+        x = np.ones((256, 256), np.float32)
+        before = None
+        for i in range(steps + 1):
+            if i == 1:
+                before = eng.counters()
+            if eng.rank == 0:
+                st.send(x)
+                src[:] = i
+                dy.send(src)
+                user[:] = i
+                dy.send(user)
+                dy.flush()
+            else:
+                st.recv()
+                a, b = dy.recv(), dy.recv()
+                assert (a == i).all() and (b == i).all()
+        after = eng.counters()
+    return {"before": before, "after": after}
+
+
+def kill_peer_during_transfer() -> dict:
+    """Rank 0 dies mid-stream; rank 1 must fail naming it, quickly."""
+    with rdkeras.Engine(timeout=60) as eng:
+        ch = eng.static_channel("big", 0, 1, (16 << 20,), "uint8")
+        x = np.ones(16 << 20, np.uint8)
+        if eng.rank == 0:
+            for _ in range(3):
+                ch.send(x)
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            while True:
+                ch.recv()
+                t0 = time.monotonic()
+        except EngineError as e:
+            return {"error": [type(e).__name__, str(e)], "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def connect_only(timeout_s: float) -> dict:
+    """Just joins the job (for rendezvous failures)."""
+    try:
+        with rdkeras.Engine(timeout=timeout_s):
+            return {"error": None}
+    except EngineError as e:
+        return {"error": [type(e).__name__, str(e)]}

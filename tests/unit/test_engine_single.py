@@ -1,0 +1,85 @@
+"""One-process tests: the tracker, a world of one, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rdkeras
+from rdkeras import _engine
+
+
+@pytest.fixture(scope="module")
+def solo():
+    eng = rdkeras.Engine(rank=0, world_size=1, transport="shm", timeout=5, arena_bytes=1 << 30)
+    yield eng
+    eng.close()
+
+
+def test_size_classes_have_bounded_slack():
+    for n in [0, 1, 63, 64, 65, 1000, 4096, 4097, 1 << 20, (1 << 20) + 1, 3 * 10**7]:
+        c = _engine.size_class(n)
+        assert c >= n and c % 64 == 0
+        assert c <= max(64, 1.25 * n), (n, c)  # quarter steps between powers of two
+
+
+def test_empty_is_aligned_registered_memory_and_reused(solo):
+    before = solo.counters()
+    a = solo.empty((1000, 3), np.float32)
+    assert a.shape == (1000, 3) and a.dtype == np.float32
+    assert a.ctypes.data % 64 == 0
+    addr = a.ctypes.data
+    del a
+    b = solo.empty((1000, 3), np.float32)  # same size class: the freed block comes back
+    assert b.ctypes.data == addr
+    after = solo.counters()
+    assert after["pool_reuses"] == before["pool_reuses"] + 1
+    assert after["registrations"] == before["registrations"]
+
+
+def test_registration_cache_hits_for_pool_and_external_memory(solo):
+    pool = solo.empty(1 << 16)
+    user = np.zeros(1 << 16, np.uint8)
+    first = [solo._impl.lookup_or_register(pool[100:200]), solo._impl.lookup_or_register(user[10:20])]
+    before = solo.counters()
+    again = [solo._impl.lookup_or_register(pool[100:200]), solo._impl.lookup_or_register(user[10:20])]
+    after = solo.counters()
+    assert again == first
+    assert first[0][1] == 100 and first[1][1] == 0  # offsets inside the registered range
+    assert after["registrations"] == before["registrations"]
+    assert after["cache_hits"] == before["cache_hits"] + 2
+
+
+def test_deregistering_an_unknown_key_is_an_error(solo):
+    key = solo.register(np.zeros(16, np.uint8))
+    solo.deregister(key)
+    with pytest.raises(rdkeras.EngineError, match="no region"):
+        solo.deregister(key)
+
+
+def test_channel_to_self_is_refused(solo):
+    with pytest.raises(ValueError, match="connects ranks"):
+        solo.static_channel("x", 0, 0, (1,), "float32")
+
+
+def test_unknown_transport_is_named():
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'.*shm, tcp, grpc"):
+        rdkeras.Engine(rank=0, world_size=1, transport="carrier-pigeon")
+
+
+def test_multi_rank_needs_a_token(monkeypatch):
+    monkeypatch.delenv("RDKERAS_JOB_TOKEN", raising=False)
+    with pytest.raises(rdkeras.EngineError, match="RDKERAS_JOB_TOKEN"):
+        rdkeras.Engine(rank=0, world_size=2, master_port=1)
+
+
+def test_bad_rank_is_refused():
+    with pytest.raises(ValueError, match="rank 3 is not in a world of size 2"):
+        rdkeras.Engine(rank=3, world_size=2)
+
+
+def test_errors_form_a_hierarchy():
+    assert issubclass(rdkeras.TimeoutError, rdkeras.EngineError)
+    assert issubclass(rdkeras.TimeoutError, TimeoutError)
+    assert issubclass(rdkeras.PeerError, ConnectionError)
+    assert issubclass(rdkeras.AuthenticationError, rdkeras.EngineError)
