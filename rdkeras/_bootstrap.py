@@ -56,6 +56,7 @@ class _StoreServer:
     def __init__(self, host: str, port: int, token: bytes):
         self._token = token
         self._data: dict[str, str] = {}
+        self._gone: set[int] = set()  # ranks whose connection closed
         self._cond = threading.Condition()
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.settimeout(0.2)
@@ -95,6 +96,10 @@ class _StoreServer:
                 _send(conn, self._handle(req))
         except (ConnectionError, OSError, ValueError, KeyError):
             conn.close()
+            if "rank" in locals() and rank.isdigit():
+                with self._cond:  # waits on this rank now fail at once instead of timing out
+                    self._gone.add(int(rank))
+                    self._cond.notify_all()
 
     def _handle(self, req: dict) -> dict:
         op = req.get("op")
@@ -105,16 +110,18 @@ class _StoreServer:
             return {"ok": True}
         if op == "get":
             keys = req["keys"]
+            setters = dict(zip(keys, req.get("from") or [None] * len(keys)))
             deadline = time.monotonic() + float(req["timeout"])
             with self._cond:
                 while True:
                     missing = [k for k in keys if k not in self._data]
+                    gone = sorted({setters[k] for k in missing if setters[k] in self._gone})
                     left = deadline - time.monotonic()
-                    if not missing or left <= 0:
+                    if not missing or gone or left <= 0:
                         break
                     self._cond.wait(min(left, 1.0))
                 if missing:
-                    return {"ok": False, "missing": missing}
+                    return {"ok": False, "missing": missing, "gone": gone}
                 return {"ok": True, "values": [self._data[k] for k in keys]}
         if op == "add":
             with self._cond:
@@ -208,9 +215,14 @@ class Store:
             timeout: float | None = None) -> list[bytes]:
         """Waits until every key is set. `waiting_for[i]` names the rank expected to set keys[i]."""
         timeout = self.timeout if timeout is None else timeout
-        reply = self._call({"op": "get", "keys": list(keys), "timeout": timeout})
+        reply = self._call({"op": "get", "keys": list(keys), "timeout": timeout,
+                            "from": list(waiting_for) if waiting_for is not None else None})
         if not reply["ok"]:
             missing = reply["missing"]
+            if reply.get("gone"):
+                ranks = ", ".join(map(str, reply["gone"]))
+                raise PeerError(f"rank {ranks} left the job (its connection to the store closed) "
+                                f"while this rank waited for {missing[0]!r}")
             if waiting_for is not None:
                 ranks = sorted({waiting_for[list(keys).index(k)] for k in missing})
                 who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

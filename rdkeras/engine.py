@@ -32,6 +32,17 @@ DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once tou
 DEFAULT_TIMEOUT = 300.0
 
 
+def as_buffer(x: Any) -> Any:
+    """A zero-copy view of `x` the engine can read: numpy arrays and buffer-protocol
+    objects as they are, DLPack producers (TensorFlow, PyTorch, JAX tensors on the
+    CPU) through ``np.from_dlpack``."""
+    if isinstance(x, (np.ndarray, bytes, bytearray, memoryview)):
+        return x
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return x
+
+
 def _env(name: str, default: Any = None) -> Any:
     value = os.environ.get(name)
     return default if value in (None, "") else value
@@ -127,18 +138,18 @@ class Engine:
 
     def register(self, array: np.ndarray) -> int:
         """Registers `array`'s memory; returns the key peers address it by."""
-        return self._impl.register(array)
+        return self._impl.register(as_buffer(array))
 
     def deregister(self, key: int) -> None:
         self._impl.deregister(key)
 
     def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
         """One-sided write of `src`'s bytes into `peer`'s region `key` at `offset`."""
-        self._impl.write(peer, src, key, offset)
+        self._impl.write(peer, as_buffer(src), key, offset)
 
     def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
         """One-sided read of len(dst) bytes from `peer`'s region `key` at `offset`."""
-        self._impl.read(peer, dst, key, offset)
+        self._impl.read(peer, as_buffer(dst), key, offset)
 
     def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         """Sets an 8-byte flag, ordered after every earlier write to `peer`."""
@@ -228,7 +239,8 @@ class StaticSender:
         self.channel, self.shape, self.dtype = channel, shape, dtype
 
     def send(self, array: Any) -> None:
-        a = np.asarray(array)
+        """Writes `array` (numpy, buffer or DLPack tensor) into the receiver's slot."""
+        a = np.asarray(as_buffer(array))
         if a.shape != self.shape or a.dtype != self.dtype:
             raise ValueError(f"static channel carries {self.dtype}{list(self.shape)}, got {a.dtype}{list(a.shape)}")
         self.channel.send(np.asarray(a, order="C"))
@@ -241,7 +253,11 @@ class StaticReceiver:
         self.channel, self.shape, self.dtype = channel, shape, dtype
 
     def recv(self) -> np.ndarray:
-        """The next tensor, in place in the registered slot: valid until the next recv()."""
+        """The next tensor, in place in the registered slot: valid until the next recv().
+
+        The array exports DLPack, so ``tf.experimental.dlpack.from_dlpack(y.__dlpack__())``
+        aliases it without a copy.
+        """
         return self.channel.recv().view(self.dtype).reshape(self.shape)
 
 
@@ -254,7 +270,7 @@ class DynamicSender:
 
     def send(self, array: Any) -> None:
         """Publishes `array`; the engine keeps it alive until the receiver has read it."""
-        a = np.asarray(array, order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
+        a = np.asarray(as_buffer(array), order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
         seq = self.channel.send(a, a.dtype.str, list(a.shape))
         self._inflight.append((seq, a))
         acked = self.channel.acked

@@ -9,14 +9,17 @@ import pytest
 from tests.conftest import ALL_TRANSPORTS, run_ranks
 
 
+@pytest.mark.parametrize("victim", [0, 1], ids=["sender-dies", "receiver-dies"])
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
-def test_killing_the_peer_mid_transfer_names_it_within_10s(transport):
-    killed, survivor = run_ranks("kill_peer_during_transfer", transport=transport, check=False, timeout=90)
+def test_killing_the_peer_mid_transfer_names_it_within_10s(transport, victim):
+    results = run_ranks("kill_peer_during_transfer", transport=transport, check=False, timeout=90, victim=victim)
+    killed, survivor = results[victim], results[1 - victim]
     assert killed.returncode == -9
     assert survivor.returncode == 0, survivor.output[-2000:]
+    assert survivor.value["error"] is not None, "the survivor never noticed"
     kind, message = survivor.value["error"]
     assert kind == "PeerError", message
-    assert "rank 0" in message
+    assert f"rank {victim}" in message
     assert survivor.value["seconds"] < 10
 
 

@@ -205,19 +205,22 @@ def steady_state_registrations(steps: int) -> dict:
     return {"before": before, "after": after}
 
 
-def kill_peer_during_transfer() -> dict:
-    """Rank 0 dies mid-stream; rank 1 must fail naming it, quickly."""
+def kill_peer_during_transfer(victim: int) -> dict:
+    """The victim rank dies mid-stream; the other must fail naming it, quickly.
+
+    Rank 0 streams 16 MB messages to rank 1. Victim 0: the receiver is left
+    waiting for data. Victim 1: the sender is left waiting for a free slot
+    (and, over tcp, blocked on a full socket).
+    """
     with rdkeras.Engine(timeout=60) as eng:
         ch = eng.static_channel("big", 0, 1, (16 << 20,), "uint8")
         x = np.ones(16 << 20, np.uint8)
-        if eng.rank == 0:
-            for _ in range(3):
-                ch.send(x)
-            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()
         try:
-            while True:
-                ch.recv()
+            for i in range(1000):
+                if eng.rank == victim and i == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ch.send(x) if eng.rank == 0 else ch.recv()
                 t0 = time.monotonic()
         except EngineError as e:
             return {"error": [type(e).__name__, str(e)], "seconds": time.monotonic() - t0}

@@ -83,3 +83,31 @@ def test_errors_form_a_hierarchy():
     assert issubclass(rdkeras.TimeoutError, TimeoutError)
     assert issubclass(rdkeras.PeerError, ConnectionError)
     assert issubclass(rdkeras.AuthenticationError, rdkeras.EngineError)
+
+
+class _DLPackOnly:
+    """A tensor that speaks only DLPack (like a TF/PyTorch/JAX CPU tensor)."""
+
+    def __init__(self, array):
+        self._a = array
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_dlpack_tensors_go_in_without_a_copy(solo):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    view = rdkeras.engine.as_buffer(_DLPackOnly(a))
+    assert np.shares_memory(view, a)
+    key = solo.register(_DLPackOnly(a))  # accepted where a buffer is expected
+    solo.deregister(key)
+
+
+def test_engine_memory_goes_out_through_dlpack(solo):
+    a = solo.empty((4, 4), np.float64)
+    a[:] = 3.0
+    b = np.from_dlpack(a)
+    assert np.shares_memory(a, b) and b.ctypes.data % 64 == 0
