@@ -70,7 +70,7 @@ class _StoreServer:
         while not self._closing:
             try:
                 conn, _ = self._listener.accept()
-            except (socket.timeout, OSError):
+            except OSError:  # includes the accept timeout
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
@@ -110,7 +110,7 @@ class _StoreServer:
             return {"ok": True}
         if op == "get":
             keys = req["keys"]
-            setters = dict(zip(keys, req.get("from") or [None] * len(keys)))
+            setters = dict(zip(keys, req.get("from") or [None] * len(keys), strict=True))
             deadline = time.monotonic() + float(req["timeout"])
             with self._cond:
                 while True:
@@ -174,16 +174,20 @@ class Store:
                 last = e
                 time.sleep(0.05)
         else:
-            raise TimeoutError(
-                f"could not reach rank 0's store at {host}:{port} within {self.timeout:g} s ({last})"
-            )
+            raise TimeoutError(f"could not reach rank 0's store at {host}:{port} within {self.timeout:g} s ({last})")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             challenge = _recv(sock)
             nonce = os.urandom(32)
             me = str(self.rank).encode()
-            _send(sock, {"rank": self.rank, "nonce": nonce.hex(),
-                         "mac": _mac(token, b"client", bytes.fromhex(challenge["nonce"]), me)})
+            _send(
+                sock,
+                {
+                    "rank": self.rank,
+                    "nonce": nonce.hex(),
+                    "mac": _mac(token, b"client", bytes.fromhex(challenge["nonce"]), me),
+                },
+            )
             reply = _recv(sock)
         except (ConnectionError, OSError, ValueError, KeyError) as e:
             sock.close()
@@ -211,18 +215,27 @@ class Store:
     def set(self, key: str, value: bytes) -> None:
         self._call({"op": "set", "key": key, "value": value.hex()})
 
-    def get(self, keys: Sequence[str], waiting_for: Sequence[int] | None = None,
-            timeout: float | None = None) -> list[bytes]:
+    def get(
+        self, keys: Sequence[str], waiting_for: Sequence[int] | None = None, timeout: float | None = None
+    ) -> list[bytes]:
         """Waits until every key is set. `waiting_for[i]` names the rank expected to set keys[i]."""
         timeout = self.timeout if timeout is None else timeout
-        reply = self._call({"op": "get", "keys": list(keys), "timeout": timeout,
-                            "from": list(waiting_for) if waiting_for is not None else None})
+        reply = self._call(
+            {
+                "op": "get",
+                "keys": list(keys),
+                "timeout": timeout,
+                "from": list(waiting_for) if waiting_for is not None else None,
+            }
+        )
         if not reply["ok"]:
             missing = reply["missing"]
             if reply.get("gone"):
                 ranks = ", ".join(map(str, reply["gone"]))
-                raise PeerError(f"rank {ranks} left the job (its connection to the store closed) "
-                                f"while this rank waited for {missing[0]!r}")
+                raise PeerError(
+                    f"rank {ranks} left the job (its connection to the store closed) "
+                    f"while this rank waited for {missing[0]!r}"
+                )
             if waiting_for is not None:
                 ranks = sorted({waiting_for[list(keys).index(k)] for k in missing})
                 who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

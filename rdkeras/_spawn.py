@@ -48,9 +48,17 @@ def worker_env(rank: int, world_size: int, port: int, token: str, extra: dict[st
     return env
 
 
-def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, timeout: float = 120,
-               env: dict[str, str] | None = None, per_rank_env: list[dict[str, str]] | None = None,
-               only_ranks: list[int] | None = None, stop_on_failure: bool = True) -> list[RankResult]:
+def spawn_call(
+    target: str,
+    world_size: int,
+    kwargs: dict | None = None,
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    per_rank_env: list[dict[str, str]] | None = None,
+    only_ranks: list[int] | None = None,
+    stop_on_failure: bool = True,
+) -> list[RankResult]:
     """Runs ``module:function(**kwargs)`` on every rank; returns each rank's JSON-able result.
 
     A rank's result is what the function returns. Raises nothing itself:
@@ -68,11 +76,16 @@ def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, time
     for rank in range(world_size) if only_ranks is None else only_ranks:
         extra = dict(env or {})
         extra.update((per_rank_env or [{}] * world_size)[rank])
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", code, json.dumps(kwargs or {})],
-            env=worker_env(rank, world_size, port, token, extra),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(kwargs or {})],
+                env=worker_env(rank, world_size, port, token, extra),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -86,11 +99,11 @@ def spawn_call(target: str, world_size: int, kwargs: dict | None = None, *, time
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     results = []
-    for rank, p in zip(range(world_size) if only_ranks is None else only_ranks, procs):
+    for rank, p in zip(range(world_size) if only_ranks is None else only_ranks, procs, strict=True):
         out = p.communicate()[0]
         value = None
         for line in out.splitlines():
             if line.startswith(_RESULT_MARK):
-                value = json.loads(line[len(_RESULT_MARK):])
+                value = json.loads(line[len(_RESULT_MARK) :])
         results.append(RankResult(rank, p.returncode, out, value))
     return results

@@ -110,8 +110,9 @@ class Engine:
                 self._impl: Any = GrpcEngine(self.rank, self.world_size, self.timeout, advertise_host=advertise)
                 self._channels: Any = GrpcEngine
             else:
-                self._impl = _engine.Engine(self.rank, self.world_size, self.transport, arena_bytes,
-                                            self.timeout, advertise_host=advertise)
+                self._impl = _engine.Engine(
+                    self.rank, self.world_size, self.transport, arena_bytes, self.timeout, advertise_host=advertise
+                )
                 self._channels = _engine
             descriptors = self.store.all_gather("endpoints", self._impl.descriptor.encode())
             if self.rank == 0:
@@ -198,15 +199,26 @@ class Engine:
         if any(s < 0 for s in shape):
             raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        ch = self._pair("static", name, src, dst,
-                        lambda role, peer: self._channels.StaticChannel(self._impl, role, peer, nbytes),
-                        f"{dtype.str}{list(shape)}")
+        ch = self._pair(
+            "static",
+            name,
+            src,
+            dst,
+            lambda role, peer: self._channels.StaticChannel(self._impl, role, peer, nbytes),
+            f"{dtype.str}{list(shape)}",
+        )
         return StaticSender(ch, shape, dtype) if self.rank == src else StaticReceiver(ch, shape, dtype)
 
     def dynamic_channel(self, name: str, src: int, dst: int) -> Any:
         """A channel for tensors whose shape/dtype is known only at run time."""
-        ch = self._pair("dynamic", name, src, dst,
-                        lambda role, peer: self._channels.DynamicChannel(self._impl, role, peer), "dynamic")
+        ch = self._pair(
+            "dynamic",
+            name,
+            src,
+            dst,
+            lambda role, peer: self._channels.DynamicChannel(self._impl, role, peer),
+            "dynamic",
+        )
         return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
 
     def barrier(self, name: str = "barrier") -> None:

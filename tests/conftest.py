@@ -14,19 +14,38 @@ NATIVE = ["shm", "tcp"]
 ALL_TRANSPORTS = ["shm", "tcp", "grpc"]
 
 
-def run_ranks(target: str, world_size: int = 2, *, transport: str = "shm", timeout: float = 120,
-              check: bool = True, env: dict | None = None, per_rank_env: list | None = None,
-              only_ranks: list | None = None, **kwargs) -> list[RankResult]:
+def run_ranks(
+    target: str,
+    world_size: int = 2,
+    *,
+    transport: str = "shm",
+    timeout: float = 120,
+    check: bool = True,
+    env: dict | None = None,
+    per_rank_env: list | None = None,
+    only_ranks: list | None = None,
+    **kwargs,
+) -> list[RankResult]:
     """Runs ``tests.multiproc.workers:<target>(**kwargs)`` on every rank and returns the results.
 
     With `check`, every rank must exit 0; otherwise ranks run to the end even if one dies.
     """
-    full_env = {"RDKERAS_TRANSPORT": transport, "RDKERAS_TIMEOUT": "60",
-                "PYTHONPATH": str(TESTS_DIR.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    full_env = {
+        "RDKERAS_TRANSPORT": transport,
+        "RDKERAS_TIMEOUT": "60",
+        "PYTHONPATH": str(TESTS_DIR.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     full_env.update(env or {})
-    results = spawn_call(f"tests.multiproc.workers:{target}", world_size, kwargs, timeout=timeout,
-                         env=full_env, per_rank_env=per_rank_env, only_ranks=only_ranks,
-                         stop_on_failure=check)
+    results = spawn_call(
+        f"tests.multiproc.workers:{target}",
+        world_size,
+        kwargs,
+        timeout=timeout,
+        env=full_env,
+        per_rank_env=per_rank_env,
+        only_ranks=only_ranks,
+        stop_on_failure=check,
+    )
     if check:
         for r in results:
             assert r.returncode == 0, f"rank {r.rank} failed:\n{r.output[-3000:]}"

@@ -92,8 +92,7 @@ ArenaMapping::ArenaMapping(int fd) {
   }
 }
 
-ArenaMapping::ArenaMapping(ArenaMapping&& other) noexcept
-    : base_(other.base_), capacity_(other.capacity_) {
+ArenaMapping::ArenaMapping(ArenaMapping&& other) noexcept : base_(other.base_), capacity_(other.capacity_) {
   other.base_ = nullptr;
   other.capacity_ = 0;
 }

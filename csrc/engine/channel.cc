@@ -37,8 +37,8 @@ std::string ChannelBase::localDescriptor() const {
 void ChannelBase::connect(const std::string& remote) {
   const std::string want = role_ == Role::kSender ? "recv" : "send";
   if (field(remote, "role") != want || std::stoi(field(remote, "rank")) != peer_)
-    throw EngineError(strCat("channel descriptor mismatch: expected the ", want, " end on rank ", peer_,
-                             ", got ", remote));
+    throw EngineError(
+        strCat("channel descriptor mismatch: expected the ", want, " end on rank ", peer_, ", got ", remote));
   remote_key_ = std::stoull(field(remote, "key"));
 }
 
@@ -126,7 +126,8 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
   Transport& t = engine_->transport();
   const Deadline deadline = engine_->deadline();
   const uint64_t base = (seq_ % 2) * sizeof(DynamicRecord);
-  t.write(peer_, reinterpret_cast<const uint8_t*>(&rec) + 8, remote_key_, base + 8, sizeof(rec) - 8, deadline);
+  t.write(peer_, reinterpret_cast<const uint8_t*>(&rec) + 8, remote_key_, base + 8, sizeof(rec) - 8,
+          deadline);
   t.writeFlag(peer_, remote_key_, base, seq_ + 1, deadline);
   return seq_++;
 }
@@ -149,7 +150,8 @@ void* DynamicChannel::recv(TensorMeta* meta) {
   void* dst = tracker.allocate(rec->nbytes);
   const Deadline deadline = engine_->deadline();
   try {
-    if (rec->nbytes) engine_->transport().read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
+    if (rec->nbytes)
+      engine_->transport().read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
     engine_->transport().writeFlag(peer_, remote_key_, 0, seq_ + 1, deadline);
   } catch (...) {
     tracker.release(dst);

@@ -49,8 +49,8 @@ class Deadline {
  public:
   explicit Deadline(double seconds)
       : seconds_(seconds),
-        end_(Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(seconds))) {}
+        end_(Clock::now() +
+             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds))) {}
   bool expired() const { return Clock::now() >= end_; }
   double seconds() const { return seconds_; }
   // Milliseconds left, clamped to [0, cap] (for poll(2)).

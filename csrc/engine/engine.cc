@@ -50,8 +50,8 @@ void Engine::wait(const std::function<bool()>& ready, int peer, const char* what
   const Deadline deadline = this->deadline();
   const bool ok = pollUntil(ready, deadline, [&] { t.checkPeer(peer); });
   if (!ok)
-    throw TimeoutError(strCat("timed out after ", deadline.seconds(), " s waiting for rank ", peer, " (", what,
-                              ")"));
+    throw TimeoutError(
+        strCat("timed out after ", deadline.seconds(), " s waiting for rank ", peer, " (", what, ")"));
 }
 
 }  // namespace rdkeras

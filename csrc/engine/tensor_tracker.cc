@@ -46,7 +46,8 @@ void TensorTracker::release(void* p) {
   const uint64_t off = arena_.offsetOf(p);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = in_use_.find(off);
-  if (it == in_use_.end() || !it->second) throw EngineError("release of a pointer the tracker did not allocate");
+  if (it == in_use_.end() || !it->second)
+    throw EngineError("release of a pointer the tracker did not allocate");
   it->second = false;
   const uint64_t cls = blocks_.at(off);
   counters_.pool_bytes_in_use -= cls;

@@ -22,12 +22,12 @@
 namespace rdkeras {
 
 struct TrackerCounters {
-  uint64_t registrations = 0;     // regions inserted into the table
+  uint64_t registrations = 0;  // regions inserted into the table
   uint64_t deregistrations = 0;
   uint64_t bytes_registered = 0;  // summed over registrations
   uint64_t cache_hits = 0;        // lookups answered without registering
   uint64_t pool_allocations = 0;
-  uint64_t pool_reuses = 0;       // allocations served from a free list
+  uint64_t pool_reuses = 0;  // allocations served from a free list
   uint64_t pool_bytes_reserved = 0;
   uint64_t pool_bytes_in_use = 0;
 };
@@ -58,11 +58,11 @@ class TensorTracker {
 
   Arena& arena_;
   mutable std::mutex mu_;
-  uint64_t bump_;                                         // next free arena offset
-  std::map<uint64_t, uint64_t> blocks_;                   // arena offset -> size class
-  std::unordered_map<uint64_t, bool> in_use_;             // arena offset -> allocated
+  uint64_t bump_;                                             // next free arena offset
+  std::map<uint64_t, uint64_t> blocks_;                       // arena offset -> size class
+  std::unordered_map<uint64_t, bool> in_use_;                 // arena offset -> allocated
   std::unordered_map<uint64_t, std::vector<uint64_t>> free_;  // size class -> offsets
-  std::unordered_map<uint64_t, uint64_t> block_keys_;     // arena offset -> key
+  std::unordered_map<uint64_t, uint64_t> block_keys_;         // arena offset -> key
   struct External {
     uintptr_t start;
     size_t length;

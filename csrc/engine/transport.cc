@@ -10,14 +10,14 @@ void checkBounds(const char* op, int peer, uint64_t key, uint64_t region_length,
                  uint64_t length) {
   if (offset > region_length || length > region_length - offset) {
     throw RemoteAccessError(strCat(op, " of ", length, " bytes at offset ", offset,
-                                   " is out of bounds of rank ", peer, "'s region 0x", std::hex,
-                                   key, std::dec, " (", region_length, " bytes)"));
+                                   " is out of bounds of rank ", peer, "'s region 0x", std::hex, key,
+                                   std::dec, " (", region_length, " bytes)"));
   }
 }
 
 void throwUnknownKey(const char* op, int peer, uint64_t key) {
-  throw RemoteAccessError(strCat(op, ": rank ", peer, " has no region with key 0x", std::hex, key,
-                                 std::dec, " (stale: deregistered, or never registered)"));
+  throw RemoteAccessError(strCat(op, ": rank ", peer, " has no region with key 0x", std::hex, key, std::dec,
+                                 " (stale: deregistered, or never registered)"));
 }
 
 std::string field(const std::string& descriptor, const std::string& key) {

@@ -57,8 +57,10 @@ PYBIND11_MODULE(_engine, m) {
   m.doc() = "rdkeras C++ engine: registered memory, one-sided transports, channels.";
 
   auto engine_error = py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
-  py::register_exception<TimeoutError>(m, "TimeoutError", py::make_tuple(engine_error, py::handle(PyExc_TimeoutError)));
-  py::register_exception<PeerError>(m, "PeerError", py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)));
+  py::register_exception<TimeoutError>(m, "TimeoutError",
+                                       py::make_tuple(engine_error, py::handle(PyExc_TimeoutError)));
+  py::register_exception<PeerError>(m, "PeerError",
+                                    py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)));
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
 
   m.def("native_transports", &nativeTransports);
@@ -87,8 +89,8 @@ PYBIND11_MODULE(_engine, m) {
       });
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes, double timeout,
-                       const std::string& advertise_host, const std::string& bind_host) {
+      .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
+                       double timeout, const std::string& advertise_host, const std::string& bind_host) {
              EngineOptions o;
              o.transport = transport;
              o.arena_bytes = arena_bytes;
@@ -107,11 +109,12 @@ PYBIND11_MODULE(_engine, m) {
       .def("connect", &Engine::connect, py::arg("descriptors"), py::arg("secret"),
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def("alloc",
-           [](const std::shared_ptr<Engine>& e, size_t nbytes) {
-             return blockArray(e, e->tracker().allocate(nbytes), nbytes);
-           },
-           py::arg("nbytes"))
+      .def(
+          "alloc",
+          [](const std::shared_ptr<Engine>& e, size_t nbytes) {
+            return blockArray(e, e->tracker().allocate(nbytes), nbytes);
+          },
+          py::arg("nbytes"))
       .def("register",
            [](Engine& e, const py::buffer& b) {
              Span s = span(b, false);
@@ -123,40 +126,45 @@ PYBIND11_MODULE(_engine, m) {
              Span s = span(b, false);
              return e.tracker().lookupOrRegister(s.ptr, s.size);
            })
-      .def("write",
-           [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
-             Span s = span(src, false);
-             py::gil_scoped_release nogil;
-             e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline());
-           },
-           py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
-      .def("read",
-           [](Engine& e, int peer, const py::buffer& dst, uint64_t key, uint64_t offset) {
-             Span s = span(dst, true);
-             py::gil_scoped_release nogil;
-             e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline());
-           },
-           py::arg("peer"), py::arg("dst"), py::arg("key"), py::arg("offset") = 0)
-      .def("write_flag",
-           [](Engine& e, int peer, uint64_t key, uint64_t offset, uint64_t value) {
-             py::gil_scoped_release nogil;
-             e.transport().writeFlag(peer, key, offset, value, e.deadline());
-           },
-           py::arg("peer"), py::arg("key"), py::arg("offset"), py::arg("value"))
+      .def(
+          "write",
+          [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
+            Span s = span(src, false);
+            py::gil_scoped_release nogil;
+            e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline());
+          },
+          py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
+      .def(
+          "read",
+          [](Engine& e, int peer, const py::buffer& dst, uint64_t key, uint64_t offset) {
+            Span s = span(dst, true);
+            py::gil_scoped_release nogil;
+            e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline());
+          },
+          py::arg("peer"), py::arg("dst"), py::arg("key"), py::arg("offset") = 0)
+      .def(
+          "write_flag",
+          [](Engine& e, int peer, uint64_t key, uint64_t offset, uint64_t value) {
+            py::gil_scoped_release nogil;
+            e.transport().writeFlag(peer, key, offset, value, e.deadline());
+          },
+          py::arg("peer"), py::arg("key"), py::arg("offset"), py::arg("value"))
       .def("flush",
            [](Engine& e, int peer) {
              py::gil_scoped_release nogil;
              e.transport().flush(peer, e.deadline());
            })
       .def("check_peer", [](Engine& e, int peer) { e.transport().checkPeer(peer); })
-      .def("wait_flag",
-           [](Engine& e, const py::buffer& b, uint64_t offset, uint64_t value, int peer) {
-             Span s = span(b, false);
-             if (offset % 8 || offset + 8 > s.size) throw py::value_error("flag offset out of range or unaligned");
-             py::gil_scoped_release nogil;
-             e.waitFlag(static_cast<uint8_t*>(s.ptr) + offset, value, peer, "flag");
-           },
-           py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
+      .def(
+          "wait_flag",
+          [](Engine& e, const py::buffer& b, uint64_t offset, uint64_t value, int peer) {
+            Span s = span(b, false);
+            if (offset % 8 || offset + 8 > s.size)
+              throw py::value_error("flag offset out of range or unaligned");
+            py::gil_scoped_release nogil;
+            e.waitFlag(static_cast<uint8_t*>(s.ptr) + offset, value, peer, "flag");
+          },
+          py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
       .def("counters", [](Engine& e) { return e.tracker().counters(); });
 
   py::enum_<Role>(m, "Role").value("SENDER", Role::kSender).value("RECEIVER", Role::kReceiver);
@@ -187,21 +195,24 @@ PYBIND11_MODULE(_engine, m) {
       });
 
   py::class_<DynamicChannel, std::shared_ptr<DynamicChannel>>(m, "DynamicChannel")
-      .def(py::init<std::shared_ptr<Engine>, Role, int>(), py::arg("engine"), py::arg("role"), py::arg("peer"))
+      .def(py::init<std::shared_ptr<Engine>, Role, int>(), py::arg("engine"), py::arg("role"),
+           py::arg("peer"))
       .def_property_readonly("descriptor", &DynamicChannel::localDescriptor)
       .def_property_readonly("sequence", &DynamicChannel::sequence)
       .def_property_readonly("peer", &DynamicChannel::peer)
       .def_property_readonly("acked", &DynamicChannel::acked)
       .def("connect", &DynamicChannel::connect)
       .def("wait_acked", &DynamicChannel::waitAcked, py::call_guard<py::gil_scoped_release>())
-      .def("send",
-           [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype, std::vector<int64_t> shape) {
-             Span s = span(data, false);
-             TensorMeta meta{dtype, std::move(shape), s.size};
-             py::gil_scoped_release nogil;
-             return ch.send(s.ptr, meta);
-           },
-           py::arg("data"), py::arg("dtype"), py::arg("shape"))
+      .def(
+          "send",
+          [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype,
+             std::vector<int64_t> shape) {
+            Span s = span(data, false);
+            TensorMeta meta{dtype, std::move(shape), s.size};
+            py::gil_scoped_release nogil;
+            return ch.send(s.ptr, meta);
+          },
+          py::arg("data"), py::arg("dtype"), py::arg("shape"))
       .def("recv", [](DynamicChannel& ch) {
         TensorMeta meta;
         void* p;
@@ -209,30 +220,31 @@ PYBIND11_MODULE(_engine, m) {
           py::gil_scoped_release nogil;
           p = ch.recv(&meta);
         }
-        return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype, py::tuple(py::cast(meta.shape)));
+        return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype,
+                              py::tuple(py::cast(meta.shape)));
       });
 
   m.def("ping_pong", &pingPong, py::arg("tx"), py::arg("rx"), py::arg("iterations"), py::arg("initiator"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("send_many",
-        [](StaticChannel& tx, const py::buffer& data, int iterations) {
-          Span s = span(data, false);
-          if (s.size != tx.nbytes()) throw py::value_error("data size differs from the channel's message size");
-          py::gil_scoped_release nogil;
-          return sendMany(tx, s.ptr, iterations);
-        });
+  m.def("send_many", [](StaticChannel& tx, const py::buffer& data, int iterations) {
+    Span s = span(data, false);
+    if (s.size != tx.nbytes()) throw py::value_error("data size differs from the channel's message size");
+    py::gil_scoped_release nogil;
+    return sendMany(tx, s.ptr, iterations);
+  });
   m.def("recv_many", &recvMany, py::call_guard<py::gil_scoped_release>());
-  m.def("memcpy",
-        [](const py::buffer& dst, const py::buffer& src, bool nontemporal) {
-          Span d = span(dst, true), s = span(src, false);
-          if (d.size != s.size) throw py::value_error("memcpy: sizes differ");
-          py::gil_scoped_release nogil;
-          if (nontemporal)
-            copyNonTemporal(d.ptr, s.ptr, s.size);
-          else
-            std::memcpy(d.ptr, s.ptr, s.size);
-        },
-        py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
-        "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
+  m.def(
+      "memcpy",
+      [](const py::buffer& dst, const py::buffer& src, bool nontemporal) {
+        Span d = span(dst, true), s = span(src, false);
+        if (d.size != s.size) throw py::value_error("memcpy: sizes differ");
+        py::gil_scoped_release nogil;
+        if (nontemporal)
+          copyNonTemporal(d.ptr, s.ptr, s.size);
+        else
+          std::memcpy(d.ptr, s.ptr, s.size);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
+      "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
   m.def("nontemporal_threshold", &nonTemporalThreshold);
 }

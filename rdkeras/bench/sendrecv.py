@@ -160,9 +160,12 @@ def run(args: argparse.Namespace) -> int:
     for t in transports:
         sizes = [s for s in BANDWIDTH_SIZES if not (t == "grpc" and args.quick and s > GRPC_QUICK_MAX)]
         print(f"[sendrecv] {t}: {len(sizes)} sizes ...", flush=True)
-        ranks = spawn_call("rdkeras.bench.sendrecv:rank_main", 2,
-                           {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": LATENCY_SIZES},
-                           timeout=args.timeout)
+        ranks = spawn_call(
+            "rdkeras.bench.sendrecv:rank_main",
+            2,
+            {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": LATENCY_SIZES},
+            timeout=args.timeout,
+        )
         failed = [r for r in ranks if r.returncode != 0]
         if failed:
             print(f"[sendrecv] {t} failed on rank {failed[0].rank}:\n{failed[0].output[-2000:]}")
@@ -176,16 +179,30 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for t, r in results.items():
         for mode, size, sec in r["bandwidth"]:
-            rows.append({
-                "transport": t, "mode": mode, "bytes": size, "seconds": sec, "GBps": size / sec / 1e9,
-                "x_memcpy": memcpy[size] / sec if size in memcpy else None,
-                "x_grpc": grpc[size] / sec if size in grpc and t != "grpc" else None,
-            })
+            rows.append(
+                {
+                    "transport": t,
+                    "mode": mode,
+                    "bytes": size,
+                    "seconds": sec,
+                    "GBps": size / sec / 1e9,
+                    "x_memcpy": memcpy[size] / sec if size in memcpy else None,
+                    "x_grpc": grpc[size] / sec if size in grpc and t != "grpc" else None,
+                }
+            )
     for label, table in (("glibc", memcpy), ("stream", memcpy_nt)):
         for size, sec in table.items():
-            rows.append({"transport": "memcpy", "mode": label, "bytes": size, "seconds": sec,
-                         "GBps": size / sec / 1e9, "x_memcpy": memcpy[size] / sec,
-                         "x_grpc": grpc[size] / sec if size in grpc else None})
+            rows.append(
+                {
+                    "transport": "memcpy",
+                    "mode": label,
+                    "bytes": size,
+                    "seconds": sec,
+                    "GBps": size / sec / 1e9,
+                    "x_memcpy": memcpy[size] / sec,
+                    "x_grpc": grpc[size] / sec if size in grpc else None,
+                }
+            )
 
     print(f"\nSend/Recv, 2 processes, one message at a time ({time.time() - started:.0f} s)")
     print("memcpy: one core, same sizes, timed in the sender just before its transfers; 'glibc' is")
@@ -196,8 +213,10 @@ def run(args: argparse.Namespace) -> int:
     for row in sorted(rows, key=lambda x: (x["bytes"], x["transport"] != "memcpy", x["transport"], x["mode"])):
         xm = f"{row['x_memcpy']:.2f}" if row["x_memcpy"] is not None else "-"
         xg = f"{row['x_grpc']:.1f}" if row["x_grpc"] is not None else "-"
-        print(f"{row['transport']:<9} {row['mode']:<8} {_fmt_size(row['bytes']):>7} {row['seconds'] * 1e3:>12.3f} "
-              f"{row['GBps']:>7.2f} {xm:>9} {xg:>8}")
+        print(
+            f"{row['transport']:<9} {row['mode']:<8} {_fmt_size(row['bytes']):>7} {row['seconds'] * 1e3:>12.3f} "
+            f"{row['GBps']:>7.2f} {xm:>9} {xg:>8}"
+        )
 
     print("\nOne-way latency (ping-pong / 2), static channels")
     lat_sizes = LATENCY_SIZES
@@ -210,8 +229,13 @@ def run(args: argparse.Namespace) -> int:
     shm_static = [x for x in rows if x["transport"] == "shm" and x["mode"] == "static" and x["x_memcpy"]]
     if shm_static:
         worst = min(shm_static, key=lambda x: x["x_memcpy"])
-        targets.append(("shm static >= 0.85 x memcpy at 1-256 MB", worst["x_memcpy"] >= 0.85,
-                        f"worst {worst['x_memcpy']:.2f} at {_fmt_size(worst['bytes'])}"))
+        targets.append(
+            (
+                "shm static >= 0.85 x memcpy at 1-256 MB",
+                worst["x_memcpy"] >= 0.85,
+                f"worst {worst['x_memcpy']:.2f} at {_fmt_size(worst['bytes'])}",
+            )
+        )
         at64 = next((x for x in shm_static if x["bytes"] == 64 * MB and x["x_grpc"]), None)
         if at64:
             targets.append(("shm static >= 20 x gRPC at 64 MB", at64["x_grpc"] >= 20, f"{at64['x_grpc']:.1f}x"))
@@ -225,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sendrecv.json").write_text(json.dumps({"rows": rows, "latency": {t: r["latency"] for t, r in results.items()},
-                                                   "quick": args.quick}, indent=1))
+    latency = {t: r["latency"] for t, r in results.items()}
+    (out / "sendrecv.json").write_text(json.dumps({"rows": rows, "latency": latency, "quick": args.quick}, indent=1))
     _plot(rows, out / "sendrecv.png")
     print(f"\nwrote {out / 'sendrecv.json'} and {out / 'sendrecv.png'}")
     return 0
@@ -247,8 +271,11 @@ def _plot(rows: list[dict], path: Path) -> None:
         series.setdefault(f"{row['transport']} {row['mode']}".replace("grpc rpc", "gRPC"), []).append(row)
     for label, pts in sorted(series.items()):
         pts.sort(key=lambda x: x["bytes"])
-        style = {"linestyle": "--" if "glibc" in label else ":", "color": "k"} if label.startswith("memcpy") else {
-            "marker": "o"}
+        style = (
+            {"linestyle": "--" if "glibc" in label else ":", "color": "k"}
+            if label.startswith("memcpy")
+            else {"marker": "o"}
+        )
         ax.plot([p["bytes"] / MB for p in pts], [p["seconds"] * 1e3 for p in pts], label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

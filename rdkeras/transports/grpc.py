@@ -30,18 +30,18 @@ def _build_message_class() -> Any:
     """TensorMessage, built at import time (no protoc step in the build)."""
     f = descriptor_pb2.FileDescriptorProto(name="rdkeras_baseline.proto", package="rdkeras", syntax="proto3")
     m = f.message_type.add(name="TensorMessage")
-    T = descriptor_pb2.FieldDescriptorProto
+    fd = descriptor_pb2.FieldDescriptorProto
     for number, (name, kind, label) in enumerate(
         [
-            ("dtype", T.TYPE_STRING, T.LABEL_OPTIONAL),  # TensorProto: dtype
-            ("shape", T.TYPE_INT64, T.LABEL_REPEATED),  # tensor_shape
-            ("tensor_content", T.TYPE_BYTES, T.LABEL_OPTIONAL),
-            ("channel", T.TYPE_STRING, T.LABEL_OPTIONAL),
-            ("seq", T.TYPE_UINT64, T.LABEL_OPTIONAL),
-            ("key", T.TYPE_UINT64, T.LABEL_OPTIONAL),
-            ("offset", T.TYPE_UINT64, T.LABEL_OPTIONAL),
-            ("length", T.TYPE_UINT64, T.LABEL_OPTIONAL),
-            ("value", T.TYPE_UINT64, T.LABEL_OPTIONAL),
+            ("dtype", fd.TYPE_STRING, fd.LABEL_OPTIONAL),  # TensorProto: dtype
+            ("shape", fd.TYPE_INT64, fd.LABEL_REPEATED),  # tensor_shape
+            ("tensor_content", fd.TYPE_BYTES, fd.LABEL_OPTIONAL),
+            ("channel", fd.TYPE_STRING, fd.LABEL_OPTIONAL),
+            ("seq", fd.TYPE_UINT64, fd.LABEL_OPTIONAL),
+            ("key", fd.TYPE_UINT64, fd.LABEL_OPTIONAL),
+            ("offset", fd.TYPE_UINT64, fd.LABEL_OPTIONAL),
+            ("length", fd.TYPE_UINT64, fd.LABEL_OPTIONAL),
+            ("value", fd.TYPE_UINT64, fd.LABEL_OPTIONAL),
         ],
         start=1,
     ):
@@ -111,8 +111,11 @@ class GrpcEngine:
             ch = grpc.insecure_channel(f"{fields['host']}:{fields['port']}", options=_OPTIONS)
             self._grpc_channels.append(ch)
             self._stubs[r] = {
-                name: ch.unary_unary(f"/{_SERVICE}/{name}", request_serializer=TensorMessage.SerializeToString,
-                                     response_deserializer=TensorMessage.FromString)
+                name: ch.unary_unary(
+                    f"/{_SERVICE}/{name}",
+                    request_serializer=TensorMessage.SerializeToString,
+                    response_deserializer=TensorMessage.FromString,
+                )
                 for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
             }
 
@@ -122,15 +125,17 @@ class GrpcEngine:
         if peer not in self._stubs:
             raise EngineError(f"grpc: no connection to rank {peer}")
         try:
-            return self._stubs[peer][name](msg, timeout=timeout or self.timeout,
-                                           metadata=(("rdkeras-secret", self._secret),))
+            return self._stubs[peer][name](
+                msg, timeout=timeout or self.timeout, metadata=(("rdkeras-secret", self._secret),)
+            )
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise RemoteAccessError(e.details()) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"grpc: timed out after {timeout or self.timeout:g} s waiting for rank {peer} "
-                                   f"({name})") from None
+                raise TimeoutError(
+                    f"grpc: timed out after {timeout or self.timeout:g} s waiting for rank {peer} ({name})"
+                ) from None
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise PeerError(f"rank {peer} is unreachable over grpc (process exited?): {e.details()}") from None
             raise EngineError(f"grpc {name} to rank {peer} failed: {code.name} {e.details()}") from None
@@ -204,13 +209,17 @@ class GrpcEngine:
         self._authorized(context)
         region = self._regions.get(req.key)
         if region is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, "
-                          "or never registered)")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, "
+                "or never registered)",
+            )
         if req.offset > region.nbytes or length > region.nbytes - req.offset:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{op} of {length} bytes at offset {req.offset} is out of bounds of rank {self.rank}'s "
-                          f"region {req.key:#x} ({region.nbytes} bytes)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{op} of {length} bytes at offset {req.offset} is out of bounds of rank {self.rank}'s "
+                f"region {req.key:#x} ({region.nbytes} bytes)",
+            )
         return region
 
     def _rpc_write(self, req: Any, context: Any) -> Any:
@@ -279,8 +288,13 @@ class _GrpcChannel:
         if self.nbytes is not None and a.nbytes != self.nbytes:
             raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
         # Serialize now, as TF does when the tensor is sent: the caller may reuse its buffer.
-        msg = TensorMessage(dtype=dtype, shape=list(a.shape if shape is None else shape),
-                            tensor_content=a.tobytes(), channel=self.name, seq=self.sequence)
+        msg = TensorMessage(
+            dtype=dtype,
+            shape=list(a.shape if shape is None else shape),
+            tensor_content=a.tobytes(),
+            channel=self.name,
+            seq=self.sequence,
+        )
         self.wait_acked(self.sequence - 1)  # at most two messages outstanding, like the native channels
         with self.engine._cond:
             self.engine._outbox[(self.name, self.sequence)] = msg

@@ -64,8 +64,8 @@ void ShmTransport::handshake(int sock, int peer, const std::string& secret, bool
                              const Deadline& deadline) {
   if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
   auto send_hello = [&] {
-    Hello hello = {kHelloMagic, rank_, static_cast<int32_t>(getpid()),
-                   static_cast<uint32_t>(secret.size()), {}};
+    Hello hello = {
+        kHelloMagic, rank_, static_cast<int32_t>(getpid()), static_cast<uint32_t>(secret.size()), {}};
     std::memcpy(hello.secret, secret.data(), secret.size());
     struct iovec iov = {&hello, sizeof(hello)};
     alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
@@ -95,7 +95,8 @@ void ShmTransport::handshake(int sock, int peer, const std::string& secret, bool
     msg.msg_control = control;
     msg.msg_controllen = sizeof(control);
     const ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0) throw PeerError(strCat("shm: ", peerName(peer), " refused the connection (wrong job secret?)"));
+    if (n <= 0)
+      throw PeerError(strCat("shm: ", peerName(peer), " refused the connection (wrong job secret?)"));
     struct cmsghdr* cm = CMSG_FIRSTHDR(&msg);
     if (n != sizeof(*hello) || hello->magic != kHelloMagic || !cm || cm->cmsg_type != SCM_RIGHTS)
       throw EngineError("shm: malformed hello from a peer");
@@ -111,8 +112,8 @@ void ShmTransport::handshake(int sock, int peer, const std::string& secret, bool
   } else {
     fd = recv_hello(&hello);
     const bool ok = hello.secret_len == secret.size() &&
-                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 &&
-                    hello.rank > rank_ && hello.rank < world_size_ && !peers_[hello.rank];
+                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
+                    hello.rank < world_size_ && !peers_[hello.rank];
     if (!ok) {
       close(fd);
       throw EngineError(strCat("shm: refused a connection claiming rank ", hello.rank,
@@ -167,8 +168,8 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
       std::string missing;
       for (int r = rank_ + 1; r < world_size_; ++r)
         if (!peers_[r]) missing += strCat(missing.empty() ? "" : ", ", r);
-      throw TimeoutError(strCat("shm: timed out after ", deadline.seconds(),
-                                " s waiting for rank(s) ", missing, " to connect"));
+      throw TimeoutError(strCat("shm: timed out after ", deadline.seconds(), " s waiting for rank(s) ",
+                                missing, " to connect"));
     }
     const int sock = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (sock < 0) {
@@ -228,7 +229,8 @@ void ShmTransport::cma(bool write, int peer, void* local, uint64_t remote_addr, 
   while (length > 0) {
     struct iovec l = {lp, length};
     struct iovec r = {reinterpret_cast<void*>(remote_addr), length};
-    const ssize_t n = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+    const ssize_t n =
+        write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n <= 0) {
       if (errno == ESRCH) {
         peers_[peer]->dead = true;
@@ -255,8 +257,7 @@ void ShmTransport::write(int peer, const void* src, uint64_t key, uint64_t offse
     cma(true, peer, const_cast<void*>(src), info.addr + offset, length);
 }
 
-void ShmTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
-                        const Deadline&) {
+void ShmTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length, const Deadline&) {
   const RegionInfo info = resolve("read", peer, key, offset, length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)

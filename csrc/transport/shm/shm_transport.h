@@ -33,8 +33,7 @@ class ShmTransport : public Transport {
              const Deadline& deadline) override;
   void read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
             const Deadline& deadline) override;
-  void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value,
-                 const Deadline& deadline) override;
+  void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) override;
   void flush(int peer, const Deadline& deadline) override;
   void checkPeer(int peer) override;
   void shutdown() override;

@@ -1,14 +1,13 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <fcntl.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -20,13 +19,13 @@ namespace rdkeras {
 namespace {
 
 enum Op : uint32_t {
-  kWrite = 1,     // payload follows
-  kFlag = 2,      // length field carries the value
+  kWrite = 1,  // payload follows
+  kFlag = 2,   // length field carries the value
   kReadReq = 3,
   kFence = 4,
   kReadResp = 5,  // payload follows
   kFenceAck = 6,
-  kError = 7,     // length bytes of message follow; id names the failed op
+  kError = 7,  // length bytes of message follow; id names the failed op
 };
 
 struct Header {
@@ -39,8 +38,8 @@ struct Header {
 };
 
 constexpr uint32_t kHelloMagic = 0x54435031;  // "TCP1"
-constexpr int kRoleInitiator = 0;  // the connector sends requests on this socket
-constexpr int kRoleTarget = 1;     // the acceptor sends requests on this socket
+constexpr int kRoleInitiator = 0;             // the connector sends requests on this socket
+constexpr int kRoleTarget = 1;                // the acceptor sends requests on this socket
 
 struct Hello {
   uint32_t magic;
@@ -88,7 +87,8 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
     }
   }
   freeaddrinfo(res);
-  if (fd < 0) throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
+  if (fd < 0)
+    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
   // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   tuneSocket(fd);
@@ -107,7 +107,8 @@ TcpTransport::TcpTransport(int rank, int world_size, Arena& arena, const Transpo
   if (int rc = getaddrinfo(options_.bind_host.c_str(), "0", &hints, &res); rc != 0)
     throw EngineError(strCat("tcp: bad bind address ", options_.bind_host, ": ", gai_strerror(rc)));
   listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (listen_fd_ < 0 || bind(listen_fd_, res->ai_addr, res->ai_addrlen) != 0 || listen(listen_fd_, 128) != 0) {
+  if (listen_fd_ < 0 || bind(listen_fd_, res->ai_addr, res->ai_addrlen) != 0 ||
+      listen(listen_fd_, 128) != 0) {
     freeaddrinfo(res);
     throwErrno(strCat("tcp: listen on ", options_.bind_host));
   }
@@ -128,7 +129,8 @@ std::string TcpTransport::localDescriptor() const {
 
 void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
                            const Deadline& deadline) {
-  if (static_cast<int>(descriptors.size()) != world_size_) throw EngineError("tcp: need one descriptor per rank");
+  if (static_cast<int>(descriptors.size()) != world_size_)
+    throw EngineError("tcp: need one descriptor per rank");
   if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
   // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
   for (int r = 0; r < rank_; ++r) {
@@ -256,7 +258,8 @@ void TcpTransport::write(int peer, const void* src, uint64_t key, uint64_t offse
   sendRequest(peer, kWrite, 0, key, offset, length, src, length, deadline);
 }
 
-void TcpTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) {
+void TcpTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value,
+                             const Deadline& deadline) {
   checkFlagOffset(offset);
   sendRequest(peer, kFlag, 0, key, offset, value, nullptr, 0, deadline);
 }
@@ -283,8 +286,8 @@ void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
     forget();
     throw;
   }
-  const bool done = pollUntil([&] { return pending->state.load(std::memory_order_acquire) != 0; }, deadline,
-                              [] {});
+  const bool done =
+      pollUntil([&] { return pending->state.load(std::memory_order_acquire) != 0; }, deadline, [] {});
   if (!done) {
     // The reply may be landing in dst right now: break the connection and wait
     // until the reply thread has let go of it before the caller frees dst.

@@ -41,8 +41,7 @@ class TcpTransport : public Transport {
              const Deadline& deadline) override;
   void read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
             const Deadline& deadline) override;
-  void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value,
-                 const Deadline& deadline) override;
+  void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) override;
   void flush(int peer, const Deadline& deadline) override;
   void checkPeer(int peer) override;
   void shutdown() override;
@@ -71,8 +70,8 @@ class TcpTransport : public Transport {
 
   Peer& live(int peer);
   void markDead(int peer, const std::string& why);
-  void sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key, uint64_t offset,
-                   uint64_t length, const void* payload, size_t payload_len, const Deadline& deadline);
+  void sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key, uint64_t offset, uint64_t length,
+                   const void* payload, size_t payload_len, const Deadline& deadline);
   void serveLoop(int peer);
   void replyLoop(int peer);
   void raisePending(int peer);
