@@ -278,6 +278,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         )
         ax.plot([p["bytes"] / MB for p in pts], [p["seconds"] * 1e3 for p in pts], label=label, **style)
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["bytes"] / MB for r in rows})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_yscale("log")
     ax.set_xlabel("message size (MB)")
     ax.set_ylabel("time per transfer (ms)")
