@@ -221,6 +221,28 @@ class Engine:
         )
         return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
 
+    def ring(self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20) -> Any:
+        """A ring allreduce over all ranks (collective: every rank calls this with the same arguments).
+
+        Returns a callable ``ring(arrays, average=False) -> list[np.ndarray]``:
+        the outputs are views of registered memory, valid until the next-but-one call.
+        """
+        if name in self._names:
+            raise ValueError(f"name {name!r} is already used on this engine")
+        self._names.add(name)
+        if self.transport == "grpc":
+            from rdkeras.transports.grpc import ChannelRing
+
+            return ChannelRing(self, name, capacity_bytes)
+        ring = _engine.RingAllreduce(self._impl, capacity_bytes, bucket_bytes)
+        n = self.world_size
+        left, right = (self.rank - 1) % n, (self.rank + 1) % n
+        self.store.set(f"ring/{name}/{self.rank}", ring.descriptor.encode())
+        descs = self.store.get([f"ring/{name}/{left}", f"ring/{name}/{right}"], waiting_for=[left, right])
+        if n > 1:
+            ring.connect(descs[0].decode(), descs[1].decode())
+        return ring.allreduce
+
     def barrier(self, name: str = "barrier") -> None:
         self.store.barrier(name)
 

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "engine/channel.h"
+#include "engine/collectives.h"
 #include "engine/copy.h"
 #include "engine/engine.h"
 
@@ -223,6 +224,47 @@ PYBIND11_MODULE(_engine, m) {
         return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype,
                               py::tuple(py::cast(meta.shape)));
       });
+
+  py::class_<RingAllreduce, std::shared_ptr<RingAllreduce>>(m, "RingAllreduce")
+      .def(py::init<std::shared_ptr<Engine>, size_t, size_t>(), py::arg("engine"), py::arg("capacity_bytes"),
+           py::arg("bucket_bytes"))
+      .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
+      .def_property_readonly("capacity", &RingAllreduce::capacity)
+      .def("connect", &RingAllreduce::connect, py::arg("left"), py::arg("right"))
+      .def(
+          "allreduce",
+          [](py::object self, const std::vector<py::array>& arrays, bool average) {
+            auto& ring = self.cast<RingAllreduce&>();
+            std::vector<ConstSpan> spans;
+            DType dtype = DType::kFloat32;
+            for (size_t i = 0; i < arrays.size(); ++i) {
+              const py::array& a = arrays[i];
+              const char kind = a.dtype().kind();
+              const auto size = a.dtype().itemsize();
+              if (kind != 'f' || (size != 4 && size != 8))
+                throw py::type_error("allreduce supports float32 and float64 tensors");
+              const DType d = size == 4 ? DType::kFloat32 : DType::kFloat64;
+              if (i == 0) dtype = d;
+              if (d != dtype) throw py::type_error("allreduce: all tensors must share one dtype");
+              if (!(a.flags() & py::array::c_style)) throw py::value_error("allreduce: tensors must be C-contiguous");
+              spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
+            }
+            size_t total;
+            const std::vector<size_t> offsets = RingAllreduce::layout(spans, &total);
+            uint8_t* out;
+            {
+              py::gil_scoped_release nogil;
+              out = ring.run(spans, dtype, average);
+            }
+            // Views into the output block, 64-byte aligned: TensorFlow aliases them.
+            py::list result;
+            for (size_t i = 0; i < arrays.size(); ++i) {
+              std::vector<py::ssize_t> shape(arrays[i].shape(), arrays[i].shape() + arrays[i].ndim());
+              result.append(py::array(arrays[i].dtype(), shape, out + offsets[i], self));
+            }
+            return result;
+          },
+          py::arg("arrays"), py::arg("average") = false);
 
   m.def("ping_pong", &pingPong, py::arg("tx"), py::arg("rx"), py::arg("iterations"), py::arg("initiator"),
         py::call_guard<py::gil_scoped_release>());

@@ -311,3 +311,44 @@ class _GrpcChannel:
         if self.nbytes is not None:
             return buf
         return buf, msg.dtype, tuple(msg.shape)
+
+
+class ChannelRing:
+    """Ring allreduce over the engine's channel API, as TensorFlow's gRPC collective does it:
+    reduce-scatter then allgather, every chunk a serialized RPC message."""
+
+    def __init__(self, engine: Any, name: str, capacity_bytes: int):
+        n, r = engine.world_size, engine.rank
+        self.n, self.rank, self.capacity = n, r, capacity_bytes
+        if n > 1:
+            left, right = (r - 1) % n, (r + 1) % n
+            # Created in rank order around the ring so the collective setup cannot deadlock.
+            if r % 2 == 0:
+                self._tx = engine.dynamic_channel(f"{name}/{r}->{right}", r, right)
+                self._rx = engine.dynamic_channel(f"{name}/{left}->{r}", left, r)
+            else:
+                self._rx = engine.dynamic_channel(f"{name}/{left}->{r}", left, r)
+                self._tx = engine.dynamic_channel(f"{name}/{r}->{right}", r, right)
+
+    def __call__(self, arrays: list[np.ndarray], average: bool = False) -> list[np.ndarray]:
+        flat = np.concatenate([np.asarray(a).ravel() for a in arrays]) if arrays else np.zeros(0, np.float32)
+        if flat.nbytes > self.capacity:
+            raise EngineError(f"allreduce of {flat.nbytes} bytes exceeds this ring's capacity of {self.capacity}")
+        n, r = self.n, self.rank
+        if n > 1:
+            chunks = np.array_split(flat, n)
+            for s in range(n - 1):
+                self._tx.send(chunks[(r - s) % n])
+                k = (r - s - 1) % n
+                chunks[k] = chunks[k] + self._rx.recv()
+            for s in range(n - 1):
+                self._tx.send(chunks[(r + 1 - s) % n])
+                chunks[(r - s) % n] = self._rx.recv()
+            flat = np.concatenate(chunks)
+        if average:
+            flat = flat / n
+        out, at = [], 0
+        for a in arrays:
+            out.append(flat[at : at + a.size].reshape(a.shape).astype(a.dtype, copy=False))
+            at += a.size
+        return out

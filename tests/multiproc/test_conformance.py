@@ -60,3 +60,12 @@ def test_steady_state_loop_registers_nothing(transport):
             assert after["cache_hits"] - before["cache_hits"] == 2 * 30
         else:  # the receiver's buffers came back from the pool
             assert after["pool_reuses"] > before["pool_reuses"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_ring_allreduce_matches_numpy(transport, world_size):
+    results = run_ranks("ring_allreduce", world_size, transport=transport, calls=4)
+    for r in results:
+        assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:5]}"
+    assert len({r.value["digest"] for r in results}) == 1, "ranks disagree on the result"

@@ -234,3 +234,41 @@ def connect_only(timeout_s: float) -> dict:
             return {"error": None}
     except EngineError as e:
         return {"error": [type(e).__name__, str(e)]}
+
+
+def ring_allreduce(calls: int) -> dict:
+    """Every rank contributes rank-dependent tensors; results must equal numpy's sum."""
+    errors = []
+    with rdkeras.Engine() as eng:
+        n, r = eng.world_size, eng.rank
+        shapes = [(3,), (1,), (17, 5), (1000,), (2, 2, 2), (64 << 10,)]
+        for dtype in ("float32", "float64"):
+            capacity = sum(int(np.prod(s)) * np.dtype(dtype).itemsize + 64 for s in shapes)
+            ring = eng.ring(f"ring-{dtype}", capacity, bucket_bytes=8192)  # many buckets
+            previous = None
+            for call in range(calls):
+
+                def contribution(rank, i, s, call=call, dtype=dtype):
+                    rng = np.random.default_rng(1000 * call + 10 * rank + i)
+                    return rng.standard_normal(s).astype(dtype)
+
+                inputs = [contribution(r, i, s) for i, s in enumerate(shapes)]
+                average = call % 2 == 1
+                outputs = ring(inputs, average)
+                for i, s in enumerate(shapes):
+                    expect = sum(contribution(k, i, s).astype(np.float64) for k in range(n))
+                    if average:
+                        expect = expect / n
+                    got = outputs[i]
+                    tol = 1e-5 if dtype == "float32" else 1e-12
+                    if got.shape != s or got.dtype != dtype or not np.allclose(got, expect, rtol=tol, atol=tol):
+                        errors.append([dtype, call, i])
+                    if got.ctypes.data % 64 and eng.transport != "grpc":  # native outputs get aliased by TF
+                        errors.append([dtype, call, i, "misaligned"])
+                if previous is not None:  # the previous call's outputs survive one more call
+                    errors += [[dtype, call, "clobbered"]] if not all(
+                        np.array_equal(a, b) for a, b in zip(previous[0], previous[1], strict=True)) else []
+                previous = (outputs, [o.copy() for o in outputs])
+        # bit-identical results on every rank
+        digest = zlib.crc32(b"".join(o.tobytes() for o in outputs))
+        return {"errors": errors, "digest": digest}

@@ -1,0 +1,173 @@
+#include "engine/collectives.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace rdkeras {
+namespace {
+
+constexpr size_t kAlign = 64;
+size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+template <typename T>
+void addScaled(T* __restrict out, const T* __restrict a, const T* __restrict b, size_t n, T scale) {
+  if (scale == T(1)) {
+    for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = (a[i] + b[i]) * scale;
+  }
+}
+
+// Calls fn(i, lo, hi) for every tensor i overlapping [begin, end) of the padded
+// layout, with [lo, hi) the overlap in layout bytes (padding excluded).
+template <typename Fn>
+void forEachSegment(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets, size_t begin,
+                    size_t end, Fn&& fn) {
+  auto it = std::upper_bound(offsets.begin(), offsets.end(), begin);
+  size_t i = it == offsets.begin() ? 0 : (it - offsets.begin()) - 1;
+  for (; i < inputs.size() && offsets[i] < end; ++i) {
+    const size_t lo = std::max(begin, offsets[i]);
+    const size_t hi = std::min(end, offsets[i] + inputs[i].bytes);
+    if (lo < hi) fn(i, lo, hi);
+  }
+}
+
+}  // namespace
+
+RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes)
+    : engine_(std::move(engine)),
+      rank_(engine_->rank()),
+      world_(engine_->worldSize()),
+      left_((rank_ + world_ - 1) % world_),
+      right_((rank_ + 1) % world_),
+      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
+      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
+  slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
+  block_bytes_ = offGather() + 64;
+  block_ = static_cast<uint8_t*>(engine_->tracker().allocate(block_bytes_));
+  std::memset(block_ + 2 * capacity_, 0, block_bytes_ - 2 * capacity_);  // slots and flags
+  key_ = engine_->tracker().registerRegion(block_, block_bytes_);
+}
+
+RingAllreduce::~RingAllreduce() {
+  try {
+    engine_->tracker().deregisterRegion(key_);
+  } catch (...) {
+  }
+  engine_->tracker().release(block_);
+}
+
+std::string RingAllreduce::localDescriptor() const {
+  return strCat("ring;rank=", rank_, ";key=", key_, ";capacity=", capacity_, ";bucket=", bucket_bytes_);
+}
+
+void RingAllreduce::connect(const std::string& left, const std::string& right) {
+  for (const auto* d : {&left, &right}) {
+    if (std::stoull(field(*d, "capacity")) != capacity_ || std::stoull(field(*d, "bucket")) != bucket_bytes_)
+      throw EngineError(strCat("allreduce: rank ", field(*d, "rank"), " declared another capacity/bucket (",
+                               *d, ") than this rank (", localDescriptor(), ")"));
+  }
+  if (std::stoi(field(left, "rank")) != left_ || std::stoi(field(right, "rank")) != right_)
+    throw EngineError("allreduce: neighbour descriptors from the wrong ranks");
+  left_key_ = std::stoull(field(left, "key"));
+  right_key_ = std::stoull(field(right, "key"));
+}
+
+std::vector<size_t> RingAllreduce::layout(const std::vector<ConstSpan>& inputs, size_t* total) {
+  std::vector<size_t> offsets(inputs.size());
+  size_t at = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    offsets[i] = at;
+    at = roundUp(at + inputs[i].bytes, kAlign);
+  }
+  *total = at;
+  return offsets;
+}
+
+void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
+                                      size_t send_begin, size_t send_end, bool send_from_inputs,
+                                      size_t recv_begin, size_t recv_end, uint8_t* out, DType dtype,
+                                      double scale) {
+  Transport& t = engine_->transport();
+  const Deadline deadline = engine_->deadline();
+  const uint64_t m = messages_;
+  const int slot = m % 2;
+  // Send: the right neighbour's slot m%2 is free once it acked message m-2.
+  if (m >= 2) engine_->waitFlag(block_ + offAck(), m - 1, right_, "allreduce: ack from the right neighbour");
+  if (send_from_inputs) {
+    forEachSegment(inputs, offsets, send_begin, send_end, [&](size_t i, size_t lo, size_t hi) {
+      t.write(right_, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), right_key_,
+              offSlot(slot) + (lo - send_begin), hi - lo, deadline);
+    });
+  } else if (send_end > send_begin) {
+    t.write(right_, out + send_begin, right_key_, offSlot(slot) + 0, send_end - send_begin, deadline);
+  }
+  t.writeFlag(right_, right_key_, offFlag(slot), m + 1, deadline);
+  // Receive the left neighbour's partial sum and add our input to it.
+  engine_->waitFlag(block_ + offFlag(slot), m + 1, left_, "allreduce: data from the left neighbour");
+  const uint8_t* staged = block_ + offSlot(slot);
+  forEachSegment(inputs, offsets, recv_begin, recv_end, [&](size_t i, size_t lo, size_t hi) {
+    const auto* in = static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]);
+    const uint8_t* partial = staged + (lo - recv_begin);
+    if (dtype == DType::kFloat32)
+      addScaled(reinterpret_cast<float*>(out + lo), reinterpret_cast<const float*>(in),
+                reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale));
+    else
+      addScaled(reinterpret_cast<double*>(out + lo), reinterpret_cast<const double*>(in),
+                reinterpret_cast<const double*>(partial), (hi - lo) / 8, scale);
+  });
+  t.writeFlag(left_, left_key_, offAck(), m + 1, deadline);
+  ++messages_;
+}
+
+void RingAllreduce::allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin,
+                                  size_t send_end) {
+  Transport& t = engine_->transport();
+  const Deadline deadline = engine_->deadline();
+  if (send_end > send_begin)
+    t.write(right_, out + send_begin, right_key_, out_offset_in_region + send_begin, send_end - send_begin,
+            deadline);
+  t.writeFlag(right_, right_key_, offGather(), gathers_ + 1, deadline);
+  engine_->waitFlag(block_ + offGather(), gathers_ + 1, left_, "allreduce: gathered chunk from the left");
+  ++gathers_;
+}
+
+uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+  size_t total;
+  const std::vector<size_t> offsets = layout(inputs, &total);
+  if (total > capacity_)
+    throw EngineError(strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_,
+                             " bytes"));
+  const size_t elem = dtype == DType::kFloat32 ? 4 : 8;
+  for (const auto& in : inputs)
+    if (in.bytes % elem) throw EngineError("allreduce: tensor size is not a multiple of its dtype size");
+  const size_t out_region_offset = (calls_++ % 2) * capacity_;
+  uint8_t* out = block_ + out_region_offset;
+  const int n = world_;
+  if (n == 1) {
+    forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
+      std::memcpy(out + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), hi - lo);
+    });
+    return out;
+  }
+  if (right_key_ == 0) throw EngineError("allreduce: run() before connect()");
+  const double inv = average ? 1.0 / n : 1.0;
+  for (size_t b0 = 0; b0 < total; b0 += bucket_bytes_) {
+    const size_t b1 = std::min(total, b0 + bucket_bytes_);
+    const size_t chunk = roundUp((b1 - b0 + n - 1) / n, kAlign);
+    auto lo = [&](int c) { return std::min(b1, b0 + ((c % n + n) % n) * chunk); };
+    auto hi = [&](int c) { return std::min(b1, lo(c) + chunk); };
+    // Reduce-scatter: at step s send chunk rank-s, receive chunk rank-s-1.
+    for (int s = 0; s < n - 1; ++s) {
+      const int send = rank_ - s, recv = rank_ - s - 1;
+      reduceScatterStep(inputs, offsets, lo(send), hi(send), s == 0, lo(recv), hi(recv), out, dtype,
+                        s == n - 2 ? inv : 1.0);
+    }
+    // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
+    // writes chunk rank-s straight into our output block.
+    for (int s = 0; s < n - 1; ++s) allgatherStep(out, out_region_offset, lo(rank_ + 1 - s), hi(rank_ + 1 - s));
+  }
+  return out;
+}
+
+}  // namespace rdkeras

@@ -1,0 +1,83 @@
+// RingAllreduce: sums (or averages) a list of tensors across all ranks.
+//
+// The classic bandwidth-optimal ring: every rank sends to rank+1 and receives
+// from rank-1; for each bucket, N-1 reduce-scatter steps then N-1 allgather
+// steps, each moving 1/N of the bucket. Reduce-scatter chunks land in a
+// registered, double-buffered staging slot on the right neighbour (write, then
+// flag; acked one-sidedly like a StaticChannel); the receiver adds them to its
+// own input with a vectorized loop straight into its output block. Allgather
+// chunks are written by the left neighbour straight into this rank's output
+// block -- no staging, no copy on the receiving side.
+//
+// The inputs are read in place (e.g. TensorFlow's gradient buffers) and never
+// concatenated; the outputs are views into one of two registered output
+// blocks (alternating per call, so the previous call's results stay intact),
+// each tensor starting on a 64-byte boundary. Every rank must pass tensors of
+// the same sizes in the same order. One thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace rdkeras {
+
+enum class DType { kFloat32, kFloat64 };
+
+struct ConstSpan {
+  const void* data;
+  size_t bytes;
+};
+
+class RingAllreduce {
+ public:
+  // capacity_bytes: the largest total (with 64-byte padding per tensor) a call may
+  // reduce; bucket_bytes: how much one ring pass moves.
+  RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes);
+  ~RingAllreduce();
+  RingAllreduce(const RingAllreduce&) = delete;
+  RingAllreduce& operator=(const RingAllreduce&) = delete;
+
+  std::string localDescriptor() const;
+  // Descriptors of rank-1 (whom we ack) and rank+1 (whom we write to).
+  void connect(const std::string& left, const std::string& right);
+
+  // Reduces `inputs` (all of one dtype) into the next output block and returns
+  // it; tensor i starts at offsets()[i]. With `average`, the sum is divided by
+  // the world size.
+  uint8_t* run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
+  static std::vector<size_t> layout(const std::vector<ConstSpan>& inputs, size_t* total);
+
+  size_t capacity() const { return capacity_; }
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
+
+ private:
+  struct Remote {
+    uint64_t key = 0;
+  };
+  void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
+                         size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
+                         size_t recv_end, uint8_t* out, DType dtype, double scale);
+  void allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin, size_t send_end);
+
+  std::shared_ptr<Engine> engine_;
+  int rank_, world_, left_, right_;
+  size_t capacity_, bucket_bytes_, slot_bytes_;
+  // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag]
+  uint8_t* block_ = nullptr;
+  size_t block_bytes_ = 0;
+  uint64_t key_ = 0;
+  uint64_t right_key_ = 0, left_key_ = 0;
+  uint64_t messages_ = 0;  // reduce-scatter messages sent (= received) so far
+  uint64_t gathers_ = 0;   // allgather chunks received so far
+  uint64_t calls_ = 0;
+  size_t offSlot(int i) const { return 2 * capacity_ + i * slot_bytes_; }
+  size_t offFlag(int i) const { return 2 * capacity_ + 2 * slot_bytes_ + i * 64; }
+  size_t offAck() const { return offFlag(2); }
+  size_t offGather() const { return offFlag(3); }
+};
+
+}  // namespace rdkeras
