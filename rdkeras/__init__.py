@@ -2,6 +2,8 @@
 
 from rdkeras.engine import TRANSPORTS, Engine
 from rdkeras.errors import AuthenticationError, EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras.launch import launch
+from rdkeras.strategy import RDMAStrategy
 
 __version__ = "0.1.0"
 
@@ -11,6 +13,8 @@ __all__ = [
     "Engine",
     "EngineError",
     "PeerError",
+    "RDMAStrategy",
     "RemoteAccessError",
     "TimeoutError",
+    "launch",
 ]

@@ -25,9 +25,10 @@ import numpy as np
 
 from rdkeras import _engine
 from rdkeras._bootstrap import Store
+from rdkeras._log import logger
 from rdkeras.errors import EngineError
 
-TRANSPORTS = ("shm", "tcp", "grpc")
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
 DEFAULT_TIMEOUT = 300.0
 
@@ -43,6 +44,13 @@ def as_buffer(x: Any) -> Any:
     return x
 
 
+def host_identity() -> str:
+    """Equal for processes that can share memory: same boot and network namespace."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+
+
 def _env(name: str, default: Any = None) -> Any:
     value = os.environ.get(name)
     return default if value in (None, "") else value
@@ -54,7 +62,8 @@ class Engine:
     Args:
         rank: This process's rank (default: ``RDKERAS_RANK`` or 0).
         world_size: Number of ranks (default: ``RDKERAS_WORLD_SIZE`` or 1).
-        transport: "shm" (one host), "tcp" or "grpc" (default: ``RDKERAS_TRANSPORT`` or "shm").
+        transport: "auto", "shm" (one host), "tcp" or "grpc" (default: ``RDKERAS_TRANSPORT`` or
+            "auto", which picks shm when every rank is on this host and tcp otherwise).
         master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
         master_port: Its port (``RDKERAS_MASTER_PORT``).
         token: The job token all ranks share (``RDKERAS_JOB_TOKEN``); required for
@@ -78,7 +87,7 @@ class Engine:
     ):
         self.rank = int(_env("RDKERAS_RANK", 0) if rank is None else rank)
         self.world_size = int(_env("RDKERAS_WORLD_SIZE", 1) if world_size is None else world_size)
-        self.transport = str(_env("RDKERAS_TRANSPORT", "shm") if transport is None else transport)
+        self.transport = str(_env("RDKERAS_TRANSPORT", "auto") if transport is None else transport)
         self.timeout = float(_env("RDKERAS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout)
         arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
         if self.transport not in TRANSPORTS:
@@ -103,6 +112,15 @@ class Engine:
         self._closed = False
         self.store = Store(self.rank, self.world_size, master_addr, master_port, token_bytes, self.timeout)
         try:
+            if self.transport == "auto":
+                hosts = self.store.all_gather("host-identity", host_identity().encode())
+                self.transport = "shm" if len(set(hosts)) == 1 else "tcp"
+                if self.rank == 0:
+                    where = "one host" if self.transport == "shm" else f"{len(set(hosts))} hosts"
+                    logger.info(
+                        f"transport=auto chose {self.transport}: {self.world_size} rank(s) on {where} "
+                        "(verbs is not built yet)"
+                    )
             advertise = self.store.local_host
             if self.transport == "grpc":
                 from rdkeras.transports.grpc import GrpcEngine

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rdkeras._spawn import RankResult, spawn_call
+from rdkeras.launch import RankResult, spawn_call
 
 TESTS_DIR = Path(__file__).resolve().parent
 NATIVE = ["shm", "tcp"]
@@ -24,9 +24,10 @@ def run_ranks(
     env: dict | None = None,
     per_rank_env: list | None = None,
     only_ranks: list | None = None,
+    module: str = "tests.multiproc.workers",
     **kwargs,
 ) -> list[RankResult]:
-    """Runs ``tests.multiproc.workers:<target>(**kwargs)`` on every rank and returns the results.
+    """Runs ``<module>:<target>(**kwargs)`` on every rank and returns the results.
 
     With `check`, every rank must exit 0; otherwise ranks run to the end even if one dies.
     """
@@ -37,7 +38,7 @@ def run_ranks(
     }
     full_env.update(env or {})
     results = spawn_call(
-        f"tests.multiproc.workers:{target}",
+        f"{module}:{target}",
         world_size,
         kwargs,
         timeout=timeout,

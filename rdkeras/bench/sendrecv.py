@@ -152,7 +152,7 @@ def _fmt_size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdkeras._spawn import spawn_call
+    from rdkeras.launch import spawn_call
 
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     results: dict[str, dict] = {}

@@ -266,8 +266,11 @@ def ring_allreduce(calls: int) -> dict:
                     if got.ctypes.data % 64 and eng.transport != "grpc":  # native outputs get aliased by TF
                         errors.append([dtype, call, i, "misaligned"])
                 if previous is not None:  # the previous call's outputs survive one more call
-                    errors += [[dtype, call, "clobbered"]] if not all(
-                        np.array_equal(a, b) for a, b in zip(previous[0], previous[1], strict=True)) else []
+                    errors += (
+                        [[dtype, call, "clobbered"]]
+                        if not all(np.array_equal(a, b) for a, b in zip(previous[0], previous[1], strict=True))
+                        else []
+                    )
                 previous = (outputs, [o.copy() for o in outputs])
         # bit-identical results on every rank
         digest = zlib.crc32(b"".join(o.tobytes() for o in outputs))

@@ -1,0 +1,1 @@
+"""How a compiled Keras model is spread over workers (data parallel now; model parallel later)."""

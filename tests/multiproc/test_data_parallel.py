@@ -1,0 +1,44 @@
+"""Data-parallel model.fit: N workers with per-worker batch b == one process with batch N*b."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_ranks
+
+TARGET = "tests.multiproc.keras_workers"
+
+
+def _run(target: str, world_size: int, transport: str, **kwargs):
+    return run_ranks(target, world_size, transport=transport, timeout=240, module=TARGET, **kwargs)
+
+
+@functools.lru_cache
+def _reference(kind: str, batch: int):
+    (r,) = _run("fit_model", 1, "shm", kind=kind, batch=batch, distributed=False)
+    return r.value
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_fit_matches_single_process_with_global_batch(kind, transport):
+    workers, per_worker_batch = 2, 8
+    results = _run("fit_model", workers, transport, kind=kind, batch=per_worker_batch)
+    reference = _reference(kind, workers * per_worker_batch)
+    assert results[0].value["transport"] == transport
+    for r in results:
+        for got, want in zip(r.value["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    # Every worker ends with bit-identical weights and reports the same evaluation.
+    assert all(r.value["weights"] == results[0].value["weights"] for r in results)
+    assert all(r.value["evaluate"] == results[0].value["evaluate"] for r in results)
+
+
+def test_three_workers_match_too():
+    results = _run("fit_model", 3, "shm", kind="mlp", batch=8)
+    reference = _reference("mlp", 24)
+    for got, want in zip(results[2].value["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
