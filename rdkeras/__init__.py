@@ -2,7 +2,6 @@
 
 from rdkeras.engine import TRANSPORTS, Engine
 from rdkeras.errors import AuthenticationError, EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
-from rdkeras.launch import launch
 from rdkeras.strategy import RDMAStrategy
 
 __version__ = "0.1.0"
@@ -18,3 +17,12 @@ __all__ = [
     "TimeoutError",
     "launch",
 ]
+
+
+def __getattr__(name: str):
+    # Lazily, so that `python -m rdkeras.launch` does not find the module imported already.
+    if name == "launch":
+        import importlib
+
+        return importlib.import_module("rdkeras.launch")  # a callable module: rdkeras.launch(fn, num_workers=N)
+    raise AttributeError(f"module 'rdkeras' has no attribute {name!r}")

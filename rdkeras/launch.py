@@ -22,12 +22,16 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 _RESULT_MARK = "@@rdkeras-result@@"
+# After one worker fails, how long the others get to fail on their own (a dead
+# peer is noticed within milliseconds) before they are killed.
+FAILURE_GRACE_S = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -44,6 +48,7 @@ class RankResult:
     returncode: int | None
     output: str
     value: Any = None
+    ended_at: float = float("inf")  # when the launcher saw it exit (monotonic)
     tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
 
 
@@ -111,17 +116,27 @@ def run_workers(
     for t in readers:
         t.start()
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def note_exits() -> None:
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            if p.poll() is not None and results[i].ended_at == float("inf"):
+                results[i].ended_at = now
+
     try:
         while any(p.poll() is None for p in procs):
+            note_exits()
             failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
             if failed or (deadline is not None and time.monotonic() > deadline):
-                if failed:  # give the others a moment to report their own view of the failure
-                    end = time.monotonic() + 2.0
+                if failed:  # let the others notice the failure and report it themselves
+                    end = time.monotonic() + FAILURE_GRACE_S
                     while time.monotonic() < end and any(p.poll() is None for p in procs):
+                        note_exits()
                         time.sleep(0.05)
                 break
             time.sleep(0.02)
     finally:
+        note_exits()
         for p in procs:
             if p.poll() is None:
                 try:
@@ -144,10 +159,9 @@ def run_workers(
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:
-    """The rank that failed first in spirit: a non-zero exit that was not our own SIGKILL."""
+    """The worker that failed first (the others usually failed because of it)."""
     failed = [r for r in results if r.returncode not in (0, None)]
-    own_kill = -signal.SIGKILL
-    return next((r for r in failed if r.returncode != own_kill), failed[0] if failed else None)
+    return min(failed, key=lambda r: r.ended_at) if failed else None
 
 
 def spawn_call(
@@ -234,14 +248,16 @@ def launch(
         return values
 
 
+def _status(r: RankResult) -> str:
+    if r.returncode is None:
+        return "timeout"
+    return f"exit code {r.returncode}" if r.returncode >= 0 else f"signal {-r.returncode}"
+
+
 def _failure_message(r: RankResult) -> str:
-    how = (
-        f"exit code {r.returncode}"
-        if r.returncode is not None and r.returncode >= 0
-        else (f"signal {-r.returncode}" if r.returncode is not None else "timeout")
-    )
-    tail = "".join(r.tail).rstrip()
-    return f"worker rank {r.rank} failed ({how}); its last output:\n{tail}"
+    how = _status(r)
+    tail = "".join(r.tail).rstrip() or "(nothing)"
+    return f"worker rank {r.rank} failed first ({how}); its last output:\n{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,9 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     bad = first_failure(results) or next((r for r in results if r.returncode is None), None)
     if bad is not None:
         print(f"rdkeras.launch: {_failure_message(bad)}", file=sys.stderr)
+        for r in results:
+            after = f", {r.ended_at - bad.ended_at:.1f} s after rank {bad.rank}" if r is not bad else ""
+            print(f"rdkeras.launch: rank {r.rank}: {_status(r)}{after}", file=sys.stderr)
         return bad.returncode if bad.returncode and bad.returncode > 0 else 1
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """``rdkeras.launch(fn, num_workers=N)`` and ``python -m rdkeras.launch`` share one name."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return launch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -121,9 +121,12 @@ class _DistributedModel:
                 (a["x"], a["y"], a["sample_weight"]), validation_split=a["validation_split"]
             )
             a["validation_split"] = 0.0
+        x = a["x"]
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
         )
+        if a["x"] is not x:
+            a["shuffle"] = False  # shard() already shuffled, in the same order on every worker
         if a["validation_data"] is not None:
             vx, vy, vw = _unpack(a["validation_data"])
             vx, vy, vw, a["validation_batch_size"] = dp.shard(
