@@ -74,3 +74,56 @@ def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True) 
     if strategy:
         strategy.close()
     return out
+
+
+def fit_inputs(source: str, batch: int = 8, epochs: int = 2) -> dict:
+    """Same training as fit_model('mlp'), fed as a tf.data.Dataset or a keras.utils.PyDataset."""
+    import keras
+    import tensorflow as tf
+
+    import rdkeras
+
+    x, y = _data("mlp")
+    strategy = rdkeras.RDMAStrategy()
+    with strategy.scope():
+        model = _model("mlp", seed=100 + strategy.worker_index)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if source == "dataset":
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    else:
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return len(x) // batch
+
+            def __getitem__(self, i):
+                return x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+
+        data = Batches()
+    model.fit(data, epochs=epochs, verbose=0)
+    strategy.close()
+    return {"weights": [w.tolist() for w in model.get_weights()]}
+
+
+def fit_callbacks() -> dict:
+    """Epoch logs are averaged over workers, so EarlyStopping stops everyone at the same epoch."""
+    import keras
+
+    import rdkeras
+
+    x, y = _data("mlp")
+    strategy = rdkeras.RDMAStrategy()
+    rank = strategy.worker_index
+    # Each worker sees different data, so its own loss differs from the others'.
+    x = x + rank * 0.5
+    with strategy.scope():
+        model = _model("mlp", seed=1)
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.02, patience=0)
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05)
+    history = model.fit(x, y, batch_size=8, epochs=30, verbose=0, callbacks=[stop, plateau])
+    strategy.close()
+    return {"loss": history.history["loss"], "stopped_epoch": stop.stopped_epoch,
+            "lr": float(model.optimizer.learning_rate.numpy())}

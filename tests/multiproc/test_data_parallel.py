@@ -42,3 +42,21 @@ def test_three_workers_match_too():
     reference = _reference("mlp", 24)
     for got, want in zip(results[2].value["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["dataset", "pydataset"])
+def test_tf_data_and_pydataset_inputs_are_sharded(source):
+    results = _run("fit_inputs", 2, "shm", source=source)
+    reference = _reference("mlp", 16)
+    for r in results:
+        for got, want in zip(r.value["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_callbacks_see_metrics_averaged_over_workers():
+    results = _run("fit_callbacks", 2, "shm")
+    a, b = results[0].value, results[1].value
+    assert a["loss"] == b["loss"]  # averaged epoch logs, identical on both workers
+    assert 1 < len(a["loss"]) < 30  # EarlyStopping fired ...
+    assert a["stopped_epoch"] == b["stopped_epoch"] > 0  # ... at the same epoch everywhere
+    assert a["lr"] == b["lr"] < 0.05  # ReduceLROnPlateau agreed too
