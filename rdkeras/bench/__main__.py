@@ -1,4 +1,4 @@
-"""python -m rdkeras.bench {sendrecv} [options]"""
+"""python -m rdkeras.bench {sendrecv,allreduce,fit} [options]"""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    from rdkeras.bench import sendrecv
+    from rdkeras.bench import allreduce, fit, sendrecv
 
-    sendrecv.add_arguments(sub.add_parser("sendrecv", help=sendrecv.__doc__.splitlines()[0]))
+    benches = {"sendrecv": sendrecv, "allreduce": allreduce, "fit": fit}
+    for name, module in benches.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    return {"sendrecv": sendrecv.run}[args.bench](args)
+    return benches[args.bench].run(args)
 
 
 if __name__ == "__main__":

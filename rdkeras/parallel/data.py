@@ -196,12 +196,11 @@ class DataParallel:
     def __init__(self, engine: Engine, mode: str = "allreduce", bucket_bytes: int = 64 << 20, seed: int = 1234):
         if mode not in ("allreduce", "ps"):
             raise ValueError(f"data.mode must be 'allreduce' or 'ps', got {mode!r}")
-        if mode == "ps":
-            raise NotImplementedError("data.mode='ps' (parameter server) is not implemented yet; use 'allreduce'")
         self.engine, self.mode, self.seed = engine, mode, seed
         self.collectives = Collectives(engine, bucket_bytes)
         self.synced = False
         self._warned: set[str] = set()
+        self._attached: list[Any] = []
 
     @property
     def num_workers(self) -> int:
@@ -221,7 +220,14 @@ class DataParallel:
             self._warn_once("jit", "jit_compile turned off: the allreduce runs as a tf.numpy_function")
         model.jit_compile = False
         opt = model.optimizer
-        opt.__class__ = _distributed_optimizer_class(opt.__class__, GradientAllreduce(self.collectives))
+        if self.mode == "ps":
+            from rdkeras.parallel.ps import ParameterServer, ps_optimizer_class
+
+            ps = ParameterServer(self.engine, f"opt{len(self._attached)}")
+            opt.__class__ = ps_optimizer_class(opt.__class__, ps)
+        else:
+            opt.__class__ = _distributed_optimizer_class(opt.__class__, GradientAllreduce(self.collectives))
+        self._attached.append(model)
         base = model.__class__
         model.__class__ = type(base.__name__, (_DistributedModel, base), {"_rdkeras_base": base})
         object.__setattr__(model, "_rdkeras", self)

@@ -42,7 +42,7 @@ def _model(kind: str, seed: int):
     )
 
 
-def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True) -> dict:
+def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce") -> dict:
     """Trains with SGD; returns final weights and evaluate() results."""
     import keras
 
@@ -50,7 +50,7 @@ def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True) 
 
     x, y = _data(kind)
     if distributed:
-        strategy = rdkeras.RDMAStrategy()
+        strategy = rdkeras.RDMAStrategy(mode=mode)
         rank = strategy.worker_index
         scope = strategy.scope()
     else:
@@ -87,8 +87,9 @@ def fit_inputs(source: str, batch: int = 8, epochs: int = 2) -> dict:
     strategy = rdkeras.RDMAStrategy()
     with strategy.scope():
         model = _model("mlp", seed=100 + strategy.worker_index)
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     if source == "dataset":
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     else:
@@ -119,11 +120,15 @@ def fit_callbacks() -> dict:
     x = x + rank * 0.5
     with strategy.scope():
         model = _model("mlp", seed=1)
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.02, patience=0)
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05)
     history = model.fit(x, y, batch_size=8, epochs=30, verbose=0, callbacks=[stop, plateau])
     strategy.close()
-    return {"loss": history.history["loss"], "stopped_epoch": stop.stopped_epoch,
-            "lr": float(model.optimizer.learning_rate.numpy())}
+    return {
+        "loss": history.history["loss"],
+        "stopped_epoch": stop.stopped_epoch,
+        "lr": float(model.optimizer.learning_rate.numpy()),
+    }

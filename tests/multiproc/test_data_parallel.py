@@ -22,11 +22,12 @@ def _reference(kind: str, batch: int):
     return r.value
 
 
+@pytest.mark.parametrize("mode", ["allreduce", "ps"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_fit_matches_single_process_with_global_batch(kind, transport):
+def test_fit_matches_single_process_with_global_batch(kind, transport, mode):
     workers, per_worker_batch = 2, 8
-    results = _run("fit_model", workers, transport, kind=kind, batch=per_worker_batch)
+    results = _run("fit_model", workers, transport, kind=kind, batch=per_worker_batch, mode=mode)
     reference = _reference(kind, workers * per_worker_batch)
     assert results[0].value["transport"] == transport
     for r in results:
@@ -37,8 +38,9 @@ def test_fit_matches_single_process_with_global_batch(kind, transport):
     assert all(r.value["evaluate"] == results[0].value["evaluate"] for r in results)
 
 
-def test_three_workers_match_too():
-    results = _run("fit_model", 3, "shm", kind="mlp", batch=8)
+@pytest.mark.parametrize("mode", ["allreduce", "ps"])
+def test_three_workers_match_too(mode):
+    results = _run("fit_model", 3, "shm", kind="mlp", batch=8, mode=mode)
     reference = _reference("mlp", 24)
     for got, want in zip(results[2].value["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

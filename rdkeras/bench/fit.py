@@ -1,0 +1,147 @@
+"""Training throughput: per-worker mini-batches/s of model.fit, alone and on N workers.
+
+Configurations, measured one after another in one run: 1 worker without any
+communication (plain Keras), N workers on rdkeras for each native transport,
+and N workers on ``transport=grpc`` (the RPC baseline). Every worker is pinned
+to its own core and TensorFlow uses one thread per worker in every
+configuration, so per-worker compute is the same and only communication differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (input/output width, hidden width): FCN-5 is input -> 3 x hidden (sigmoid) -> softmax output.
+FCN5_SIZES = {"small": (4096, 1024), "full": (26752, 2048)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="fcn5", choices=["fcn5"], help="the network (fcn5: 5-layer fully connected)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    p.add_argument("--full", action="store_true", help="the paper's sizes (FCN-5 26752-2048x3-26752, 118 M params)")
+    p.add_argument("--transports", default="shm,tcp,grpc")
+    p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--timeout", type=float, default=1800)
+
+
+def _fcn5(width: int, hidden: int):
+    import keras
+
+    return keras.Sequential(
+        [
+            keras.Input((width,)),
+            *[keras.layers.Dense(hidden, activation="sigmoid") for _ in range(3)],
+            keras.layers.Dense(width, activation="softmax"),
+        ]
+    )
+
+
+def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int, warmup: int) -> dict:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    workers = strategy.num_workers if strategy else 1
+    rng = np.random.default_rng(0)
+    samples = batch * workers * (steps + warmup)
+    x = rng.random((samples, width), dtype=np.float32)
+    y = rng.integers(0, width, samples)
+    import contextlib
+
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = _fcn5(width, hidden)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, b, logs=None):
+            if b == warmup:
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, logs=None):
+            self.t1 = time.perf_counter()
+
+    clock = Clock()
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
+    rate = steps / (clock.t1 - clock.t0)
+    params = model.count_params()
+    transport = strategy.transport if strategy else "none"
+    if strategy:
+        strategy.close()
+    return {"rate": rate, "params": params, "transport": transport}
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdkeras.launch import spawn_call
+
+    width, hidden = FCN5_SIZES["full" if args.full else "small"]
+    steps = max(4, args.steps // 2) if args.quick else args.steps
+    common = {"width": width, "hidden": hidden, "batch": args.batch_size, "steps": steps, "warmup": 3}
+    configs = [("1 worker, no communication", 1, None)]
+    configs += [(f"{args.workers} workers, rdkeras {t}", args.workers, t) for t in args.transports.split(",")]
+    rows = []
+    for label, n, transport in configs:
+        print(f"[fit] {label} ...", flush=True)
+        env = {"RDKERAS_TRANSPORT": transport} if transport else {}
+        ranks = spawn_call(
+            "rdkeras.bench.fit:rank_main",
+            n,
+            {"distributed": transport is not None, **common},
+            env=env,
+            timeout=args.timeout,
+        )
+        bad = [r for r in ranks if r.returncode != 0]
+        if bad:
+            print(f"[fit] {label} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
+            return 1
+        rate = min(r.value["rate"] for r in ranks)  # the slowest worker sets the pace
+        rows.append(
+            {
+                "config": label,
+                "transport": transport or "none",
+                "workers": n,
+                "per_worker_batches_per_s": rate,
+                "params": ranks[0].value["params"],
+            }
+        )
+
+    base = rows[0]["per_worker_batches_per_s"]
+    grpc = next((r["per_worker_batches_per_s"] for r in rows if r["transport"] == "grpc"), None)
+    params = rows[0]["params"]
+    print(
+        f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
+        f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, "
+        "1 core per worker"
+    )
+    print(f"{'configuration':<32} {'batches/s per worker':>21} {'x 1 worker':>11} {'x grpc':>8}")
+    for r in rows:
+        rate = r["per_worker_batches_per_s"]
+        xg = f"{rate / grpc:.1f}" if grpc and r["transport"] not in ("grpc", "none") else "-"
+        print(f"{r['config']:<32} {rate:>21.2f} {rate / base:>11.2f} {xg:>8}")
+    shm = next((r for r in rows if r["transport"] == "shm"), None)
+    if shm and grpc:
+        ratio, speedup = shm["per_worker_batches_per_s"] / base, shm["per_worker_batches_per_s"] / grpc
+        print("\nTargets")
+        print(f"  [{'met' if ratio >= 0.9 else 'MISSED'}] rdkeras shm >= 0.9 x one worker's rate: {ratio:.2f}")
+        print(f"  [{'met' if speedup >= 3 else 'MISSED'}] rdkeras shm >= 3 x grpc: {speedup:.1f}x")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fit.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out / 'fit.json'}")
+    return 0

@@ -1,0 +1,186 @@
+"""Parameter-server data parallelism, the seed's design, with the servers sharded over the workers.
+
+Every trainable variable has one owner (variables are dealt out by size so
+owners carry equal bytes). Each step, synchronously:
+
+1. push: every worker writes its gradient for each variable straight into the
+   owner's registered gradient slot (one-sided write), then sets a flag;
+2. the owner averages the N contributions and applies the optimizer to the
+   variables it owns (the user's Keras optimizer, on that subset);
+3. publish: the owner copies the new values into its registered parameter
+   buffer and sets a version flag on every worker;
+4. pull: every worker reads the owner's parameters (one-sided read after the
+   version flag), acks, and assigns them to its copies.
+
+So all workers end every step with identical weights. Each rank's registered
+block: [gradient slot per sender | published parameters | flags: gradient-in
+per sender, version per owner, pulled per worker].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rdkeras.engine import Engine
+
+_FLAG = 64  # one cache line per flag word
+
+
+def _aligned(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+class ParameterServer:
+    """One per distributed optimizer; set up on the first step, identically on every worker."""
+
+    def __init__(self, engine: Engine, name: str):
+        self.engine, self.name = engine, name
+        self.n, self.rank = engine.world_size, engine.rank
+        self.step = 0
+        self.owner: list[int] = []
+
+    # -- setup ----------------------------------------------------------------
+
+    def _setup(self, shapes: list[tuple], dtypes: list[np.dtype]) -> None:
+        n, r = self.n, self.rank
+        sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)]
+        load = [0] * n
+        self.owner = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):  # largest first, to the least loaded
+            o = min(range(n), key=lambda k: (load[k], k))
+            self.owner[i] = o
+            load[o] += sizes[i]
+        self.shapes, self.dtypes, self.sizes = shapes, [np.dtype(d) for d in dtypes], sizes
+        # Offsets of each variable inside its owner's packed layout.
+        self.offset = [0] * len(sizes)
+        self.owned_bytes = [0] * n
+        for i, s in enumerate(sizes):
+            o = self.owner[i]
+            self.offset[i] = self.owned_bytes[o]
+            self.owned_bytes[o] += _aligned(s)
+        self.layouts = [self._layout(o) for o in range(n)]
+        lay = self.layouts[r]
+        self.block = self.engine.empty(lay["bytes"])
+        self.block[lay["flags"] :] = 0
+        self.key = self.engine.register(self.block)
+        store = self.engine.store
+        store.set(f"ps/{self.name}/{r}", str(self.key).encode())
+        keys = store.get([f"ps/{self.name}/{k}" for k in range(n)], waiting_for=list(range(n)))
+        self.keys = [int(k) for k in keys]
+        # Where pulled parameters land (this rank's copy of every other owner's buffer).
+        self.pulled = {o: self.engine.empty(max(self.owned_bytes[o], 64)) for o in range(n) if o != r}
+
+    def _layout(self, o: int) -> dict:
+        slot = _aligned(self.owned_bytes[o])
+        params = self.n * slot
+        flags = params + slot
+        return {"slot": slot, "params": params, "flags": flags, "bytes": flags + 3 * self.n * _FLAG}
+
+    def _flag(self, o: int, kind: int, who: int) -> int:
+        """Offset of flag `kind` (0 gradient-in, 1 version, 2 pulled) for rank `who` in rank o's block."""
+        return self.layouts[o]["flags"] + (kind * self.n + who) * _FLAG
+
+    def _wait(self, kind: int, who: int, value: int) -> None:
+        self.engine.wait_flag(self.block, self._flag(self.rank, kind, who), value, peer=who)
+
+    def _view(self, buf: np.ndarray, start: int, i: int) -> np.ndarray:
+        return (
+            buf[start + self.offset[i] : start + self.offset[i] + self.sizes[i]]
+            .view(self.dtypes[i])
+            .reshape(self.shapes[i])
+        )
+
+    # -- the two halves of a step ---------------------------------------------------
+
+    def owned(self, count: int) -> list[int]:
+        return [i for i in range(count) if self.owner[i] == self.rank]
+
+    def push_and_reduce(self, *grads: np.ndarray) -> list[np.ndarray]:
+        """Pushes every gradient to its owner; returns the averaged gradients of the variables owned here."""
+        self.step += 1
+        n, r, t, eng = self.n, self.rank, self.step, self.engine
+        for o in range(n):
+            if o == r:
+                continue
+            lay = self.layouts[o]
+            for i in range(len(grads)):
+                if self.owner[i] == o:
+                    eng.write(o, np.ascontiguousarray(grads[i]), self.keys[o], r * lay["slot"] + self.offset[i])
+            eng.write_flag(o, self.keys[o], self._flag(o, 0, r), t)
+        lay = self.layouts[r]
+        for s in range(n):
+            if s != r:
+                self._wait(0, s, t)
+        out = []
+        for i in self.owned(len(grads)):
+            total = grads[i].astype(self.dtypes[i], copy=True)
+            for s in range(n):
+                if s != r:
+                    total += self._view(self.block, s * lay["slot"], i)
+            total /= n
+            out.append(total)
+        return out
+
+    def publish_and_pull(self, *owned_values: np.ndarray) -> list[np.ndarray]:
+        """Publishes the owned variables' new values; returns every other variable's, read from its owner."""
+        n, r, t, eng = self.n, self.rank, self.step, self.engine
+        lay = self.layouts[r]
+        for w in range(n):  # the previous version must be fully read before it is overwritten
+            if w != r:
+                self._wait(2, w, t - 1)
+        for i, value in zip(self.owned(len(self.owner)), owned_values, strict=True):
+            self._view(self.block, lay["params"], i)[...] = value
+        for w in range(n):
+            if w != r:
+                eng.write_flag(w, self.keys[w], self._flag(w, 1, r), t)
+        for o in range(n):
+            if o == r:
+                continue
+            self._wait(1, o, t)
+            eng.read(o, self.pulled[o][: self.owned_bytes[o]], self.keys[o], self.layouts[o]["params"])
+            eng.write_flag(o, self.keys[o], self._flag(o, 2, r), t)
+        return [
+            self._view(self.pulled[self.owner[i]], 0, i).copy() for i in range(len(self.owner)) if self.owner[i] != r
+        ]
+
+
+def ps_optimizer_class(base: type, ps: ParameterServer) -> type:
+    """The user's optimizer class, with ``apply`` running the parameter-server step."""
+
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        import tensorflow as tf
+
+        variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        if not self.built:  # build on all variables: slots exist everywhere, iterations agree
+            self.build(variables)
+        if ps.n == 1:
+            return base.apply(self, grads, variables)
+        if not ps.owner:  # the owner map is needed while tracing (collective: every worker traces once)
+            ps._setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
+        mine = [i for i in range(len(variables)) if ps.owner[i] == ps.rank]
+        others = [i for i in range(len(variables)) if ps.owner[i] != ps.rank]
+        averaged = tf.numpy_function(
+            ps.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
+        )
+        if mine:
+            for i, g in zip(mine, averaged, strict=True):
+                g.set_shape(grads[i].shape)
+            base.apply(self, list(averaged), [variables[i] for i in mine])
+        else:
+            self.iterations.assign_add(1)  # keep the step count in line with the owners
+        fresh = tf.numpy_function(
+            ps.publish_and_pull,
+            [variables[i].value for i in mine],
+            Tout=[tf.as_dtype(variables[i].dtype) for i in others],
+            stateful=True,
+            name="rdkeras_ps_pull",
+        )
+        for i, value in zip(others, fresh, strict=True):
+            value.set_shape(variables[i].shape)
+            variables[i].assign(value)
+        return None
+
+    return type(base.__name__, (base,), {"apply": apply, "_rdkeras_base": base})
