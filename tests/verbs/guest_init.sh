@@ -7,7 +7,6 @@ set -u
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 JOB=$1
 NONCE=$(cat "$JOB/nonce")
-KVER=$(uname -r)
 
 marker() { printf '\n@@RDKERAS-VM %s nonce=%s@@\n' "$1" "$NONCE"; }
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
@@ -87,8 +86,10 @@ ENVV+=("RDKERAS_IN_VM=1")
 
 marker "ready uptime=$(uptime_s)"
 cd "$CWD" || fail "cannot cd to $CWD"
-env -i "${ENVV[@]}" "${ARGV[@]}" < /dev/null
-rc=$?
+# Output through a pipe, not the console tty: programs see what they see in CI (no
+# colours, no tty line discipline).
+env -i "${ENVV[@]}" "${ARGV[@]}" < /dev/null 2>&1 | cat
+rc=${PIPESTATUS[0]}
 sync
 marker "exit code=$rc uptime=$(uptime_s)"
 poweroff_now

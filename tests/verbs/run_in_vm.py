@@ -58,9 +58,19 @@ mkdir -p /proc /sys /dev /lower /upper /newroot
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-die() { echo "rdkeras-vm stage1: $*"; echo "@@RDKERAS-VM error nonce=$NONCE@@"; echo o > /proc/sysrq-trigger; sleep 10; exit 1; }
+die() {
+  echo "rdkeras-vm stage1: $*"
+  echo "@@RDKERAS-VM error nonce=$NONCE@@"
+  echo o > /proc/sysrq-trigger
+  sleep 10
+  exit 1
+}
 for a in $(cat /proc/cmdline); do
-  case "$a" in rdk_job=*) JOB=${a#rdk_job=} ;; rdk_init=*) INIT2=${a#rdk_init=} ;; rdk_nonce=*) NONCE=${a#rdk_nonce=} ;; esac
+  case "$a" in
+    rdk_job=*) JOB=${a#rdk_job=} ;;
+    rdk_init=*) INIT2=${a#rdk_init=} ;;
+    rdk_nonce=*) NONCE=${a#rdk_nonce=} ;;
+  esac
 done
 while read -r m; do
   insmod "/modules/$m" || die "insmod $m failed"
@@ -121,7 +131,9 @@ def stage1_module_paths(kver: str, kdir: Path) -> list[Path]:
     for mod in STAGE1_MODULES:
         res = subprocess.run(
             ["modprobe", "-d", str(kdir), "-S", kver, "--show-depends", mod],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if res.returncode != 0:
             raise Error(f"modprobe --show-depends {mod} failed: {res.stderr.strip()}")
@@ -167,7 +179,7 @@ def build_initramfs(cache: Path, kver: str, kdir: Path) -> Path:
 
 
 def acquire_lock(cache: Path, deadline: float):
-    f = open(cache / "vm.lock", "w")  # noqa: SIM115 - held for the whole run
+    f = open(cache / "vm.lock", "w")
     announced = False
     while True:
         try:
@@ -180,6 +192,18 @@ def acquire_lock(cache: Path, deadline: float):
             if time.monotonic() > deadline:
                 raise Error("timed out waiting for the VM lock") from None
             time.sleep(0.5)
+
+
+def remove_stale_jobs() -> None:
+    """Removes job folders left by runs that were killed (SIGKILL leaves no time to clean)."""
+    for d in Path(tempfile.gettempdir()).glob("rdkeras-vm-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
 
 
 def set_pdeathsig() -> None:
@@ -195,10 +219,20 @@ def main() -> int:
         usage="%(prog)s [options] -- COMMAND [ARGS...]",
     )
     ap.add_argument("--timeout", type=float, default=600, help="wall-clock limit for the whole VM, seconds (600)")
+    ap.add_argument(
+        "--accel",
+        default="tcg,thread=multi",
+        help="QEMU -accel value (tcg,thread=multi; KVM does not boot on this kind of host)",
+    )
     ap.add_argument("--cpus", type=int, default=2, help="guest vCPUs (2)")
     ap.add_argument("--mem", default="2G", help="guest memory (2G)")
-    ap.add_argument("--rw", action="append", default=[], metavar="DIR",
-                    help="share this host directory read-write at the same path (repeatable)")
+    ap.add_argument(
+        "--rw",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="share this host directory read-write at the same path (repeatable)",
+    )
     ap.add_argument("--no-rdma", action="store_true", help="skip the rxe/veth setup")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra guest environment")
     ap.add_argument("--verbose", "-v", action="store_true", help="show the kernel's boot messages and QEMU's command")
@@ -218,6 +252,7 @@ def main() -> int:
         raise Error(f"qemu-system-x86_64 not found: run `bash {HERE / 'setup.sh'}`")
     kver, kdir = find_kernel(cache)
     kernel = kdir / "vmlinux" if (kdir / "vmlinux").is_file() else kdir / "vmlinuz"
+    lock = acquire_lock(cache, deadline)  # released when this process exits
     initrd = build_initramfs(cache, kver, kdir)
 
     rw_dirs = [str(Path(d).resolve()) for d in args.rw]
@@ -230,7 +265,8 @@ def main() -> int:
             raise Error(f"path with whitespace or comma not supported: {p!r}")
 
     nonce = secrets.token_hex(8)
-    job = Path(tempfile.mkdtemp(prefix="rdkeras-vm-"))
+    remove_stale_jobs()
+    job = Path(tempfile.mkdtemp(prefix=f"rdkeras-vm-{os.getpid()}-"))
     os.chmod(job, 0o755)
     env = dict(os.environ)
     for kv in args.env:
@@ -247,36 +283,83 @@ def main() -> int:
     if rw_dirs:
         (job / "rw").write_bytes(b"".join(os.fsencode(d) + b"\0" for d in rw_dirs))
 
-    append = " ".join([
-        "console=ttyS0,115200", "panic=-1", "rdinit=/init", "mitigations=off", "random.trust_cpu=on",
-        "tsc=reliable", "i8042.nokbd", "i8042.noaux", "8250.nr_uarts=1",
-        "loglevel=7" if args.verbose else "quiet loglevel=3",
-        f"rdk_job={job}", f"rdk_init={GUEST_INIT}", f"rdk_nonce={nonce}",
-    ])
+    append = " ".join(
+        [
+            "console=ttyS0,115200",
+            "panic=-1",
+            "rdinit=/init",
+            "mitigations=off",
+            "random.trust_cpu=on",
+            "tsc=reliable",
+            "i8042.nokbd",
+            "i8042.noaux",
+            "8250.nr_uarts=1",
+            "loglevel=7" if args.verbose else "quiet loglevel=3",
+            f"rdk_job={job}",
+            f"rdk_init={GUEST_INIT}",
+            f"rdk_nonce={nonce}",
+        ]
+    )
     qemu = [
-        qemu_bin, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(args.cpus), "-m", args.mem,
-        "-machine", "q35", "-nodefaults", "-no-user-config", "-display", "none", "-nic", "none",
-        "-serial", "stdio", "-monitor", "none", "-no-reboot",
-        "-kernel", str(kernel), "-initrd", str(initrd), "-append", append,
-        "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
-        "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+        qemu_bin,
+        "-accel",
+        args.accel,
+        "-cpu",
+        "max",
+        "-smp",
+        str(args.cpus),
+        "-m",
+        args.mem,
+        "-machine",
+        "q35",
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-nic",
+        "none",
+        "-serial",
+        "stdio",
+        "-monitor",
+        "none",
+        "-no-reboot",
+        "-kernel",
+        str(kernel),
+        "-initrd",
+        str(initrd),
+        "-append",
+        append,
+        "-fsdev",
+        "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
+        "-device",
+        "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
     ]
     for i, d in enumerate(rw_dirs):
-        qemu += ["-fsdev", f"local,id=rw{i},path={d},security_model=none,multidevs=remap",
-                 "-device", f"virtio-9p-pci,fsdev=rw{i},mount_tag=rw{i}"]
+        qemu += [
+            "-fsdev",
+            f"local,id=rw{i},path={d},security_model=none,multidevs=remap",
+            "-device",
+            f"virtio-9p-pci,fsdev=rw{i},mount_tag=rw{i}",
+        ]
     if args.verbose:
         log("qemu: " + shlex.join(qemu))
 
-    lock = acquire_lock(cache, deadline)
     proc: subprocess.Popen | None = None
     state = {"ready": None, "exit": None, "error": False, "ready_uptime": None, "exit_uptime": None}
     marker_re = re.compile(rb"^@@RDKERAS-VM (\w+)(.*) nonce=" + nonce.encode() + rb"@@$")
     out = sys.stdout.buffer
 
     def reader(stream) -> None:
+        blank = False  # a held-back empty line: the guest prints one before each marker
         for raw in iter(stream.readline, b""):
             line = raw.rstrip(b"\r\n").replace(b"\r", b"")
             m = marker_re.match(line)
+            if blank and not m:
+                out.write(b"\n")
+            blank = False
+            if not line and not m:
+                blank = True
+                continue
             if m:
                 kind, rest = m.group(1).decode(), m.group(2).decode()
                 fields = dict(kv.split("=", 1) for kv in rest.split())
@@ -289,6 +372,8 @@ def main() -> int:
                 elif kind == "error":
                     state["error"] = True
                 continue
+            if (state["exit"] is not None or state["error"]) and not args.verbose:
+                continue  # the kernel's power-off messages
             out.write(line + b"\n")
             out.flush()
 
@@ -301,8 +386,12 @@ def main() -> int:
     t_boot = time.monotonic()
     try:
         proc = subprocess.Popen(
-            qemu, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            preexec_fn=set_pdeathsig, start_new_session=True,
+            qemu,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=set_pdeathsig,
+            start_new_session=True,
         )
         th = threading.Thread(target=reader, args=(proc.stdout,), daemon=True)
         th.start()
@@ -338,8 +427,10 @@ def main() -> int:
     t_end = time.monotonic()
     timing = f"total {t_end - t_start:.1f} s"
     if state["ready"] is not None:
-        timing = (f"boot to command {state['ready'] - t_boot:.1f} s (guest uptime {state['ready_uptime']} s), "
-                  f"command {t_end - state['ready']:.1f} s, " + timing)
+        timing = (
+            f"boot to command {state['ready'] - t_boot:.1f} s (guest uptime {state['ready_uptime']} s), "
+            f"command {t_end - state['ready']:.1f} s, " + timing
+        )
     if interrupted is not None:
         log(f"interrupted by signal {int(interrupted)}; VM killed ({timing})")
         return 128 + int(interrupted)

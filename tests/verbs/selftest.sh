@@ -63,7 +63,7 @@ echo "ib_write_bw result: $BW"
 
 step "rxe counters"
 for c in /sys/class/infiniband/"$DEV"/ports/1/hw_counters/*; do
-  printf '%s=%s ' "$(basename "$c")" "$(cat "$c")"
+  printf '%s=%s ' "${c##*/}" "$(< "$c")"  # builtins only: each exec costs ~0.1 s under TCG
 done
 echo
 

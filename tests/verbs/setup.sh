@@ -98,7 +98,7 @@ else
     dpkg-deb --fsys-tarfile "$DEB" | tar -t > "$LIST"
     MODBASE="./lib/modules/$KVER"
     # Path of module $1 in the package ('-' and '_' are interchangeable in module names).
-    modpath() { grep -E "^$MODBASE/kernel/(.*/)?$(echo "$1" | sed 's/[-_]/[-_]/g')\.ko(\.xz|\.zst)?\$" "$LIST" | head -n1 || true; }
+    modpath() { grep -E "^$MODBASE/kernel/(.*/)?${1//[-_]/[-_]}\.ko(\.xz|\.zst)?\$" "$LIST" | head -n1 || true; }
     # Seeds; their dependencies are added below from each module's modinfo.
     SEEDS=(rdma_rxe ib_core ib_uverbs veth udp_tunnel ip6_udp_tunnel
            crc32_generic crc32-pclmul
