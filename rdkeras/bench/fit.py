@@ -1,7 +1,9 @@
 """Training throughput: per-worker mini-batches/s of model.fit, alone and on N workers.
 
 Configurations, measured one after another in one run: 1 worker without any
-communication (plain Keras), N workers on rdkeras for each native transport,
+communication (plain Keras), N such workers side by side (no communication:
+what the host's shared memory bandwidth leaves each), N workers on rdkeras for
+each native transport,
 and N workers on ``transport=grpc`` (the RPC baseline). Every worker is pinned
 to its own core and TensorFlow uses one thread per worker in every
 configuration, so per-worker compute is the same and only communication differs.
@@ -74,8 +76,8 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
             if b == warmup:
                 self.t0 = time.perf_counter()
 
-        def on_train_end(self, logs=None):
-            self.t1 = time.perf_counter()
+        def on_train_batch_end(self, b, logs=None):
+            self.t1 = time.perf_counter()  # the last one wins; epoch-end work stays outside
 
     clock = Clock()
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
@@ -93,52 +95,40 @@ def run(args: argparse.Namespace) -> int:
     width, hidden = FCN5_SIZES["full" if args.full else "small"]
     steps = max(4, args.steps // 2) if args.quick else args.steps
     common = {"width": width, "hidden": hidden, "batch": args.batch_size, "steps": steps, "warmup": 3}
-    configs = [("1 worker, no communication", 1, None)]
-    configs += [(f"{args.workers} workers, rdkeras {t}", args.workers, t) for t in args.transports.split(",")]
+    n = args.workers
+    # "independent": N plain-Keras processes side by side, no communication --
+    # what this host's shared memory bandwidth and caches leave each of N workers.
+    configs = [("1 worker, no communication", 1, "none"), (f"{n} independent, no comm.", n, "independent")]
+    configs += [(f"{n} workers, rdkeras {t}", n, t) for t in args.transports.split(",")]
     rows = []
-    for label, n, transport in configs:
+    for label, workers, transport in configs:
         print(f"[fit] {label} ...", flush=True)
-        env = {"RDKERAS_TRANSPORT": transport} if transport else {}
-        ranks = spawn_call(
-            "rdkeras.bench.fit:rank_main",
-            n,
-            {"distributed": transport is not None, **common},
-            env=env,
-            timeout=args.timeout,
-        )
+        distributed = transport not in ("none", "independent")
+        env = {"RDKERAS_TRANSPORT": transport} if distributed else {"RDKERAS_WORLD_SIZE": ""}
+        ranks = spawn_call("rdkeras.bench.fit:rank_main", workers, {"distributed": distributed, **common}, env=env,
+                           timeout=args.timeout)
         bad = [r for r in ranks if r.returncode != 0]
         if bad:
             print(f"[fit] {label} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
             return 1
         rate = min(r.value["rate"] for r in ranks)  # the slowest worker sets the pace
-        rows.append(
-            {
-                "config": label,
-                "transport": transport or "none",
-                "workers": n,
-                "per_worker_batches_per_s": rate,
-                "params": ranks[0].value["params"],
-            }
-        )
+        rows.append({"config": label, "transport": transport, "workers": workers,
+                     "per_worker_batches_per_s": rate, "params": ranks[0].value["params"]})
 
-    base = rows[0]["per_worker_batches_per_s"]
-    grpc = next((r["per_worker_batches_per_s"] for r in rows if r["transport"] == "grpc"), None)
+    rate = {r["transport"]: r["per_worker_batches_per_s"] for r in rows}
     params = rows[0]["params"]
-    print(
-        f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
-        f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, "
-        "1 core per worker"
-    )
-    print(f"{'configuration':<32} {'batches/s per worker':>21} {'x 1 worker':>11} {'x grpc':>8}")
+    print(f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
+          f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, 1 core per worker")
+    print(f"{'configuration':<32} {'batches/s per worker':>21} {'x 1 worker':>11} {'x independent':>14} {'x grpc':>7}")
     for r in rows:
-        rate = r["per_worker_batches_per_s"]
-        xg = f"{rate / grpc:.1f}" if grpc and r["transport"] not in ("grpc", "none") else "-"
-        print(f"{r['config']:<32} {rate:>21.2f} {rate / base:>11.2f} {xg:>8}")
-    shm = next((r for r in rows if r["transport"] == "shm"), None)
-    if shm and grpc:
-        ratio, speedup = shm["per_worker_batches_per_s"] / base, shm["per_worker_batches_per_s"] / grpc
+        v = r["per_worker_batches_per_s"]
+        xg = f"{v / rate['grpc']:.1f}" if "grpc" in rate and r["transport"] in ("shm", "tcp") else "-"
+        print(f"{r['config']:<32} {v:>21.2f} {v / rate['none']:>11.2f} {v / rate['independent']:>14.2f} {xg:>7}")
+    if "shm" in rate and "grpc" in rate:
+        ratio, speedup = rate["shm"] / rate["none"], rate["shm"] / rate["grpc"]
         print("\nTargets")
-        print(f"  [{'met' if ratio >= 0.9 else 'MISSED'}] rdkeras shm >= 0.9 x one worker's rate: {ratio:.2f}")
+        print(f"  [{'met' if ratio >= 0.9 else 'MISSED'}] rdkeras shm >= 0.9 x one worker's rate: {ratio:.2f} "
+              f"({rate['shm'] / rate['independent']:.2f} x {n} independent workers sharing this host)")
         print(f"  [{'met' if speedup >= 3 else 'MISSED'}] rdkeras shm >= 3 x grpc: {speedup:.1f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

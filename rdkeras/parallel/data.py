@@ -121,12 +121,9 @@ class _DistributedModel:
                 (a["x"], a["y"], a["sample_weight"]), validation_split=a["validation_split"]
             )
             a["validation_split"] = 0.0
-        x = a["x"]
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
         )
-        if a["x"] is not x:
-            a["shuffle"] = False  # shard() already shuffled, in the same order on every worker
         if a["validation_data"] is not None:
             vx, vy, vw = _unpack(a["validation_data"])
             vx, vy, vw, a["validation_batch_size"] = dp.shard(
@@ -252,7 +249,7 @@ class DataParallel:
             return all(DataParallel.shardable_arrays(v) for v in x)
         return isinstance(x, (np.ndarray, tf.Tensor)) or hasattr(x, "__array__")
 
-    def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: Any) -> tuple:
+    def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: Any = False) -> tuple:
         """This worker's part of the data, as (x, y, sample_weight, batch_size) for Keras."""
         import keras
         import tensorflow as tf
@@ -281,21 +278,26 @@ class DataParallel:
         if isinstance(x, keras.utils.PyDataset):
             return _ShardedPyDataset(x, n, r), None, None, None
         if self.shardable_arrays(x):
+            # Worker r takes batches r, r+n, r+2n, ... of the arrays, copied once
+            # here; Keras's own (fast) array adapter then batches them, and with
+            # shuffle=True reshuffles the worker's part every epoch. Unshuffled,
+            # step k's global batch is exactly samples [k*n*b, (k+1)*n*b).
+            import keras
+
             batch_size = batch_size or 32
-            parts = (x,) if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
-            ds = tf.data.Dataset.from_tensor_slices(parts)
-            samples = int(ds.cardinality())
-            if shuffle:  # the same permutation on every worker (same seed), then disjoint shards
-                ds = ds.shuffle(samples, seed=self.seed, reshuffle_each_iteration=True)
-            batches = samples // batch_size
+            samples = len(keras.tree.flatten(x)[0])
+            steps = samples // (batch_size * n)
+            if steps == 0:
+                raise ValueError(f"{samples} samples cannot fill one batch of {batch_size} on each of {n} workers")
             if samples % (batch_size * n):
-                self._warn_once(
-                    "drop",
-                    f"{samples} samples: each epoch uses {batches // n * n * batch_size} "
-                    f"(whole batches of {batch_size} x {n} workers)",
-                )
-            ds = ds.batch(batch_size, drop_remainder=True).shard(n, r).take(batches // n)
-            return ds.prefetch(2), None, None, None
+                self._warn_once("drop", f"{samples} samples: each epoch uses {steps * n * batch_size} "
+                                f"(whole batches of {batch_size} x {n} workers)")
+            mine = np.arange(steps * n * batch_size).reshape(steps, n, batch_size)[:, r, :].ravel()
+
+            def take(a: Any) -> Any:
+                return None if a is None else keras.tree.map_structure(lambda v: np.asarray(v)[mine], a)
+
+            return take(x), take(y), take(sample_weight), batch_size
         raise TypeError(
             f"rdkeras cannot shard input of type {type(x).__name__}: pass NumPy arrays, "
             "a tf.data.Dataset or a keras.utils.PyDataset"

@@ -241,10 +241,11 @@ def ring_allreduce(calls: int) -> dict:
     errors = []
     with rdkeras.Engine() as eng:
         n, r = eng.world_size, eng.rank
-        shapes = [(3,), (1,), (17, 5), (1000,), (2, 2, 2), (64 << 10,)]
+        shapes = [(3,), (1,), (17, 5), (1000,), (2, 2, 2), (64 << 10,), (3 << 20,)]  # 12+ MB: streaming stores
         for dtype in ("float32", "float64"):
             capacity = sum(int(np.prod(s)) * np.dtype(dtype).itemsize + 64 for s in shapes)
-            ring = eng.ring(f"ring-{dtype}", capacity, bucket_bytes=8192)  # many buckets
+            bucket = 32 << 20 if dtype == "float32" else 8192  # one pass (streaming reduce) vs many buckets
+            ring = eng.ring(f"ring-{dtype}", capacity, bucket_bytes=bucket)
             previous = None
             for call in range(calls):
 
