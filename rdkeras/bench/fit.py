@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="fcn5", choices=["fcn5"], help="the network (fcn5: 5-layer fully connected)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch")
-    p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--full", action="store_true", help="the paper's sizes (FCN-5 26752-2048x3-26752, 118 M params)")
     p.add_argument("--transports", default="shm,tcp,grpc")
     p.add_argument("--quick", action="store_true", help="fewer steps")
@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     width, hidden = FCN5_SIZES["full" if args.full else "small"]
     steps = max(4, args.steps // 2) if args.quick else args.steps
-    common = {"width": width, "hidden": hidden, "batch": args.batch_size, "steps": steps, "warmup": 3}
+    # The first steps trace the function, create the ring and fault its pages in: not timed.
+    common = {"width": width, "hidden": hidden, "batch": args.batch_size, "steps": steps, "warmup": 5}
     n = args.workers
     # "independent": N plain-Keras processes side by side, no communication --
     # what this host's shared memory bandwidth and caches leave each of N workers.

@@ -107,7 +107,7 @@ def fit_inputs(source: str, batch: int = 8, epochs: int = 2) -> dict:
     return {"weights": [w.tolist() for w in model.get_weights()]}
 
 
-def fit_callbacks() -> dict:
+def fit_callbacks(checkpoint_dir: str) -> dict:
     """Epoch logs are averaged over workers, so EarlyStopping stops everyone at the same epoch."""
     import keras
 
@@ -125,7 +125,9 @@ def fit_callbacks() -> dict:
         )
     stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.02, patience=0)
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05)
-    history = model.fit(x, y, batch_size=8, epochs=30, verbose=0, callbacks=[stop, plateau])
+    # A per-rank path, so a non-chief checkpoint would show up as its own file.
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, f"rank{rank}.keras"))
+    history = model.fit(x, y, batch_size=8, epochs=30, verbose=0, callbacks=[stop, plateau, checkpoint])
     strategy.close()
     return {
         "loss": history.history["loss"],

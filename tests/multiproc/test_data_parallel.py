@@ -55,10 +55,11 @@ def test_tf_data_and_pydataset_inputs_are_sharded(source):
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
-def test_callbacks_see_metrics_averaged_over_workers():
-    results = _run("fit_callbacks", 2, "shm")
+def test_callbacks_see_metrics_averaged_over_workers(tmp_path):
+    results = _run("fit_callbacks", 2, "shm", checkpoint_dir=str(tmp_path))
     a, b = results[0].value, results[1].value
     assert a["loss"] == b["loss"]  # averaged epoch logs, identical on both workers
     assert 1 < len(a["loss"]) < 30  # EarlyStopping fired ...
     assert a["stopped_epoch"] == b["stopped_epoch"] > 0  # ... at the same epoch everywhere
     assert a["lr"] == b["lr"] < 0.05  # ReduceLROnPlateau agreed too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.keras"]  # checkpoints on the chief only
