@@ -9,29 +9,25 @@ constexpr size_t kFlagStride = 64;  // one cache line per flag
 
 size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+std::shared_ptr<Engine> checkPeerRank(std::shared_ptr<Engine> engine, int peer) {
+  if (peer < 0 || peer >= engine->worldSize() || peer == engine->rank())
+    throw EngineError(strCat("channel peer ", peer, " is not another rank of this world (size ",
+                             engine->worldSize(), ", this rank ", engine->rank(), ")"));
+  return engine;
+}
+
 }  // namespace
 
 ChannelBase::ChannelBase(std::shared_ptr<Engine> engine, Role role, int peer, size_t control_bytes)
-    : engine_(std::move(engine)), role_(role), peer_(peer), local_bytes_(control_bytes) {
-  if (peer < 0 || peer >= engine_->worldSize() || peer == engine_->rank())
-    throw EngineError(strCat("channel peer ", peer, " is not another rank of this world (size ",
-                             engine_->worldSize(), ", this rank ", engine_->rank(), ")"));
-  local_ = static_cast<uint8_t*>(engine_->tracker().allocate(local_bytes_));
-  std::memset(local_, 0, local_bytes_);  // flags start at 0; touches every page once
-  local_key_ = engine_->tracker().registerRegion(local_, local_bytes_);
-}
-
-ChannelBase::~ChannelBase() {
-  try {
-    engine_->tracker().deregisterRegion(local_key_);
-  } catch (...) {
-  }
-  engine_->tracker().release(local_);
-}
+    : engine_(checkPeerRank(std::move(engine), peer)),
+      role_(role),
+      peer_(peer),
+      block_(engine_->tracker(), control_bytes),  // flags start at 0
+      local_(block_.data()) {}
 
 std::string ChannelBase::localDescriptor() const {
   return strCat("channel;role=", role_ == Role::kSender ? "send" : "recv", ";rank=", engine_->rank(),
-                ";key=", local_key_, ";bytes=", local_bytes_);
+                ";key=", block_.key(), ";bytes=", block_.size());
 }
 
 void ChannelBase::connect(const std::string& remote) {

@@ -33,7 +33,7 @@ enum class Role { kSender, kReceiver };
 class ChannelBase {
  public:
   ChannelBase(std::shared_ptr<Engine> engine, Role role, int peer, size_t control_bytes);
-  virtual ~ChannelBase();
+  virtual ~ChannelBase() = default;
   ChannelBase(const ChannelBase&) = delete;
   ChannelBase& operator=(const ChannelBase&) = delete;
 
@@ -50,9 +50,8 @@ class ChannelBase {
   std::shared_ptr<Engine> engine_;
   Role role_;
   int peer_;
-  uint8_t* local_ = nullptr;  // registered block: receiver slots+flags, or sender ack word
-  size_t local_bytes_;
-  uint64_t local_key_ = 0;
+  RegisteredBlock block_;  // receiver slots+flags, or sender ack word
+  uint8_t* local_;         // block_.data()
   uint64_t remote_key_ = 0;
   uint64_t seq_ = 0;
 };

@@ -33,7 +33,8 @@ __attribute__((target("avx2"))) void addScaledStream(float* out, const float* a,
   for (; i < n && reinterpret_cast<uintptr_t>(out + i) % 32; ++i) out[i] = (a[i] + b[i]) * scale;
   const __m256 s = _mm256_set1_ps(scale);
   for (; i + 8 <= n; i += 8)
-    _mm256_stream_ps(out + i, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)), s));
+    _mm256_stream_ps(out + i,
+                     _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)), s));
   for (; i < n; ++i) out[i] = (a[i] + b[i]) * scale;
   _mm_sfence();
 }
@@ -72,22 +73,13 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
       capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
       bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
-  block_bytes_ = offGather() + 64;
-  block_ = static_cast<uint8_t*>(engine_->tracker().allocate(block_bytes_));
-  std::memset(block_ + 2 * capacity_, 0, block_bytes_ - 2 * capacity_);  // slots and flags
-  key_ = engine_->tracker().registerRegion(block_, block_bytes_);
-}
-
-RingAllreduce::~RingAllreduce() {
-  try {
-    engine_->tracker().deregisterRegion(key_);
-  } catch (...) {
-  }
-  engine_->tracker().release(block_);
+  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offGather() + 64);
+  block_ = registered_->data();
 }
 
 std::string RingAllreduce::localDescriptor() const {
-  return strCat("ring;rank=", rank_, ";key=", key_, ";capacity=", capacity_, ";bucket=", bucket_bytes_);
+  return strCat("ring;rank=", rank_, ";key=", registered_->key(), ";capacity=", capacity_,
+                ";bucket=", bucket_bytes_);
 }
 
 void RingAllreduce::connect(const std::string& left, const std::string& right) {
@@ -113,10 +105,10 @@ std::vector<size_t> RingAllreduce::layout(const std::vector<ConstSpan>& inputs, 
   return offsets;
 }
 
-void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
-                                      size_t send_begin, size_t send_end, bool send_from_inputs,
-                                      size_t recv_begin, size_t recv_end, uint8_t* out, DType dtype,
-                                      double scale) {
+void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
+                                      const std::vector<size_t>& offsets, size_t send_begin, size_t send_end,
+                                      bool send_from_inputs, size_t recv_begin, size_t recv_end, uint8_t* out,
+                                      DType dtype, double scale) {
   Transport& t = engine_->transport();
   const Deadline deadline = engine_->deadline();
   const uint64_t m = messages_;
@@ -165,8 +157,8 @@ uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, b
   size_t total;
   const std::vector<size_t> offsets = layout(inputs, &total);
   if (total > capacity_)
-    throw EngineError(strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_,
-                             " bytes"));
+    throw EngineError(
+        strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
   const size_t elem = dtype == DType::kFloat32 ? 4 : 8;
   for (const auto& in : inputs)
     if (in.bytes % elem) throw EngineError("allreduce: tensor size is not a multiple of its dtype size");
@@ -194,7 +186,8 @@ uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, b
     }
     // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
     // writes chunk rank-s straight into our output block.
-    for (int s = 0; s < n - 1; ++s) allgatherStep(out, out_region_offset, lo(rank_ + 1 - s), hi(rank_ + 1 - s));
+    for (int s = 0; s < n - 1; ++s)
+      allgatherStep(out, out_region_offset, lo(rank_ + 1 - s), hi(rank_ + 1 - s));
   }
   return out;
 }

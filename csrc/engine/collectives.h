@@ -37,7 +37,6 @@ class RingAllreduce {
   // capacity_bytes: the largest total (with 64-byte padding per tensor) a call may
   // reduce; bucket_bytes: how much one ring pass moves.
   RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes);
-  ~RingAllreduce();
   RingAllreduce(const RingAllreduce&) = delete;
   RingAllreduce& operator=(const RingAllreduce&) = delete;
 
@@ -67,9 +66,8 @@ class RingAllreduce {
   int rank_, world_, left_, right_;
   size_t capacity_, bucket_bytes_, slot_bytes_;
   // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag]
-  uint8_t* block_ = nullptr;
-  size_t block_bytes_ = 0;
-  uint64_t key_ = 0;
+  std::unique_ptr<RegisteredBlock> registered_;
+  uint8_t* block_ = nullptr;  // registered_->data()
   uint64_t right_key_ = 0, left_key_ = 0;
   uint64_t messages_ = 0;  // reduce-scatter messages sent (= received) so far
   uint64_t gathers_ = 0;   // allgather chunks received so far

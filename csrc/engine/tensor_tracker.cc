@@ -1,6 +1,7 @@
 #include "engine/tensor_tracker.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "engine/common.h"
 
@@ -115,6 +116,25 @@ std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, siz
   const uint64_t key = insertLocked(p, n);
   external_.push_back({a, n, key, clock_});
   return {key, 0};
+}
+
+RegisteredBlock::RegisteredBlock(TensorTracker& tracker, size_t bytes)
+    : tracker_(tracker), data_(static_cast<uint8_t*>(tracker.allocate(bytes))), size_(bytes) {
+  std::memset(data_, 0, size_);
+  try {
+    key_ = tracker_.registerRegion(data_, size_);
+  } catch (...) {
+    tracker_.release(data_);
+    throw;
+  }
+}
+
+RegisteredBlock::~RegisteredBlock() {
+  try {
+    tracker_.deregisterRegion(key_);
+  } catch (...) {  // a destructor must not throw; the table entry is the only loss
+  }
+  tracker_.release(data_);
 }
 
 TrackerCounters TensorTracker::counters() const {

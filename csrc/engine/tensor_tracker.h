@@ -74,4 +74,25 @@ class TensorTracker {
   TrackerCounters counters_;
 };
 
+// A zeroed tracker block registered as one region, for the object's lifetime
+// (channels' slots and flags, a ring's buffers). Zeroing also faults every page
+// in once, at setup rather than on the first transfer.
+class RegisteredBlock {
+ public:
+  RegisteredBlock(TensorTracker& tracker, size_t bytes);
+  ~RegisteredBlock();
+  RegisteredBlock(const RegisteredBlock&) = delete;
+  RegisteredBlock& operator=(const RegisteredBlock&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  uint64_t key() const { return key_; }
+
+ private:
+  TensorTracker& tracker_;
+  uint8_t* data_;
+  size_t size_;
+  uint64_t key_;
+};
+
 }  // namespace rdkeras

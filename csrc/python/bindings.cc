@@ -246,7 +246,8 @@ PYBIND11_MODULE(_engine, m) {
               const DType d = size == 4 ? DType::kFloat32 : DType::kFloat64;
               if (i == 0) dtype = d;
               if (d != dtype) throw py::type_error("allreduce: all tensors must share one dtype");
-              if (!(a.flags() & py::array::c_style)) throw py::value_error("allreduce: tensors must be C-contiguous");
+              if (!(a.flags() & py::array::c_style))
+                throw py::value_error("allreduce: tensors must be C-contiguous");
               spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
             }
             size_t total;
