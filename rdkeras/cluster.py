@@ -66,9 +66,9 @@ def _from_tf_config() -> Cluster:
         config = json.loads(os.environ["TF_CONFIG"])
     except json.JSONDecodeError as e:
         raise EngineError(f"TF_CONFIG is not valid JSON: {e}") from None
-    from tensorflow.distribute.cluster_resolver import TFConfigClusterResolver
+    import tensorflow as tf
 
-    resolver = TFConfigClusterResolver()
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec().as_dict()
     workers = list(spec.get("chief", [])) + list(spec.get("worker", []))
     if not workers:

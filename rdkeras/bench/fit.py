@@ -106,20 +106,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"[fit] {label} ...", flush=True)
         distributed = transport not in ("none", "independent")
         env = {"RDKERAS_TRANSPORT": transport} if distributed else {"RDKERAS_WORLD_SIZE": ""}
-        ranks = spawn_call("rdkeras.bench.fit:rank_main", workers, {"distributed": distributed, **common}, env=env,
-                           timeout=args.timeout)
+        ranks = spawn_call(
+            "rdkeras.bench.fit:rank_main",
+            workers,
+            {"distributed": distributed, **common},
+            env=env,
+            timeout=args.timeout,
+        )
         bad = [r for r in ranks if r.returncode != 0]
         if bad:
             print(f"[fit] {label} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
             return 1
         rate = min(r.value["rate"] for r in ranks)  # the slowest worker sets the pace
-        rows.append({"config": label, "transport": transport, "workers": workers,
-                     "per_worker_batches_per_s": rate, "params": ranks[0].value["params"]})
+        rows.append(
+            {
+                "config": label,
+                "transport": transport,
+                "workers": workers,
+                "per_worker_batches_per_s": rate,
+                "params": ranks[0].value["params"],
+            }
+        )
 
     rate = {r["transport"]: r["per_worker_batches_per_s"] for r in rows}
     params = rows[0]["params"]
-    print(f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
-          f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, 1 core per worker")
+    print(
+        f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
+        f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, 1 core per worker"
+    )
     print(f"{'configuration':<32} {'batches/s per worker':>21} {'x 1 worker':>11} {'x independent':>14} {'x grpc':>7}")
     for r in rows:
         v = r["per_worker_batches_per_s"]
@@ -128,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
     if "shm" in rate and "grpc" in rate:
         ratio, speedup = rate["shm"] / rate["none"], rate["shm"] / rate["grpc"]
         print("\nTargets")
-        print(f"  [{'met' if ratio >= 0.9 else 'MISSED'}] rdkeras shm >= 0.9 x one worker's rate: {ratio:.2f} "
-              f"({rate['shm'] / rate['independent']:.2f} x {n} independent workers sharing this host)")
+        print(
+            f"  [{'met' if ratio >= 0.9 else 'MISSED'}] rdkeras shm >= 0.9 x one worker's rate: {ratio:.2f} "
+            f"({rate['shm'] / rate['independent']:.2f} x {n} independent workers sharing this host)"
+        )
         print(f"  [{'met' if speedup >= 3 else 'MISSED'}] rdkeras shm >= 3 x grpc: {speedup:.1f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

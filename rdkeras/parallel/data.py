@@ -290,8 +290,11 @@ class DataParallel:
             if steps == 0:
                 raise ValueError(f"{samples} samples cannot fill one batch of {batch_size} on each of {n} workers")
             if samples % (batch_size * n):
-                self._warn_once("drop", f"{samples} samples: each epoch uses {steps * n * batch_size} "
-                                f"(whole batches of {batch_size} x {n} workers)")
+                self._warn_once(
+                    "drop",
+                    f"{samples} samples: each epoch uses {steps * n * batch_size} "
+                    f"(whole batches of {batch_size} x {n} workers)",
+                )
             mine = np.arange(steps * n * batch_size).reshape(steps, n, batch_size)[:, r, :].ravel()
 
             def take(a: Any) -> Any:
