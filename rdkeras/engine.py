@@ -28,7 +28,7 @@ from rdkeras._bootstrap import Store
 from rdkeras._log import logger
 from rdkeras.errors import EngineError
 
-TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+TRANSPORTS = ("auto", "shm", "tcp", "verbs", "grpc")
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
 DEFAULT_TIMEOUT = 300.0
 
@@ -92,6 +92,13 @@ class Engine:
         arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.transport == "verbs":
+            from rdkeras.doctor import check_verbs
+
+            raise EngineError(
+                f"transport='verbs' is not viable here: {check_verbs()[0].detail} "
+                "(`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
+            )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
         master_addr = str(_env("RDKERAS_MASTER_ADDR", "127.0.0.1") if master_addr is None else master_addr)

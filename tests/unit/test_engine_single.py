@@ -63,7 +63,7 @@ def test_channel_to_self_is_refused(solo):
 
 
 def test_unknown_transport_is_named():
-    with pytest.raises(ValueError, match=r"unknown transport 'carrier-pigeon'.*auto, shm, tcp, grpc"):
+    with pytest.raises(ValueError, match=r"unknown transport 'carrier-pigeon'.*auto, shm, tcp, verbs, grpc"):
         rdkeras.Engine(rank=0, world_size=1, transport="carrier-pigeon")
 
 
@@ -111,3 +111,18 @@ def test_engine_memory_goes_out_through_dlpack(solo):
     a[:] = 3.0
     b = np.from_dlpack(a)
     assert np.shares_memory(a, b) and b.ctypes.data % 64 == 0
+
+
+def test_verbs_explains_why_it_is_not_viable():
+    with pytest.raises(rdkeras.EngineError, match=r"transport='verbs' is not viable here: .*rdkeras doctor"):
+        rdkeras.Engine(rank=0, world_size=1, transport="verbs")
+
+
+def test_doctor_reports_every_transport(capsys):
+    from rdkeras import cli
+
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for line in ("shm    viable", "tcp    viable", "grpc   viable", "verbs  not viable: "):
+        assert line in out, out
+    assert "transport=auto would pick: shm" in out
