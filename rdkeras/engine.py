@@ -193,6 +193,10 @@ class Engine:
         """Tensor tracker counters: registrations, bytes_registered, cache_hits, pool_*."""
         return self._impl.counters().as_dict()
 
+    def traffic(self) -> dict[str, float]:
+        """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags, wait_seconds."""
+        return self._impl.traffic()
+
     # -- channels ----------------------------------------------------------------
 
     def _pair(self, kind: str, name: str, src: int, dst: int, make: Any, spec: str) -> Any:

@@ -47,8 +47,12 @@ void Engine::waitFlag(const void* flag, uint64_t value, int peer, const char* wh
 
 void Engine::wait(const std::function<bool()>& ready, int peer, const char* what) {
   Transport& t = transport();
+  if (ready()) return;
   const Deadline deadline = this->deadline();
+  const auto start = Clock::now();
   const bool ok = pollUntil(ready, deadline, [&] { t.checkPeer(peer); });
+  wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+                     std::memory_order_relaxed);
   if (!ok)
     throw TimeoutError(
         strCat("timed out after ", deadline.seconds(), " s waiting for rank ", peer, " (", what, ")"));

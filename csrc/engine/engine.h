@@ -3,6 +3,7 @@
 // every buffer it lent out.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -47,6 +48,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void waitFlag(const void* flag, uint64_t value, int peer, const char* what);
   // Waits until ready() returns true, with the same checks.
   void wait(const std::function<bool()>& ready, int peer, const char* what);
+  // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
+  double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }
+  const TransportStats& transportStats() const { return transport_->stats(); }
 
  private:
   int rank_;
@@ -57,6 +61,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Transport> transport_;
   bool connected_ = false;
   bool closed_ = false;
+  std::atomic<uint64_t> wait_ns_{0};
 };
 
 // Names of the transports compiled into this build.

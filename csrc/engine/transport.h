@@ -20,6 +20,7 @@
 // background progress threads (tcp does).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -36,9 +37,15 @@ struct TransportOptions {
   std::string bind_host = "0.0.0.0";         // tcp: address to listen on
 };
 
+// What went over the wire, as seen by the initiator (for benchmarks and TensorBoard).
+struct TransportStats {
+  std::atomic<uint64_t> bytes_written{0}, bytes_read{0}, writes{0}, reads{0}, flags{0};
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
+  const TransportStats& stats() const { return stats_; }
 
   virtual const char* name() const = 0;
   // Opaque text peers need to connect to this process.
@@ -63,6 +70,21 @@ class Transport {
   virtual bool needsLocalRegistration() const { return false; }
   // Closes connections and stops background threads. Idempotent.
   virtual void shutdown() = 0;
+
+ protected:
+  // Each transport calls these once per successful operation.
+  void countWrite(size_t n) {
+    stats_.bytes_written.fetch_add(n, std::memory_order_relaxed);
+    stats_.writes.fetch_add(1, std::memory_order_relaxed);
+  }
+  void countRead(size_t n) {
+    stats_.bytes_read.fetch_add(n, std::memory_order_relaxed);
+    stats_.reads.fetch_add(1, std::memory_order_relaxed);
+  }
+  void countFlag() { stats_.flags.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  TransportStats stats_;
 };
 
 // Shared checks used by transports that validate accesses themselves.

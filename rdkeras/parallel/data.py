@@ -124,6 +124,7 @@ class _DistributedModel:
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
         )
+        dp.batch_size = a["batch_size"]  # per worker, when known (for TrainingStats)
         if a["validation_data"] is not None:
             vx, vy, vw = _unpack(a["validation_data"])
             vx, vy, vw, a["validation_batch_size"] = dp.shard(
@@ -198,6 +199,7 @@ class DataParallel:
         self.synced = False
         self._warned: set[str] = set()
         self._attached: list[Any] = []
+        self.batch_size: int | None = None
 
     @property
     def num_workers(self) -> int:

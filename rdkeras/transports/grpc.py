@@ -73,6 +73,7 @@ class GrpcEngine:
         self._next_key = itertools.count(1)
         self._registrations = 0
         self._bytes_registered = 0
+        self._traffic = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0, "wait_seconds": 0.0}
         self._outbox: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
         self._pulled: dict[str, int] = {}  # channel -> messages the receiver took
         self._cond = threading.Condition()
@@ -140,16 +141,27 @@ class GrpcEngine:
                 raise PeerError(f"rank {peer} is unreachable over grpc (process exited?): {e.details()}") from None
             raise EngineError(f"grpc {name} to rank {peer} failed: {code.name} {e.details()}") from None
 
+    def traffic(self) -> dict[str, float]:
+        return dict(self._traffic)
+
+    def count(self, kind: str, nbytes: int = 0) -> None:
+        self._traffic[f"bytes_{'written' if kind == 'writes' else 'read'}"] += nbytes
+        self._traffic[kind] += 1
+
     def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
-        self._call(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=memoryview(src).tobytes()))
+        data = memoryview(src).tobytes()
+        self._call(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=data))
+        self.count("writes", len(data))
 
     def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
         view = memoryview(dst).cast("B")
         reply = self._call(peer, "Read", TensorMessage(key=key, offset=offset, length=view.nbytes))
         view[:] = reply.tensor_content
+        self.count("reads", view.nbytes)
 
     def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         self._call(peer, "Flag", TensorMessage(key=key, offset=offset, value=value))
+        self._traffic["flags"] += 1
 
     def flush(self, peer: int) -> None:
         self.check_peer(peer)  # every call above is synchronous
@@ -162,8 +174,15 @@ class GrpcEngine:
         self._poll(lambda: int(flag[0]) >= value, peer, "flag")
 
     def _poll(self, ready: Any, peer: int, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        next_ping = time.monotonic() + 0.5
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_ping = start + 0.5
+        try:
+            self._wait_until(ready, peer, what, deadline, next_ping)
+        finally:
+            self._traffic["wait_seconds"] += time.monotonic() - start
+
+    def _wait_until(self, ready: Any, peer: int, what: str, deadline: float, next_ping: float) -> None:
         while not ready():
             now = time.monotonic()
             if now >= deadline:
@@ -299,13 +318,17 @@ class _GrpcChannel:
         with self.engine._cond:
             self.engine._outbox[(self.name, self.sequence)] = msg
             self.engine._cond.notify_all()
+        self.engine.count("writes", a.nbytes)
         self.sequence += 1
         return self.sequence - 1
 
     def recv(self) -> Any:
         if self.role != _engine.Role.RECEIVER:
             raise EngineError("recv() called on the sending end of a channel")
+        start = time.monotonic()
         msg = self.engine._call(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=self.sequence))
+        self.engine._traffic["wait_seconds"] += time.monotonic() - start
+        self.engine.count("reads", len(msg.tensor_content))
         self.sequence += 1
         buf = np.frombuffer(msg.tensor_content, dtype=np.uint8).copy()  # a writable tensor, as TF allocates
         if self.nbytes is not None:

@@ -134,3 +134,21 @@ def fit_callbacks(checkpoint_dir: str) -> dict:
         "stopped_epoch": stop.stopped_epoch,
         "lr": float(model.optimizer.learning_rate.numpy()),
     }
+
+
+def fit_with_stats(log_dir: str) -> dict:
+    """Trains with rdkeras.callbacks.TrainingStats; the chief writes TensorBoard scalars."""
+    import keras
+
+    import rdkeras
+    from rdkeras.callbacks import TrainingStats
+
+    x, y = _data("mlp")
+    strategy = rdkeras.RDMAStrategy()
+    with strategy.scope():
+        model = _model("mlp", seed=1)
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[TrainingStats(log_dir)])
+    traffic = strategy.engine.traffic()
+    strategy.close()
+    return {"traffic": traffic}

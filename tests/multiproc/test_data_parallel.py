@@ -63,3 +63,36 @@ def test_callbacks_see_metrics_averaged_over_workers(tmp_path):
     assert a["stopped_epoch"] == b["stopped_epoch"] > 0  # ... at the same epoch everywhere
     assert a["lr"] == b["lr"] < 0.05  # ReduceLROnPlateau agreed too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.keras"]  # checkpoints on the chief only
+
+
+def _scalars(folder):
+    """Every scalar series in a TensorBoard log folder, read back with TensorBoard's own reader."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {tag: [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
+
+
+def test_tensorboard_shows_throughput_and_traffic(tmp_path):
+    results = _run("fit_with_stats", 2, "shm", log_dir=str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["rdkeras"]  # the chief alone writes
+    scalars = _scalars(tmp_path / "rdkeras")
+    steps = 2 * 96 // 16  # 2 epochs of 6 steps
+    for tag in (
+        "throughput/batches_per_s",
+        "throughput/examples_per_s",
+        "comm/bytes_sent",
+        "comm/bytes_received",
+        "comm/wait_ms",
+        "tracker/registrations",
+    ):
+        assert len(scalars[tag]) == steps, (tag, scalars.get(tag))
+    grads = (12 * 16 + 16 + 16 * 8 + 8 + 8 * 3 + 3) * 4  # bytes of float32 gradients
+    # A 2-worker ring sends half the gradients twice (reduce-scatter + allgather) per step (+ padding).
+    sent = scalars["comm/bytes_sent"][2:]
+    assert all(grads <= s <= grads + 64 * 8 for s in sent), sent
+    regs = scalars["tracker/registrations"]
+    assert regs[-1] == regs[steps // 2]  # the second epoch registers nothing (the first set rings up)
+    assert results[0].value["traffic"]["bytes_written"] > 0

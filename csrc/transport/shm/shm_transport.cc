@@ -250,6 +250,7 @@ void ShmTransport::cma(bool write, int peer, void* local, uint64_t remote_addr, 
 void ShmTransport::write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
                          const Deadline&) {
   const RegionInfo info = resolve("write", peer, key, offset, length);
+  countWrite(length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
     transferCopy(peers_[peer]->arena.base() + info.addr + offset, src, length);
@@ -259,6 +260,7 @@ void ShmTransport::write(int peer, const void* src, uint64_t key, uint64_t offse
 
 void ShmTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length, const Deadline&) {
   const RegionInfo info = resolve("read", peer, key, offset, length);
+  countRead(length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
     transferCopy(dst, peers_[peer]->arena.base() + info.addr + offset, length);
@@ -273,6 +275,7 @@ void ShmTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t v
     throw RemoteAccessError("writeFlag: flags must live in the arena (allocate them from the engine)");
   storeFence();  // memcpy may have used non-temporal stores
   storeRelease(peers_[peer]->arena.base() + info.addr + offset, value);
+  countFlag();
 }
 
 void ShmTransport::flush(int peer, const Deadline&) {

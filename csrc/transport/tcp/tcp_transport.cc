@@ -256,12 +256,14 @@ void TcpTransport::sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key,
 void TcpTransport::write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
                          const Deadline& deadline) {
   sendRequest(peer, kWrite, 0, key, offset, length, src, length, deadline);
+  countWrite(length);
 }
 
 void TcpTransport::writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value,
                              const Deadline& deadline) {
   checkFlagOffset(offset);
   sendRequest(peer, kFlag, 0, key, offset, value, nullptr, 0, deadline);
+  countFlag();
 }
 
 void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size_t length,
@@ -303,6 +305,7 @@ void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
     if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error));
     throw RemoteAccessError(pending->error);
   }
+  countRead(length);
 }
 
 void TcpTransport::flush(int peer, const Deadline& deadline) {

@@ -1,0 +1,81 @@
+"""Keras callbacks: what training moved over the wire, in TensorBoard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import keras
+
+
+class TrainingStats(keras.callbacks.Callback):
+    """Writes throughput and communication per step as TensorBoard scalars (chief only).
+
+    Scalars, under ``<log_dir>/rdkeras``: ``throughput/batches_per_s``,
+    ``throughput/examples_per_s`` (when the per-worker batch size is known),
+    ``comm/bytes_sent``, ``comm/bytes_received`` (per step, this worker),
+    ``comm/wait_ms`` (time blocked on peers per step), ``tracker/registrations``
+    (cumulative; flat in a steady state).
+
+    Args:
+        log_dir: The TensorBoard log folder (the same one as keras.callbacks.TensorBoard's is fine).
+        update_freq: Write every this many steps.
+    """
+
+    def __init__(self, log_dir: str, update_freq: int = 1):
+        super().__init__()
+        self.log_dir, self.update_freq = log_dir, max(1, int(update_freq))
+        self._writer: Any = None
+        self._step = 0
+
+    def _engine(self) -> Any:
+        parallel = getattr(self.model, "_rdkeras", None)
+        return parallel.engine if parallel is not None else None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        import tensorflow as tf
+
+        engine = self._engine()
+        if engine is not None and engine.rank != 0:
+            return
+        self._writer = tf.summary.create_file_writer(f"{self.log_dir}/rdkeras")
+        self._last = self._sample()
+
+    def _sample(self) -> dict:
+        engine = self._engine()
+        sample: dict[str, float] = {"time": time.perf_counter()}
+        if engine is not None:
+            sample.update(engine.traffic())
+            sample["registrations"] = engine.counters()["registrations"]
+        return sample
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._writer is None:
+            return
+        self._step += 1
+        if self._step % self.update_freq:
+            return
+        import tensorflow as tf
+
+        now, last = self._sample(), self._last
+        steps = self.update_freq
+        seconds = max(now["time"] - last["time"], 1e-9)
+        scalars = {"throughput/batches_per_s": steps / seconds}
+        batch_size = getattr(getattr(self.model, "_rdkeras", None), "batch_size", None)
+        if batch_size:
+            scalars["throughput/examples_per_s"] = steps * batch_size / seconds
+        if "bytes_written" in now:
+            scalars["comm/bytes_sent"] = (now["bytes_written"] - last["bytes_written"]) / steps
+            scalars["comm/bytes_received"] = (now["bytes_read"] - last["bytes_read"]) / steps
+            scalars["comm/wait_ms"] = (now["wait_seconds"] - last["wait_seconds"]) * 1e3 / steps
+            scalars["tracker/registrations"] = now["registrations"]
+        with self._writer.as_default():
+            for name, value in scalars.items():
+                tf.summary.scalar(name, value, step=self._step)
+        self._last = now
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
