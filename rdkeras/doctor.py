@@ -130,9 +130,10 @@ def check_verbs() -> tuple[Check, list[str]]:
             "no RDMA device (ibv_get_device_list found none; for SoftRoCE: "
             "modprobe rdma_rxe && rdma link add rxe0 type rxe netdev <if>)",
         ), lines
-    return Check(
-        "verbs", False, f"{count.value} RDMA device(s), but this build of rdkeras has no verbs transport yet"
-    ), lines
+    from rdkeras import _engine
+
+    why = _engine.verbs_why_not_viable()
+    return Check("verbs", not why, why or f"{count.value} RDMA device(s): RC queue pairs, one-sided WRITE/READ"), lines
 
 
 def run() -> int:
@@ -160,7 +161,7 @@ def run() -> int:
         for line in device_lines:
             print(f"  {line}")
     print(
-        "\ntransport=auto would pick: shm when every worker is on this host, tcp otherwise"
-        + ("" if not verbs.viable else " (verbs first)")
+        "\ntransport=auto would pick: shm when every worker is on this host, otherwise "
+        + ("verbs when every worker can use it, else tcp" if verbs.viable else "tcp")
     )
     return 0

@@ -92,12 +92,9 @@ class Engine:
         arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        if self.transport == "verbs":
-            from rdkeras.doctor import check_verbs
-
+        if self.transport == "verbs" and (why := _engine.verbs_why_not_viable()):
             raise EngineError(
-                f"transport='verbs' is not viable here: {check_verbs()[0].detail} "
-                "(`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
+                f"transport='verbs' is not viable here: {why} (`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
             )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
@@ -120,14 +117,7 @@ class Engine:
         self.store = Store(self.rank, self.world_size, master_addr, master_port, token_bytes, self.timeout)
         try:
             if self.transport == "auto":
-                hosts = self.store.all_gather("host-identity", host_identity().encode())
-                self.transport = "shm" if len(set(hosts)) == 1 else "tcp"
-                if self.rank == 0:
-                    where = "one host" if self.transport == "shm" else f"{len(set(hosts))} hosts"
-                    logger.info(
-                        f"transport=auto chose {self.transport}: {self.world_size} rank(s) on {where} "
-                        "(verbs is not built yet)"
-                    )
+                self.transport = self._choose_transport()
             advertise = self.store.local_host
             if self.transport == "grpc":
                 from rdkeras.transports.grpc import GrpcEngine
@@ -147,6 +137,24 @@ class Engine:
         except BaseException:
             self.store.close()
             raise
+
+    def _choose_transport(self) -> str:
+        """shm when every rank shares this host (a memcpy beats any NIC's loopback), else verbs
+        when every rank can use it, else tcp; logged once, on rank 0."""
+        why = _engine.verbs_why_not_viable()
+        mine = f"{host_identity()}|{'' if why else 'verbs'}"
+        peers = [v.decode().split("|") for v in self.store.all_gather("transport-facts", mine.encode())]
+        hosts = {h for h, _ in peers}
+        if len(hosts) == 1:
+            choice, reason = "shm", f"all {self.world_size} rank(s) on one host"
+        elif all(v == "verbs" for _, v in peers):
+            choice, reason = "verbs", f"{len(hosts)} hosts, RDMA on every rank"
+        else:
+            choice = "tcp"
+            reason = f"{len(hosts)} hosts; verbs not viable on every rank" + (f" (here: {why})" if why else "")
+        if self.rank == 0:
+            logger.info(f"transport=auto chose {choice}: {reason}")
+        return choice
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Engine:

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from rdkeras import _engine
 from rdkeras.launch import RankResult, spawn_call
 
 TESTS_DIR = Path(__file__).resolve().parent
-NATIVE = ["shm", "tcp"]
-ALL_TRANSPORTS = ["shm", "tcp", "grpc"]
+_VERBS_WHY = _engine.verbs_why_not_viable()
+# verbs runs where an RDMA device exists (inside the SoftRoCE VM: tests/verbs/); elsewhere it is skipped.
+VERBS = pytest.param("verbs", marks=pytest.mark.skipif(bool(_VERBS_WHY), reason=f"verbs: {_VERBS_WHY}"))
+NATIVE = ["shm", "tcp", VERBS]
+ALL_TRANSPORTS = ["shm", "tcp", VERBS, "grpc"]
 
 
 def run_ranks(

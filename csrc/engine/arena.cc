@@ -19,6 +19,7 @@ bool RegionTable::lookup(uint64_t key, RegionInfo* out) const {
   out->kind = static_cast<RegionKind>(__atomic_load_n(&e.kind, __ATOMIC_RELAXED));
   out->addr = __atomic_load_n(&e.addr, __ATOMIC_RELAXED);
   out->length = __atomic_load_n(&e.length, __ATOMIC_RELAXED);
+  out->rkey = __atomic_load_n(&e.rkey, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
   return __atomic_load_n(&e.key, __ATOMIC_RELAXED) == key;
 }
@@ -49,7 +50,7 @@ Arena::~Arena() {
   if (fd_ >= 0) close(fd_);
 }
 
-uint64_t Arena::insert(RegionKind kind, uint64_t addr, uint64_t length) {
+uint64_t Arena::insert(RegionKind kind, uint64_t addr, uint64_t length, uint64_t rkey) {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint32_t i = 0; i < RegionTable::kCapacity; ++i) {
     const uint32_t slot = (free_hint_ + i) % RegionTable::kCapacity;
@@ -60,6 +61,7 @@ uint64_t Arena::insert(RegionKind kind, uint64_t addr, uint64_t length) {
     e.kind = static_cast<uint64_t>(kind);
     e.addr = addr;
     e.length = length;
+    e.rkey = rkey;
     storeRelease(&e.key, key);
     free_hint_ = slot + 1;
     return key;

@@ -24,12 +24,14 @@ struct RegionEntry {
   uint64_t kind;
   uint64_t addr;
   uint64_t length;
+  uint64_t rkey;  // the transport's remote key for this memory (verbs), else 0
 };
 
 struct RegionInfo {
   RegionKind kind;
   uint64_t addr;
   uint64_t length;
+  uint64_t rkey = 0;
 };
 
 // Lives in shared memory: written only by the owner, read by anyone mapping it.
@@ -72,7 +74,7 @@ class Arena {
 
   const RegionTable& table() const { return *table_; }
   // Owner side. Thread-safe.
-  uint64_t insert(RegionKind kind, uint64_t addr, uint64_t length);
+  uint64_t insert(RegionKind kind, uint64_t addr, uint64_t length, uint64_t rkey = 0);
   bool remove(uint64_t key);
 
  private:

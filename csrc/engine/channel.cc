@@ -73,7 +73,6 @@ void StaticChannel::send(const void* data, size_t n) {
   }
   Transport& t = engine_->transport();
   const Deadline deadline = engine_->deadline();
-  if (t.needsLocalRegistration() && n) engine_->tracker().lookupOrRegister(data, n);
   t.write(peer_, data, remote_key_, slot * stride_, n, deadline);
   t.writeFlag(peer_, remote_key_, 2 * stride_ + slot * kFlagStride, seq_ + 1, deadline);
   last_slot_ = slot;
@@ -99,9 +98,12 @@ const void* StaticChannel::recv() {
   return local_ + slot * stride_;
 }
 
+// The sender's block: [ack word | the record being sent] -- the record is written
+// from registered memory, as RDMA requires of a source.
 DynamicChannel::DynamicChannel(std::shared_ptr<Engine> engine, Role role, int peer)
     : ChannelBase(std::move(engine), role, peer,
-                  role == Role::kReceiver ? 2 * sizeof(DynamicRecord) : kFlagStride) {}
+                  role == Role::kReceiver ? 2 * sizeof(DynamicRecord) : kFlagStride + sizeof(DynamicRecord)) {
+}
 
 uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
   requireConnected(Role::kSender, "send");
@@ -109,7 +111,8 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
   if (meta.dtype.size() >= sizeof(DynamicRecord::dtype)) throw EngineError("dtype string too long");
   // Metadata slot n%2 is free once the receiver consumed record n-2.
   if (seq_ >= 2) engine_->waitFlag(local_, seq_ - 1, peer_, "ack of a dynamic channel record");
-  DynamicRecord rec = {};
+  DynamicRecord& rec = *reinterpret_cast<DynamicRecord*>(local_ + kFlagStride);
+  rec = DynamicRecord{};
   std::memcpy(rec.dtype, meta.dtype.data(), meta.dtype.size());
   rec.ndim = static_cast<uint32_t>(meta.shape.size());
   std::copy(meta.shape.begin(), meta.shape.end(), rec.shape);
@@ -146,6 +149,8 @@ void* DynamicChannel::recv(TensorMeta* meta) {
   void* dst = tracker.allocate(rec->nbytes);
   const Deadline deadline = engine_->deadline();
   try {
+    if (rec->nbytes && engine_->transport().needsLocalRegistration())
+      tracker.lookupOrRegister(dst, rec->nbytes);
     if (rec->nbytes)
       engine_->transport().read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
     engine_->transport().writeFlag(peer_, remote_key_, 0, seq_ + 1, deadline);

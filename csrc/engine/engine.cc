@@ -2,10 +2,28 @@
 
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
+#ifdef RDKERAS_WITH_VERBS
+#include "transport/verbs/verbs_transport.h"
+#endif
 
 namespace rdkeras {
 
-std::vector<std::string> nativeTransports() { return {"shm", "tcp"}; }
+std::vector<std::string> nativeTransports() {
+#ifdef RDKERAS_WITH_VERBS
+  return {"shm", "tcp", "verbs"};
+#else
+  return {"shm", "tcp"};
+#endif
+}
+
+std::string verbsWhyNotViable() {
+#ifdef RDKERAS_WITH_VERBS
+  return VerbsTransport::whyNotViable();
+#else
+  return "this build of rdkeras has no verbs transport (it was built without rdma-core's headers: "
+         "apt install libibverbs-dev, then reinstall rdkeras)";
+#endif
+}
 
 Engine::Engine(int rank, int world_size, const EngineOptions& options)
     : rank_(rank), world_size_(world_size), options_(options) {
@@ -18,8 +36,16 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
     transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_);
   else if (options.transport == "tcp")
     transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
+#ifdef RDKERAS_WITH_VERBS
+  else if (options.transport == "verbs") {
+    auto verbs =
+        std::make_unique<VerbsTransport>(rank, world_size, *arena_, *tracker_, options.transport_options);
+    tracker_->setRegistrar(verbs.get());  // every registration becomes an ibv_reg_mr
+    transport_ = std::move(verbs);
+  }
+#endif
   else
-    throw EngineError(strCat("unknown native transport '", options.transport, "' (have: shm, tcp)"));
+    throw EngineError(strCat("unknown or unavailable native transport '", options.transport, "'"));
 }
 
 Engine::~Engine() { close(); }

@@ -66,5 +66,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
 // Names of the transports compiled into this build.
 std::vector<std::string> nativeTransports();
+// Empty when the verbs transport can run here; otherwise why not.
+std::string verbsWhyNotViable();
 
 }  // namespace rdkeras

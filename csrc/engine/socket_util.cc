@@ -1,5 +1,7 @@
 #include "engine/socket_util.h"
 
+#include <fcntl.h>
+#include <netdb.h>
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -88,6 +90,42 @@ void setSocketBuffers(int fd, int bytes) {
   // Best effort: the kernel caps these at net.core.{r,w}mem_max.
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+}
+
+int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer) {
+  struct addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  struct addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0)
+    throw EngineError(strCat("tcp: cannot resolve rank ", peer, "'s address ", host, ": ", gai_strerror(rc)));
+  int fd = -1;
+  std::string why = "no address";
+  for (auto* ai = res; ai && fd < 0; ai = ai->ai_next) {
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      why = std::strerror(errno);
+      close(fd);
+      fd = -1;
+      continue;
+    }
+    struct pollfd p = {fd, POLLOUT, 0};
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (poll(&p, 1, deadline.remainingMs(1 << 30)) != 1 ||
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      why = err ? std::strerror(err) : "timed out";
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(res);
+  if (fd < 0)
+    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
+  // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
 }
 
 std::string randomHex(size_t bytes) {

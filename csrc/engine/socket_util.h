@@ -21,6 +21,8 @@ void recvAll(int fd, void* buf, size_t n, const Deadline& deadline, const std::s
 // Waits until `fd` is readable (e.g. a listening socket has a connection).
 bool waitReadable(int fd, const Deadline& deadline);
 void setSocketBuffers(int fd, int bytes);
+// A blocking TCP connection to host:port made before the deadline; PeerError names `peer` otherwise.
+int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer);
 std::string randomHex(size_t bytes);
 // An identifier equal for processes that share a host and network namespace.
 std::string hostIdentity();

@@ -61,9 +61,11 @@ size_t TensorTracker::blockSize(const void* p) const {
 }
 
 uint64_t TensorTracker::insertLocked(const void* p, size_t n) {
+  const uint64_t rkey = registrar_ ? registrar_->registerMemory(p, n) : 0;
   const uint64_t key = arena_.contains(p, n)
-                           ? arena_.insert(RegionKind::kArena, arena_.offsetOf(p), n)
-                           : arena_.insert(RegionKind::kExternal, reinterpret_cast<uintptr_t>(p), n);
+                           ? arena_.insert(RegionKind::kArena, arena_.offsetOf(p), n, rkey)
+                           : arena_.insert(RegionKind::kExternal, reinterpret_cast<uintptr_t>(p), n, rkey);
+  if (registrar_) key_rkey_[key] = rkey;
   ++counters_.registrations;
   counters_.bytes_registered += n;
   return key;
@@ -78,9 +80,12 @@ void TensorTracker::deregisterRegion(uint64_t key) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!arena_.remove(key)) throw EngineError(strCat("deregister: no region with key 0x", std::hex, key));
   ++counters_.deregistrations;
+  forgetLocked(key);
 }
 
-std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, size_t n) {
+std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, size_t n,
+                                                              std::shared_ptr<void> owner) {
+  std::shared_ptr<void> evicted;  // released after the lock: its deleter may need the GIL
   std::lock_guard<std::mutex> lock(mu_);
   if (arena_.contains(p, n)) {
     const uint64_t off = arena_.offsetOf(p);
@@ -106,15 +111,21 @@ std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, siz
       return {e.key, a - e.start};
     }
   }
+  if (registrar_ && !owner)
+    throw EngineError(
+        "memory outside the registered arena needs an owner to be registered here (pass the "
+        "array from Python, or allocate it with Engine.empty)");
   if (external_.size() >= kExternalCacheEntries) {
     auto lru = std::min_element(external_.begin(), external_.end(),
                                 [](const External& x, const External& y) { return x.last_use < y.last_use; });
     arena_.remove(lru->key);
     ++counters_.deregistrations;
+    forgetLocked(lru->key);
+    evicted = std::move(lru->owner);
     external_.erase(lru);
   }
   const uint64_t key = insertLocked(p, n);
-  external_.push_back({a, n, key, clock_});
+  external_.push_back({a, n, key, clock_, std::move(owner)});
   return {key, 0};
 }
 
@@ -135,6 +146,13 @@ RegisteredBlock::~RegisteredBlock() {
   } catch (...) {  // a destructor must not throw; the table entry is the only loss
   }
   tracker_.release(data_);
+}
+
+void TensorTracker::forgetLocked(uint64_t key) {
+  auto it = key_rkey_.find(key);
+  if (it == key_rkey_.end()) return;
+  registrar_->deregisterMemory(it->second);
+  key_rkey_.erase(it);
 }
 
 TrackerCounters TensorTracker::counters() const {

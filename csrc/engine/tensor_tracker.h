@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -32,6 +33,15 @@ struct TrackerCounters {
   uint64_t pool_bytes_in_use = 0;
 };
 
+// What a transport does when memory is registered with it (verbs: ibv_reg_mr).
+class MemoryRegistrar {
+ public:
+  virtual ~MemoryRegistrar() = default;
+  // Returns the remote key peers use for [p, p+n).
+  virtual uint64_t registerMemory(const void* p, size_t n) = 0;
+  virtual void deregisterMemory(uint64_t rkey) = 0;
+};
+
 class TensorTracker {
  public:
   static constexpr size_t kAlignment = 64;
@@ -48,13 +58,21 @@ class TensorTracker {
   uint64_t registerRegion(const void* p, size_t n);
   void deregisterRegion(uint64_t key);
   // (key, offset) such that [p, p+n) is region `key` at `offset`; registers on a miss.
-  std::pair<uint64_t, uint64_t> lookupOrRegister(const void* p, size_t n);
+  // Memory outside the arena is cached together with `owner`, which keeps it
+  // alive while cached: no other buffer can reuse those addresses, so a cached
+  // registration can never describe pages that were freed and remapped (verbs
+  // pins pages at registration). Where the registrar pins pages, outside
+  // memory must come with an owner.
+  std::pair<uint64_t, uint64_t> lookupOrRegister(const void* p, size_t n, std::shared_ptr<void> owner = {});
 
   TrackerCounters counters() const;
   static size_t sizeClass(size_t n);
+  // Registrations from now on also go to `registrar` (set once, by the Engine).
+  void setRegistrar(MemoryRegistrar* registrar) { registrar_ = registrar; }
 
  private:
   uint64_t insertLocked(const void* p, size_t n);
+  void forgetLocked(uint64_t key);
 
   Arena& arena_;
   mutable std::mutex mu_;
@@ -68,10 +86,13 @@ class TensorTracker {
     size_t length;
     uint64_t key;
     uint64_t last_use;
+    std::shared_ptr<void> owner;
   };
   std::vector<External> external_;
   uint64_t clock_ = 0;
   TrackerCounters counters_;
+  MemoryRegistrar* registrar_ = nullptr;
+  std::unordered_map<uint64_t, uint64_t> key_rkey_;  // region key -> the registrar's key
 };
 
 // A zeroed tracker block registered as one region, for the object's lifetime

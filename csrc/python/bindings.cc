@@ -37,6 +37,21 @@ Span span(const py::buffer& buffer, bool writable) {
   return {info.ptr, static_cast<size_t>(info.size * info.itemsize)};
 }
 
+// Where the transport registers (pins) local buffers, registers a buffer from
+// outside the arena together with a reference to its Python owner, so the
+// cached registration can never outlive the memory (see TensorTracker).
+void pin(Engine& e, const py::handle& obj, const Span& s) {
+  if (s.size == 0 || !e.connected() || !e.transport().needsLocalRegistration() ||
+      e.arena().contains(s.ptr, s.size))
+    return;
+  std::shared_ptr<void> owner(new py::object(py::reinterpret_borrow<py::object>(obj)), [](void* p) {
+    if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+  e.tracker().lookupOrRegister(s.ptr, s.size, std::move(owner));
+}
+
 // A uint8 array over a tracker block; the block returns to the pool when the array dies.
 py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nbytes) {
   struct Holder {
@@ -65,6 +80,8 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
 
   m.def("native_transports", &nativeTransports);
+  m.def("verbs_why_not_viable", &verbsWhyNotViable,
+        "Empty when transport='verbs' can run here, else why not.");
   m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");
 
   py::class_<TrackerCounters>(m, "TrackerCounters")
@@ -125,12 +142,14 @@ PYBIND11_MODULE(_engine, m) {
       .def("lookup_or_register",
            [](Engine& e, const py::buffer& b) {
              Span s = span(b, false);
+             pin(e, b, s);
              return e.tracker().lookupOrRegister(s.ptr, s.size);
            })
       .def(
           "write",
           [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
             Span s = span(src, false);
+            pin(e, src, s);
             py::gil_scoped_release nogil;
             e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline());
           },
@@ -139,6 +158,7 @@ PYBIND11_MODULE(_engine, m) {
           "read",
           [](Engine& e, int peer, const py::buffer& dst, uint64_t key, uint64_t offset) {
             Span s = span(dst, true);
+            pin(e, dst, s);
             py::gil_scoped_release nogil;
             e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline());
           },
@@ -192,6 +212,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("send",
            [](StaticChannel& ch, const py::buffer& data) {
              Span s = span(data, false);
+             pin(*ch.engine(), data, s);
              py::gil_scoped_release nogil;
              ch.send(s.ptr, s.size);
            })
@@ -220,6 +241,7 @@ PYBIND11_MODULE(_engine, m) {
           [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype,
              std::vector<int64_t> shape) {
             Span s = span(data, false);
+            pin(*ch.engine(), data, s);
             TensorMeta meta{dtype, std::move(shape), s.size};
             py::gil_scoped_release nogil;
             return ch.send(s.ptr, meta);
@@ -260,6 +282,7 @@ PYBIND11_MODULE(_engine, m) {
               if (!(a.flags() & py::array::c_style))
                 throw py::value_error("allreduce: tensors must be C-contiguous");
               spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
+              pin(*ring.engine(), a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
             }
             size_t total;
             const std::vector<size_t> offsets = RingAllreduce::layout(spans, &total);

@@ -56,8 +56,8 @@ def test_steady_state_loop_registers_nothing(transport):
         before, after = r.value["before"], r.value["after"]
         assert after["registrations"] == before["registrations"], f"rank {r.rank}: {before} -> {after}"
         assert after["bytes_registered"] == before["bytes_registered"]
-        if r.rank == 0:  # the sender looked its sources up: all hits
-            assert after["cache_hits"] - before["cache_hits"] == 2 * 30
+        if r.rank == 0:  # the sender looked its sources up, every time from the cache (verbs looks up more)
+            assert after["cache_hits"] - before["cache_hits"] >= 2 * 30
         else:  # the receiver's buffers came back from the pool
             assert after["pool_reuses"] > before["pool_reuses"]
 

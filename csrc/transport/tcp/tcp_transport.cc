@@ -58,43 +58,6 @@ void tuneSocket(int fd) {
   setSocketBuffers(fd, 8 << 20);
 }
 
-int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer) {
-  struct addrinfo hints = {};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  struct addrinfo* res = nullptr;
-  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0)
-    throw EngineError(strCat("tcp: cannot resolve rank ", peer, "'s address ", host, ": ", gai_strerror(rc)));
-  int fd = -1;
-  std::string why = "no address";
-  for (auto* ai = res; ai && fd < 0; ai = ai->ai_next) {
-    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) continue;
-    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-      why = std::strerror(errno);
-      close(fd);
-      fd = -1;
-      continue;
-    }
-    struct pollfd p = {fd, POLLOUT, 0};
-    int err = 0;
-    socklen_t len = sizeof(err);
-    if (poll(&p, 1, deadline.remainingMs(1 << 30)) != 1 ||
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
-      why = err ? std::strerror(err) : "timed out";
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(res);
-  if (fd < 0)
-    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
-  // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  tuneSocket(fd);
-  return fd;
-}
-
 }  // namespace
 
 TcpTransport::TcpTransport(int rank, int world_size, Arena& arena, const TransportOptions& options)
@@ -136,6 +99,7 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
   for (int r = 0; r < rank_; ++r) {
     for (int role : {kRoleInitiator, kRoleTarget}) {
       const int fd = connectTcp(field(descriptors[r], "host"), field(descriptors[r], "port"), deadline, r);
+      tuneSocket(fd);
       Hello hello = {kHelloMagic, rank_, role, static_cast<uint32_t>(secret.size()), {}};
       std::memcpy(hello.secret, secret.data(), secret.size());
       struct iovec iov = {&hello, sizeof(hello)};
