@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.conftest import run_ranks
+from tests.conftest import VERBS, run_ranks
 
 TARGET = "tests.multiproc.keras_workers"
 
@@ -96,3 +96,12 @@ def test_tensorboard_shows_throughput_and_traffic(tmp_path):
     regs = scalars["tracker/registrations"]
     assert regs[-1] == regs[steps // 2]  # the second epoch registers nothing (the first set rings up)
     assert results[0].value["traffic"]["bytes_written"] > 0
+
+
+@pytest.mark.parametrize("transport", [VERBS])
+def test_verbs_training_matches_shm_bit_for_bit(transport):
+    # Runs where an RDMA device exists: inside the SoftRoCE VM (tests/verbs/test_in_vm.py).
+    over_verbs = _run("fit_model", 2, transport, kind="mlp", batch=8, epochs=1)
+    over_shm = _run("fit_model", 2, "shm", kind="mlp", batch=8, epochs=1)
+    assert over_verbs[0].value["transport"] == "verbs"
+    assert [r.value["weights"] for r in over_verbs] == [r.value["weights"] for r in over_shm]

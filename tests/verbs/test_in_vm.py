@@ -1,4 +1,4 @@
-"""The verbs transport for real: the transport conformance tests, run inside the SoftRoCE VM.
+"""The verbs transport for real: conformance, failure and training tests, run inside the SoftRoCE VM.
 
 Needs the VM prepared by ``bash tests/verbs/setup.sh`` (``.ci/run`` does it) and an
 rdkeras built with rdma-core's headers; elsewhere this test is skipped with the reason.
@@ -34,9 +34,10 @@ def _not_ready() -> str | None:
 @pytest.mark.skipif(_not_ready() is not None, reason=str(_not_ready()))
 def test_verbs_conformance_inside_the_softroce_vm():
     guest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "verbs",
-             "tests/multiproc/test_conformance.py", "tests/multiproc/test_failures.py"]
-    done = subprocess.run([sys.executable, str(HERE / "run_in_vm.py"), "--timeout", "900", "--", *guest],
-                          cwd=REPO, capture_output=True, text=True, timeout=960)
+             "tests/multiproc/test_conformance.py", "tests/multiproc/test_failures.py",
+             "tests/multiproc/test_data_parallel.py"]
+    done = subprocess.run([sys.executable, str(HERE / "run_in_vm.py"), "--timeout", "1200", "--", *guest],
+                          cwd=REPO, capture_output=True, text=True, timeout=1260)
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail.split(" passed")[-1].split("\n")[0], tail
