@@ -31,11 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="shm,tcp,grpc", help="comma-separated (default: shm,tcp,grpc)")
     p.add_argument("--out", default="bench-results", help="folder for sendrecv.json and sendrecv.png")
     p.add_argument("--timeout", type=float, default=600, help="seconds for each transport's run")
+    p.add_argument("--sizes", help="comma-separated message sizes in MB (default: 1,4,16,64,256)")
+    p.add_argument("--latency-sizes", help="comma-separated sizes in bytes for the ping-pong (default: 8 ... 65536)")
 
 
 def _iterations(size: int, transport: str, quick: bool) -> int:
     budget = (0.03 if quick else 0.2) * (0.1 if transport == "grpc" else 1.0)  # seconds per round
-    speed = {"shm": 8e9, "tcp": 2e9, "grpc": 0.3e9}[transport]
+    speed = {"shm": 8e9, "tcp": 2e9, "verbs": 2e9, "grpc": 0.3e9}[transport]
     return int(np.clip(budget * speed / size, 2, 200))
 
 
@@ -116,7 +118,7 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
             fwd = eng.static_channel(f"ping-{size}", 0, 1, (size,), np.uint8)
             bwd = eng.static_channel(f"pong-{size}", 1, 0, (size,), np.uint8)
             tx, rx = (fwd, bwd) if sender else (bwd, fwd)
-            iters = 2000 if native else 50
+            iters = 2000 if transport in ("shm", "tcp") else 50  # verbs here is SoftRoCE in a VM
             msg = np.ones(size, np.uint8)
             best = float("inf")
             for r in range(rounds + 1):
@@ -155,15 +157,17 @@ def run(args: argparse.Namespace) -> int:
     from rdkeras.launch import spawn_call
 
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bandwidth_sizes = [int(float(s) * MB) for s in args.sizes.split(",")] if args.sizes else BANDWIDTH_SIZES
+    latency_sizes = [int(s) for s in args.latency_sizes.split(",")] if args.latency_sizes else LATENCY_SIZES
     results: dict[str, dict] = {}
     started = time.time()
     for t in transports:
-        sizes = [s for s in BANDWIDTH_SIZES if not (t == "grpc" and args.quick and s > GRPC_QUICK_MAX)]
+        sizes = [s for s in bandwidth_sizes if not (t == "grpc" and args.quick and s > GRPC_QUICK_MAX)]
         print(f"[sendrecv] {t}: {len(sizes)} sizes ...", flush=True)
         ranks = spawn_call(
             "rdkeras.bench.sendrecv:rank_main",
             2,
-            {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": LATENCY_SIZES},
+            {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": latency_sizes},
             timeout=args.timeout,
         )
         failed = [r for r in ranks if r.returncode != 0]
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     print("\nOne-way latency (ping-pong / 2), static channels")
-    lat_sizes = LATENCY_SIZES
+    lat_sizes = latency_sizes
     print(f"{'transport':<9} " + " ".join(f"{_fmt_size(s):>9}" for s in lat_sizes))
     for t, r in results.items():
         lat = dict((s, sec) for s, sec in r["latency"])

@@ -31,6 +31,7 @@ def _not_ready() -> str | None:
     return None
 
 
+@pytest.mark.timeout(1300)  # the VM emulates its CPU: TensorFlow alone takes a minute to import there
 @pytest.mark.skipif(_not_ready() is not None, reason=str(_not_ready()))
 def test_verbs_conformance_inside_the_softroce_vm():
     guest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "verbs",
