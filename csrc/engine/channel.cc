@@ -1,5 +1,6 @@
 #include "engine/channel.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace rdkeras {
@@ -163,7 +164,14 @@ void* DynamicChannel::recv(TensorMeta* meta) {
 }
 
 double pingPong(StaticChannel& tx, StaticChannel& rx, int iterations, bool initiator) {
-  std::vector<uint8_t> msg(tx.nbytes(), 1);
+  // The message lives in registered memory, as an RDMA source must.
+  RegisteredBlock block(tx.engine()->tracker(), std::max<size_t>(tx.nbytes(), 1));
+  struct Span {
+    uint8_t* p;
+    size_t n;
+    const uint8_t* data() const { return p; }
+    size_t size() const { return n; }
+  } msg{block.data(), tx.nbytes()};
   const auto start = Clock::now();
   for (int i = 0; i < iterations; ++i) {
     if (initiator) {
