@@ -128,6 +128,26 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
   return fd;
 }
 
+void acceptPeers(int listen_fd, const Deadline& deadline, const char* transport,
+                 const std::function<std::vector<int>()>& pending, const std::function<bool(int fd)>& admit) {
+  for (std::vector<int> left = pending(); !left.empty(); left = pending()) {
+    if (!waitReadable(listen_fd, deadline)) {
+      std::string names;
+      for (int r : left) names += strCat(names.empty() ? "" : ", ", r);
+      throw TimeoutError(strCat(transport, ": timed out after ", deadline.seconds(),
+                                " s waiting for rank(s) ", names, " to connect"));
+    }
+    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    bool took = false;
+    try {
+      took = admit(fd);
+    } catch (const EngineError&) {  // it hung up or sent garbage: not one of ours
+    }
+    if (!took) close(fd);
+  }
+}
+
 std::string randomHex(size_t bytes) {
   std::string raw(bytes, '\0');
   if (getrandom(raw.data(), bytes, 0) != static_cast<ssize_t>(bytes)) throwErrno("getrandom");

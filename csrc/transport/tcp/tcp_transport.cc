@@ -121,39 +121,31 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
       (role == kRoleInitiator ? peers_[r]->out_fd : peers_[r]->in_fd) = fd;
     }
   }
-  for (int expected = 2 * (world_size_ - 1 - rank_); expected > 0;) {
-    if (!waitReadable(listen_fd_, deadline)) {
-      std::string missing;
-      for (int r = rank_ + 1; r < world_size_; ++r)
-        if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) missing += strCat(missing.empty() ? "" : ", ", r);
-      throw TimeoutError(strCat("tcp: timed out after ", deadline.seconds(), " s waiting for rank(s) ",
-                                missing, " to connect"));
-    }
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    tuneSocket(fd);
-    Hello hello;
-    try {
-      recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
-    } catch (const EngineError&) {
-      close(fd);
-      continue;
-    }
-    const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
-                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                    hello.rank < world_size_ && (hello.role == kRoleInitiator || hello.role == kRoleTarget);
-    int& slot = ok ? (hello.role == kRoleInitiator ? peers_[hello.rank]->in_fd : peers_[hello.rank]->out_fd)
-                   : listen_fd_;
-    if (!ok || slot >= 0) {
-      close(fd);  // a stranger, a wrong secret or a duplicate: refuse without answering
-      continue;
-    }
-    Hello reply = {kHelloMagic, rank_, hello.role, 0, {}};
-    struct iovec iov = {&reply, sizeof(reply)};
-    sendAll(fd, &iov, 1, deadline, strCat("rank ", hello.rank));
-    slot = fd;
-    --expected;
-  }
+  acceptPeers(
+      listen_fd_, deadline, "tcp",
+      [&] {
+        std::vector<int> left;
+        for (int r = rank_ + 1; r < world_size_; ++r)
+          if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) left.push_back(r);
+        return left;
+      },
+      [&](int fd) {
+        tuneSocket(fd);
+        Hello hello;
+        recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
+        const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
+                        std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
+                        hello.rank < world_size_ &&
+                        (hello.role == kRoleInitiator || hello.role == kRoleTarget);
+        if (!ok) return false;
+        int& slot = hello.role == kRoleInitiator ? peers_[hello.rank]->in_fd : peers_[hello.rank]->out_fd;
+        if (slot >= 0) return false;  // a duplicate
+        Hello reply = {kHelloMagic, rank_, hello.role, 0, {}};
+        struct iovec iov = {&reply, sizeof(reply)};
+        sendAll(fd, &iov, 1, deadline, strCat("rank ", hello.rank));
+        slot = fd;
+        return true;
+      });
   close(listen_fd_);
   listen_fd_ = -1;
   for (int r = 0; r < world_size_; ++r) {

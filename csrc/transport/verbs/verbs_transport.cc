@@ -222,33 +222,23 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
     sendAll(fd, &iov, 1, deadline, strCat("rank ", r));
     peers_[r].sock = fd;
   }
-  for (int expected = world_size_ - 1 - rank_; expected > 0;) {
-    if (!waitReadable(listen_fd_, deadline)) {
-      std::string missing;
-      for (int r = rank_ + 1; r < world_size_; ++r)
-        if (peers_[r].sock < 0) missing += strCat(missing.empty() ? "" : ", ", r);
-      throw TimeoutError(strCat("verbs: timed out after ", deadline.seconds(), " s waiting for rank(s) ",
-                                missing, " to connect"));
-    }
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Hello hello;
-    try {
-      recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
-    } catch (const EngineError&) {
-      close(fd);
-      continue;
-    }
-    const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
-                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                    hello.rank < world_size_ && peers_[hello.rank].sock < 0;
-    if (!ok) {
-      close(fd);
-      continue;
-    }
-    peers_[hello.rank].sock = fd;
-    --expected;
-  }
+  acceptPeers(
+      listen_fd_, deadline, "verbs",
+      [&] {
+        std::vector<int> left;
+        for (int r = rank_ + 1; r < world_size_; ++r)
+          if (peers_[r].sock < 0) left.push_back(r);
+        return left;
+      },
+      [&](int fd) {
+        Hello hello;
+        recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
+        const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
+                        std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
+                        hello.rank < world_size_ && peers_[hello.rank].sock < 0;
+        if (ok) peers_[hello.rank].sock = fd;
+        return ok;
+      });
   close(listen_fd_);
   listen_fd_ = -1;
 }
