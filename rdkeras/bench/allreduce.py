@@ -136,7 +136,7 @@ def _env_for(backend: str) -> tuple[dict, list[dict] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdkeras.launch import spawn_call
+    from rdkeras.bench import run_ranks
 
     results: dict[str, dict[int, float]] = {}
     notes = []
@@ -149,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
                 continue
         print(f"[allreduce] {backend} ...", flush=True)
         env, per_rank = _env_for(backend)
-        ranks = spawn_call(
+        ranks = run_ranks(
+            "allreduce",
+            backend,
             "rdkeras.bench.allreduce:rank_main",
             2,
             {"backend": backend, "sizes": SIZES, "quick": args.quick},
@@ -157,9 +159,7 @@ def run(args: argparse.Namespace) -> int:
             per_rank_env=per_rank,
             timeout=args.timeout,
         )
-        bad = [r for r in ranks if r.returncode != 0]
-        if bad:
-            print(f"[allreduce] {backend} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
+        if ranks is None:
             return 1
         results[backend] = {int(k): v for k, v in ranks[0].value.items()}
 

@@ -90,7 +90,7 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdkeras.launch import spawn_call
+    from rdkeras.bench import run_ranks
 
     width, hidden = FCN5_SIZES["full" if args.full else "small"]
     steps = max(4, args.steps // 2) if args.quick else args.steps
@@ -106,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"[fit] {label} ...", flush=True)
         distributed = transport not in ("none", "independent")
         env = {"RDKERAS_TRANSPORT": transport} if distributed else {"RDKERAS_WORLD_SIZE": ""}
-        ranks = spawn_call(
+        ranks = run_ranks(
+            "fit",
+            label,
             "rdkeras.bench.fit:rank_main",
             workers,
             {"distributed": distributed, **common},
             env=env,
             timeout=args.timeout,
         )
-        bad = [r for r in ranks if r.returncode != 0]
-        if bad:
-            print(f"[fit] {label} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
+        if ranks is None:
             return 1
         rate = min(r.value["rate"] for r in ranks)  # the slowest worker sets the pace
         rows.append(

@@ -154,7 +154,7 @@ def _fmt_size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdkeras.launch import spawn_call
+    from rdkeras.bench import run_ranks
 
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     bandwidth_sizes = [int(float(s) * MB) for s in args.sizes.split(",")] if args.sizes else BANDWIDTH_SIZES
@@ -164,15 +164,15 @@ def run(args: argparse.Namespace) -> int:
     for t in transports:
         sizes = [s for s in bandwidth_sizes if not (t == "grpc" and args.quick and s > GRPC_QUICK_MAX)]
         print(f"[sendrecv] {t}: {len(sizes)} sizes ...", flush=True)
-        ranks = spawn_call(
+        ranks = run_ranks(
+            "sendrecv",
+            t,
             "rdkeras.bench.sendrecv:rank_main",
             2,
             {"transport": t, "quick": args.quick, "sizes": sizes, "latency_sizes": latency_sizes},
             timeout=args.timeout,
         )
-        failed = [r for r in ranks if r.returncode != 0]
-        if failed:
-            print(f"[sendrecv] {t} failed on rank {failed[0].rank}:\n{failed[0].output[-2000:]}")
+        if ranks is None:
             return 1
         results[t] = ranks[0].value
 
