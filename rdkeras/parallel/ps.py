@@ -141,9 +141,9 @@ class ParameterServer:
             self._wait(1, o, t)
             eng.read(o, self.pulled[o][: self.owned_bytes[o]], self.keys[o], self.layouts[o]["params"])
             eng.write_flag(o, self.keys[o], self._flag(o, 2, r), t)
-        return [
-            self._view(self.pulled[self.owner[i]], 0, i).copy() for i in range(len(self.owner)) if self.owner[i] != r
-        ]
+        # Views of the pull buffers, no copy: assign() copies them into the variables
+        # within this step, before the next step's pull overwrites the buffers.
+        return [self._view(self.pulled[self.owner[i]], 0, i) for i in range(len(self.owner)) if self.owner[i] != r]
 
 
 def ps_optimizer_class(base: type, ps: ParameterServer) -> type:
