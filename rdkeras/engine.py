@@ -258,22 +258,28 @@ class Engine:
         )
         return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
 
-    def ring(self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20) -> Any:
-        """A ring allreduce over all ranks (collective: every rank calls this with the same arguments).
+    def ring(
+        self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20, members: Sequence[int] | None = None
+    ) -> Any:
+        """A ring allreduce over `members` (default: all ranks); collective: every member calls
+        this with the same arguments.
 
         Returns a callable ``ring(arrays, average=False) -> list[np.ndarray]``:
         the outputs are views of registered memory, valid until the next-but-one call.
         """
+        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
+        if self.rank not in members:
+            raise ValueError(f"ring {name!r}: this rank ({self.rank}) is not among its members {members}")
         if name in self._names:
             raise ValueError(f"name {name!r} is already used on this engine")
         self._names.add(name)
         if self.transport == "grpc":
             from rdkeras.transports.grpc import ChannelRing
 
-            return ChannelRing(self, name, capacity_bytes)
-        ring = _engine.RingAllreduce(self._impl, capacity_bytes, bucket_bytes)
-        n = self.world_size
-        left, right = (self.rank - 1) % n, (self.rank + 1) % n
+            return ChannelRing(self, name, capacity_bytes, members)
+        ring = _engine.RingAllreduce(self._impl, capacity_bytes, bucket_bytes, members)
+        n, at = len(members), members.index(self.rank)
+        left, right = members[(at - 1) % n], members[(at + 1) % n]
         self.store.set(f"ring/{name}/{self.rank}", ring.descriptor.encode())
         descs = self.store.get([f"ring/{name}/{left}", f"ring/{name}/{right}"], waiting_for=[left, right])
         if n > 1:

@@ -64,12 +64,36 @@ void forEachSegment(const std::vector<ConstSpan>& inputs, const std::vector<size
 
 }  // namespace
 
-RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes)
+namespace {
+
+std::vector<int> allRanksIfEmpty(std::vector<int> members, int world) {
+  if (members.empty())
+    for (int r = 0; r < world; ++r) members.push_back(r);
+  for (int r : members)
+    if (r < 0 || r >= world)
+      throw EngineError(strCat("allreduce: member rank ", r, " is outside 0..", world - 1));
+  return members;
+}
+
+int positionOf(const std::vector<int>& members, int rank) {
+  auto it = std::find(members.begin(), members.end(), rank);
+  if (it == members.end())
+    throw EngineError(strCat("allreduce: rank ", rank, " is not a member of its ring"));
+  if (std::find(it + 1, members.end(), rank) != members.end())
+    throw EngineError(strCat("allreduce: rank ", rank, " is listed twice among the ring's members"));
+  return static_cast<int>(it - members.begin());
+}
+
+}  // namespace
+
+RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
+                             std::vector<int> members)
     : engine_(std::move(engine)),
-      rank_(engine_->rank()),
-      world_(engine_->worldSize()),
-      left_((rank_ + world_ - 1) % world_),
-      right_((rank_ + 1) % world_),
+      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+      rank_(positionOf(members_, engine_->rank())),
+      world_(static_cast<int>(members_.size())),
+      left_(members_[(rank_ + world_ - 1) % world_]),
+      right_(members_[(rank_ + 1) % world_]),
       capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
       bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
@@ -78,7 +102,7 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
 }
 
 std::string RingAllreduce::localDescriptor() const {
-  return strCat("ring;rank=", rank_, ";key=", registered_->key(), ";capacity=", capacity_,
+  return strCat("ring;rank=", engine_->rank(), ";key=", registered_->key(), ";capacity=", capacity_,
                 ";bucket=", bucket_bytes_);
 }
 

@@ -35,13 +35,15 @@ struct ConstSpan {
 class RingAllreduce {
  public:
   // capacity_bytes: the largest total (with 64-byte padding per tensor) a call may
-  // reduce; bucket_bytes: how much one ring pass moves.
-  RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes);
+  // reduce; bucket_bytes: how much one ring pass moves; members: the engine ranks
+  // in ring order (empty: all of them), this rank among them.
+  RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
+                std::vector<int> members = {});
   RingAllreduce(const RingAllreduce&) = delete;
   RingAllreduce& operator=(const RingAllreduce&) = delete;
 
   std::string localDescriptor() const;
-  // Descriptors of rank-1 (whom we ack) and rank+1 (whom we write to).
+  // Descriptors of the left (whom we ack) and right (whom we write to) members.
   void connect(const std::string& left, const std::string& right);
 
   // Reduces `inputs` (all of one dtype) into the next output block and returns
@@ -63,7 +65,9 @@ class RingAllreduce {
   void allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin, size_t send_end);
 
   std::shared_ptr<Engine> engine_;
-  int rank_, world_, left_, right_;
+  std::vector<int> members_;
+  int rank_, world_, left_,
+      right_;  // rank_/world_: position among / count of members_; left_/right_: engine ranks
   size_t capacity_, bucket_bytes_, slot_bytes_;
   // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag]
   std::unique_ptr<RegisteredBlock> registered_;

@@ -259,8 +259,8 @@ PYBIND11_MODULE(_engine, m) {
       });
 
   py::class_<RingAllreduce, std::shared_ptr<RingAllreduce>>(m, "RingAllreduce")
-      .def(py::init<std::shared_ptr<Engine>, size_t, size_t>(), py::arg("engine"), py::arg("capacity_bytes"),
-           py::arg("bucket_bytes"))
+      .def(py::init<std::shared_ptr<Engine>, size_t, size_t, std::vector<int>>(), py::arg("engine"),
+           py::arg("capacity_bytes"), py::arg("bucket_bytes"), py::arg("members") = std::vector<int>{})
       .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &RingAllreduce::capacity)
       .def("connect", &RingAllreduce::connect, py::arg("left"), py::arg("right"))

@@ -340,18 +340,18 @@ class ChannelRing:
     """Ring allreduce over the engine's channel API, as TensorFlow's gRPC collective does it:
     reduce-scatter then allgather, every chunk a serialized RPC message."""
 
-    def __init__(self, engine: Any, name: str, capacity_bytes: int):
-        n, r = engine.world_size, engine.rank
+    def __init__(self, engine: Any, name: str, capacity_bytes: int, members: list[int]):
+        n, r = len(members), members.index(engine.rank)
         self.n, self.rank, self.capacity = n, r, capacity_bytes
         if n > 1:
-            left, right = (r - 1) % n, (r + 1) % n
-            # Created in rank order around the ring so the collective setup cannot deadlock.
+            me, left, right = members[r], members[(r - 1) % n], members[(r + 1) % n]
+            # Each creation waits for the peer's; alternate the order around the ring so no two wait on each other.
             if r % 2 == 0:
-                self._tx = engine.dynamic_channel(f"{name}/{r}->{right}", r, right)
-                self._rx = engine.dynamic_channel(f"{name}/{left}->{r}", left, r)
+                self._tx = engine.dynamic_channel(f"{name}/{me}->{right}", me, right)
+                self._rx = engine.dynamic_channel(f"{name}/{left}->{me}", left, me)
             else:
-                self._rx = engine.dynamic_channel(f"{name}/{left}->{r}", left, r)
-                self._tx = engine.dynamic_channel(f"{name}/{r}->{right}", r, right)
+                self._rx = engine.dynamic_channel(f"{name}/{left}->{me}", left, me)
+                self._tx = engine.dynamic_channel(f"{name}/{me}->{right}", me, right)
 
     def __call__(self, arrays: list[np.ndarray], average: bool = False) -> list[np.ndarray]:
         flat = np.concatenate([np.asarray(a).ravel() for a in arrays]) if arrays else np.zeros(0, np.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.conftest import ALL_TRANSPORTS, NATIVE, run_ranks
@@ -69,3 +70,14 @@ def test_ring_allreduce_matches_numpy(transport, world_size):
     for r in results:
         assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:5]}"
     assert len({r.value["digest"] for r in results}) == 1, "ranks disagree on the result"
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_ring_over_a_subgroup_reduces_only_its_members(transport):
+    results = run_ranks("subgroup_rings", 3, transport=transport)
+    for r in results:
+        group = [r.rank + 1.0] if r.rank == 1 else [1.0, 3.0]  # rank k contributes k+1
+        mean = sum(group) / len(group)
+        assert np.allclose(r.value["out"][0], np.full((5, 3), mean))
+        assert np.allclose(r.value["out"][1], np.arange(7) * mean)
+        assert "not among its members" in r.value["refused"]

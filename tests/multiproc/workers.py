@@ -276,3 +276,18 @@ def ring_allreduce(calls: int) -> dict:
         # bit-identical results on every rank
         digest = zlib.crc32(b"".join(o.tobytes() for o in outputs))
         return {"errors": errors, "digest": digest}
+
+
+def subgroup_rings() -> dict:
+    """Ranks {2, 0} reduce in one ring (listed out of order), rank 1 alone in another."""
+    with rdkeras.Engine() as eng:
+        members = [1] if eng.rank == 1 else [2, 0]
+        ring = eng.ring(f"group-{members}", 1 << 20, members=members)
+        mine = [np.full((5, 3), eng.rank + 1.0, np.float32), np.arange(7, dtype=np.float32) * (eng.rank + 1)]
+        out = ring(mine, average=True)
+        try:
+            eng.ring("outsider", 1 << 20, members=[r for r in range(eng.world_size) if r != eng.rank])
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        return {"out": [o.tolist() for o in out], "refused": refused}
