@@ -2,10 +2,49 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import keras
+import numpy as np
+
+
+def plan_text(model: Any) -> str:
+    """What each step sends where, as Markdown (TensorBoard's text tab renders it).
+
+    A parallelism that knows its own plan (model parallelism: placement and cut
+    edges) provides it as ``model._rdkeras.plan_text()``; for data parallelism
+    the plan is the gradient exchange: tensors, bytes and allreduce passes per step.
+    """
+    parallel = getattr(model, "_rdkeras", None)
+    if parallel is None:
+        return "single process: nothing crosses a worker boundary"
+    own = getattr(parallel, "plan_text", None)
+    if callable(own):
+        return str(own())
+    engine, workers = parallel.engine, parallel.num_workers
+    rows, total = [], 0
+    for v in model.trainable_variables:
+        nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        total += nbytes
+        rows.append(f"| {v.path} | {tuple(v.shape)} | {v.dtype} | {nbytes:,} |")
+    mode = getattr(parallel, "mode", "allreduce")
+    lines = [f"**data parallel**, {workers} workers, transport `{engine.transport}`, mode `{mode}`", ""]
+    if mode == "allreduce":
+        bucket = parallel.collectives.bucket_bytes
+        passes = max(1, math.ceil(total / bucket))
+        lines.append(
+            f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
+            f"{bucket:,} bytes; each worker sends and receives {2 * (workers - 1) * total // max(workers, 1):,} bytes."
+        )
+    else:
+        lines.append(
+            f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "
+            f"variable (sharded over the {workers} workers); updated parameters pulled back."
+        )
+    lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
+    return "\n".join(lines)
 
 
 class TrainingStats(keras.callbacks.Callback):
@@ -15,7 +54,8 @@ class TrainingStats(keras.callbacks.Callback):
     ``throughput/examples_per_s`` (when the per-worker batch size is known),
     ``comm/bytes_sent``, ``comm/bytes_received`` (per step, this worker),
     ``comm/wait_ms`` (time blocked on peers per step), ``tracker/registrations``
-    (cumulative; flat in a steady state).
+    (cumulative; flat in a steady state); and, once, the text ``plan``: how the
+    model is split and what crosses the wire each step (:func:`plan_text`).
 
     Args:
         log_dir: The TensorBoard log folder (the same one as keras.callbacks.TensorBoard's is fine).
@@ -39,6 +79,8 @@ class TrainingStats(keras.callbacks.Callback):
         if engine is not None and engine.rank != 0:
             return
         self._writer = tf.summary.create_file_writer(f"{self.log_dir}/rdkeras")
+        with self._writer.as_default():
+            tf.summary.text("plan", plan_text(self.model), step=0)
         self._last = self._sample()
 
     def _sample(self) -> dict:

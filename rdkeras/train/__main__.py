@@ -1,0 +1,5 @@
+import sys
+
+from rdkeras.train.app import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""The Hydra entry point: compose, check, then spawn local workers or run as one worker."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from rdkeras.train.config import CONFIG_NAME, ConfigError, validate
+
+PROG = "rdkeras.train"
+RESOLVED_CONFIG = "resolved_config.yaml"
+# A worker that stops on a bad config prints this prefix and exits with this code.
+ERROR_PREFIX = f"{PROG}: error: "
+CONFIG_EXIT = 2
+
+
+def in_cluster_env() -> bool:
+    """Whether the environment already makes this process one worker of a job."""
+    env = os.environ
+    return bool(
+        env.get("RDKERAS_WORLD_SIZE") or env.get("TF_CONFIG") or (env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"))
+    )
+
+
+# Errors of the jobs run by this process (one, or one per --multirun job), kept here rather than
+# raised through Hydra, which would add its own "Error executing job" report.
+_job_errors: list[BaseException] = []
+
+
+def _task(cfg: Any) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rdkeras.data import DataError
+
+    try:
+        _run_job(cfg)
+    except (ConfigError, DataError, OmegaConfBaseException, WorkerError) as e:
+        _job_errors.append(e)
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.get().mode.name == "MULTIRUN":
+            print(f"{PROG}: job {HydraConfig.get().job.num} failed: {_describe(e)}", file=sys.stderr, flush=True)
+
+
+def _run_job(cfg: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    validate(cfg)
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    # The config with every interpolation resolved: what the workers (and a reader, later) see.
+    resolved = output_dir / RESOLVED_CONFIG
+    OmegaConf.save(cfg, resolved, resolve=True)
+    if cfg.cluster.kind == "local" and not in_cluster_env():
+        spawn_local(resolved, output_dir, cfg.cluster.num_workers, cfg.cluster.timeout)
+    else:
+        from rdkeras.train import worker
+
+        worker.run(OmegaConf.load(resolved), output_dir)
+
+
+def spawn_local(config_path: Path, output_dir: Path, num_workers: int, timeout: float | None) -> None:
+    """Runs the workers on this machine through the launcher; their output is forwarded with a [rank] prefix."""
+    from rdkeras.launch import first_failure, free_port, run_workers, worker_env
+
+    port, token = free_port(), secrets.token_hex(16)
+    envs = [worker_env(r, num_workers, port, token) for r in range(num_workers)]
+    for stale in output_dir.glob("error-*.txt"):
+        stale.unlink()
+    command = [sys.executable, "-m", "rdkeras.train.worker", str(config_path), str(output_dir)]
+    print(f"{PROG}: {num_workers} local workers, output in {output_dir}", flush=True)
+    results = run_workers([command] * num_workers, envs, timeout=timeout, forward=True)
+    errors = {}
+    for r in results:
+        error_file = output_dir / f"error-{r.rank}.txt"
+        errors[r.rank] = error_file.read_text() if error_file.exists() else ""
+        error_file.unlink(missing_ok=True)
+        (output_dir / f"worker-{r.rank}.log").write_text(r.output + errors[r.rank])
+    bad = first_failure(results) or next((r for r in results if r.returncode is None), None)
+    if bad is None:
+        return
+    if bad.returncode == CONFIG_EXIT and errors[bad.rank].startswith(ERROR_PREFIX):
+        raise ConfigError(errors[bad.rank][len(ERROR_PREFIX) :].strip())
+    from rdkeras.launch import _failure_message
+
+    raise WorkerError(_failure_message(bad) + f"\n(full logs: {output_dir}/worker-*.log)")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed for a reason other than the config."""
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a config error, whichever library raised it."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        if group:
+            what = "recipe" if group == "recipe" else f"{group} option"
+            return f"unknown {what} {name!r}; choose one of: {', '.join(e.options or [])} ({group}=NAME)"
+    text = " ".join(str(e).split())
+    cause = e.__cause__
+    if cause is not None and " ".join(str(cause).split()) not in text:
+        text += f" ({' '.join(str(cause).split())})"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rdkeras.train``; returns the exit status (2 for a bad config, with one error line)."""
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rdkeras.data import DataError
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    hydra_main = hydra.main(config_path="pkg://rdkeras.conf", config_name=CONFIG_NAME, version_base=None)(_task)
+    full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
+    sys.argv = [f"python -m {PROG}", *args]
+    _job_errors.clear()
+    try:
+        hydra_main()
+        if _job_errors:
+            raise _job_errors[0]
+    except (ConfigError, DataError, HydraException, OmegaConfBaseException) as e:
+        if full_errors:
+            raise
+        print(ERROR_PREFIX + _describe(e), file=sys.stderr)
+        return CONFIG_EXIT
+    except WorkerError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        sys.argv = saved_argv
+        if saved_env is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_env
+    return 0

@@ -1,0 +1,93 @@
+"""Composing and checking the training config (no TensorFlow needed here)."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.resources
+from typing import Any
+
+CONFIG_MODULE = "rdkeras.conf"
+CONFIG_NAME = "train"
+GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger")
+_TRANSPORTS = ("auto", "shm", "tcp", "verbs", "grpc")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot work; the message says what is wrong and what to do."""
+
+
+def options(group: str) -> list[str]:
+    """The options of a config group (or ``recipe``), from the files shipped in the package."""
+    folder = importlib.resources.files(CONFIG_MODULE) / group
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipes() -> list[str]:
+    return options("recipe")
+
+
+def compose(overrides: list[str] | None = None) -> Any:
+    """The composed config for these command-line overrides, as the app would see it (for tests and notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(CONFIG_MODULE, version_base=None):
+        return hydra_compose(CONFIG_NAME, overrides=list(overrides or []))
+
+
+def _positive(value: Any, name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def validate(cfg: Any) -> None:
+    """Checks what can be checked before any worker starts; raises ConfigError."""
+    kind = cfg.cluster.kind
+    if kind not in ("local", "env"):
+        raise ConfigError(f"cluster.kind must be 'local' or 'env', got {kind!r}")
+    if kind == "local":
+        _positive(cfg.cluster.num_workers, "cluster.num_workers")
+    if cfg.transport.name not in _TRANSPORTS:
+        raise ConfigError(f"transport.name must be one of {', '.join(_TRANSPORTS)}; got {cfg.transport.name!r}")
+    parallel = cfg.parallel
+    if parallel.kind not in ("data", "model", "hybrid"):
+        raise ConfigError(f"parallel.kind must be data, model or hybrid; got {parallel.kind!r}")
+    if parallel.kind in ("data", "hybrid") and parallel.mode not in ("allreduce", "ps"):
+        raise ConfigError(f"parallel.mode must be allreduce or ps; got {parallel.mode!r}")
+    if parallel.kind in ("model", "hybrid"):
+        if not parallel.placement:
+            raise ConfigError(
+                f'parallel={parallel.kind} needs a placement: parallel.placement=\'{{"block*": 0, "fc*": 1}}\' '
+                "(layer-name globs to worker indices)"
+            )
+        _positive(parallel.micro_batches, "parallel.micro_batches")
+        for pattern, worker in parallel.placement.items():
+            if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+                raise ConfigError(f"parallel.placement[{pattern!r}] must be a worker index >= 0, got {worker!r}")
+            if kind == "local" and worker >= cfg.cluster.num_workers:
+                raise ConfigError(
+                    f"parallel.placement[{pattern!r}] = {worker}, but there are only {cfg.cluster.num_workers} "
+                    f"workers (0..{cfg.cluster.num_workers - 1}): raise cluster.num_workers or change the placement"
+                )
+    trainer = cfg.trainer
+    _positive(trainer.epochs, "trainer.epochs")
+    _positive(trainer.batch_size, "trainer.batch_size")
+    _positive(trainer.steps_per_epoch, "trainer.steps_per_epoch", allow_none=True)
+    _positive(trainer.validation_steps, "trainer.validation_steps", allow_none=True)
+    if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
+        raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
+
+
+def check_placement(placement: dict, model: Any) -> None:
+    """Every placement glob must name at least one of the model's layers."""
+    names = [layer.name for layer in model.layers]
+    for pattern in placement:
+        if not fnmatch.filter(names, pattern):
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise ConfigError(
+                f"parallel.placement pattern {pattern!r} matches no layer of model {model.name!r} (layers: {shown})"
+            )

@@ -1,0 +1,210 @@
+"""One worker of a training job: data, model, strategy, callbacks, ``fit``.
+
+Run by the app in-process (under TF_CONFIG, SLURM or the launcher) or, for
+``cluster=local``, as ``python -m rdkeras.train.worker CONFIG OUTPUT_DIR`` in
+each spawned worker, with the config the app resolved.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rdkeras.train.config import ConfigError, check_placement
+
+
+def make_strategy(cfg: Any) -> Any:
+    import rdkeras
+
+    parallel = cfg.parallel
+    kwargs: dict[str, Any] = {
+        "parallelism": parallel.kind,
+        "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
+        "timeout": cfg.transport.timeout,
+        "seed": cfg.trainer.seed,
+    }
+    if parallel.kind in ("data", "hybrid"):
+        kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
+    if parallel.kind in ("model", "hybrid"):
+        kwargs.update(placement=dict(parallel.placement), micro_batches=parallel.micro_batches)
+    accepted = inspect.signature(rdkeras.RDMAStrategy).parameters
+    missing = [k for k in kwargs if k not in accepted]
+    if missing:
+        raise ConfigError(
+            f"parallel={parallel.kind} is not available in this rdkeras (RDMAStrategy takes no {', '.join(missing)}); "
+            "use parallel=data"
+        )
+    try:
+        return rdkeras.RDMAStrategy(**kwargs)
+    except ValueError as e:  # parallelism/mode/placement the strategy rejects
+        raise ConfigError(str(e)) from None
+
+
+def load_data(cfg: Any, num_workers: int) -> Any:
+    from hydra.utils import instantiate
+
+    overrides = {}
+    if "samples" in cfg.data and cfg.data.samples is None:
+        # Synthetic data: exactly the epoch's worth (every worker makes the same arrays and takes its shard).
+        overrides["samples"] = cfg.trainer.steps_per_epoch * cfg.trainer.batch_size * num_workers
+    return instantiate(cfg.data, **overrides)
+
+
+def build_model(cfg: Any, data: Any) -> Any:
+    from hydra.utils import instantiate
+
+    # Sizes a model config leaves open (null) come from the data, e.g. a corpus's vocabulary.
+    filled = {k: v for k, v in data.info.items() if k in cfg.model and cfg.model[k] is None}
+    try:
+        return instantiate(cfg.model, **filled)
+    except Exception as e:
+        raise ConfigError(f"cannot build model {cfg.model._target_}: {e}") from None
+
+
+class Perplexity:
+    """Adds perplexity = exp(loss) to a language model's epoch logs (before TensorBoard and History see them)."""
+
+    def __new__(cls) -> Any:
+        import keras
+
+        class _Perplexity(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                if logs is None:
+                    return
+                for key in ("loss", "val_loss"):
+                    if key in logs:
+                        logs[key.replace("loss", "perplexity")] = math.exp(min(float(logs[key]), 50.0))
+
+        return _Perplexity()
+
+
+def run(cfg: Any, output_dir: str | Path) -> dict:
+    """Trains as configured; the chief writes results.json into `output_dir`. Returns the results."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    output_dir = Path(output_dir)
+    import keras
+    import tensorflow as tf
+
+    from rdkeras import cluster as cluster_lib
+    from rdkeras.callbacks import TrainingStats
+
+    place = cluster_lib.resolve()
+    threads = cfg.trainer.threads
+    if threads is None and place.source == "rdkeras":  # the launcher's workers share this host's cores
+        threads = max(1, (os.cpu_count() or 1) // place.world_size)
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    keras.utils.set_random_seed(cfg.trainer.seed)
+
+    started = time.perf_counter()
+    data = load_data(cfg, place.world_size)
+    if cfg.parallel.kind in ("model", "hybrid"):
+        # A throwaway build names the layers, so a bad placement fails here with one clear line.
+        check_placement(cfg.parallel.placement, build_model(cfg, data))
+    strategy = make_strategy(cfg)
+    try:
+        chief = strategy.is_chief
+        if chief:
+            print(f"data: {data.description}", flush=True)
+        with strategy.scope():
+            model = build_model(cfg, data)
+            optimizer_cfg = dict(cfg.trainer.optimizer)
+            try:
+                optimizer = keras.optimizers.get(
+                    {"class_name": optimizer_cfg.pop("class_name"), "config": optimizer_cfg}
+                )
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"trainer.optimizer: {e}") from None
+            try:
+                model.compile(
+                    optimizer=optimizer, loss=cfg.trainer.loss, metrics=list(cfg.trainer.metrics), jit_compile=False
+                )
+            except ValueError as e:  # e.g. a placement the strategy rejects
+                raise ConfigError(str(e)) from None
+        if chief:
+            print(
+                f"model: {model.name}, {model.count_params():,} parameters; {strategy.num_workers} workers, "
+                f"parallel={cfg.parallel.kind}, transport={strategy.transport}",
+                flush=True,
+            )
+
+        callbacks: list[Any] = []
+        if len(model.output.shape) == 3:  # a language model: per-token softmax
+            callbacks.append(Perplexity())
+        if cfg.logger.tensorboard:
+            log_dir = str(output_dir / "tensorboard")
+            callbacks.append(
+                keras.callbacks.TensorBoard(log_dir=log_dir, update_freq=cfg.logger.update_freq, profile_batch=0)
+            )
+            callbacks.append(TrainingStats(log_dir, update_freq=cfg.logger.update_freq))
+        if cfg.trainer.checkpoint:
+            (output_dir / "checkpoints").mkdir(exist_ok=True)
+            callbacks.append(
+                keras.callbacks.ModelCheckpoint(
+                    str(output_dir / "checkpoints" / "epoch{epoch:03d}.weights.h5"), save_weights_only=True
+                )
+            )
+
+        fit_started = time.perf_counter()
+        history = model.fit(
+            data.x,
+            data.y,
+            batch_size=cfg.trainer.batch_size,
+            epochs=cfg.trainer.epochs,
+            steps_per_epoch=cfg.trainer.steps_per_epoch,
+            validation_data=data.validation,
+            validation_steps=cfg.trainer.validation_steps,
+            callbacks=callbacks,
+            verbose=cfg.trainer.verbose,
+            shuffle=True,
+        )
+        fit_seconds = time.perf_counter() - fit_started
+        results = {
+            "model": model.name,
+            "parameters": int(model.count_params()),
+            "workers": strategy.num_workers,
+            "parallel": cfg.parallel.kind,
+            "transport": strategy.transport,
+            "data": data.description,
+            "epochs": cfg.trainer.epochs,
+            "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+            "fit_seconds": fit_seconds,
+            "total_seconds": time.perf_counter() - started,
+        }
+        final = {k: vs[-1] for k, vs in results["history"].items() if vs}
+        results["final"] = final
+        if chief:
+            (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in final.items())
+            print(f"done in {fit_seconds:.1f} s: {shown}; results in {output_dir / 'results.json'}", flush=True)
+        return results
+    finally:
+        strategy.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omegaconf import OmegaConf
+
+    from rdkeras.data import DataError
+    from rdkeras.train.app import CONFIG_EXIT, ERROR_PREFIX
+
+    config_path, output_dir = argv or sys.argv[1:3]
+    try:
+        run(OmegaConf.load(config_path), output_dir)
+    except (ConfigError, DataError) as e:
+        # Into a file, not stdout: the app reports it once, instead of once per worker.
+        rank = os.environ.get("RDKERAS_RANK", "0")
+        Path(output_dir, f"error-{rank}.txt").write_text(ERROR_PREFIX + " ".join(str(e).split()) + "\n")
+        return CONFIG_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
