@@ -35,18 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800)
 
 
-def _fcn5(width: int, hidden: int):
-    import keras
-
-    return keras.Sequential(
-        [
-            keras.Input((width,)),
-            *[keras.layers.Dense(hidden, activation="sigmoid") for _ in range(3)],
-            keras.layers.Dense(width, activation="softmax"),
-        ]
-    )
-
-
 def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int, warmup: int) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     rank = int(os.environ.get("RDKERAS_RANK", 0))
@@ -58,6 +46,7 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import rdkeras
+    from rdkeras.models import fcn5
 
     strategy = rdkeras.RDMAStrategy() if distributed else None
     workers = strategy.num_workers if strategy else 1
@@ -68,7 +57,7 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
     import contextlib
 
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = _fcn5(width, hidden)
+        model = fcn5(width, hidden)  # the same network as the fcn5 recipe
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
 
     class Clock(keras.callbacks.Callback):
