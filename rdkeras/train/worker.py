@@ -67,21 +67,17 @@ def build_model(cfg: Any, data: Any) -> Any:
         raise ConfigError(f"cannot build model {cfg.model._target_}: {e}") from None
 
 
-class Perplexity:
+def perplexity_callback() -> Any:
     """Adds perplexity = exp(loss) to a language model's epoch logs (before TensorBoard and History see them)."""
+    import keras
 
-    def __new__(cls) -> Any:
-        import keras
+    class Perplexity(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            for key in ("loss", "val_loss"):
+                if logs is not None and key in logs:
+                    logs[key.replace("loss", "perplexity")] = math.exp(min(float(logs[key]), 50.0))
 
-        class _Perplexity(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                if logs is None:
-                    return
-                for key in ("loss", "val_loss"):
-                    if key in logs:
-                        logs[key.replace("loss", "perplexity")] = math.exp(min(float(logs[key]), 50.0))
-
-        return _Perplexity()
+    return Perplexity()
 
 
 def plot_curves(history: dict, path: Path, title: str) -> None:
@@ -163,7 +159,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
         callbacks: list[Any] = []
         if len(model.output.shape) == 3:  # a language model: per-token softmax
-            callbacks.append(Perplexity())
+            callbacks.append(perplexity_callback())
         if cfg.logger.tensorboard:
             log_dir = str(output_dir / "tensorboard")
             callbacks.append(
