@@ -1,6 +1,6 @@
 """Renders the scalars of a run's TensorBoard event files to one PNG, as TensorBoard's scalar tab shows them.
 
-    python -m rdkeras.train.tbplot OUTPUT_DIR/tensorboard scalars.png
+python -m rdkeras.train.tbplot OUTPUT_DIR/tensorboard scalars.png
 """
 
 from __future__ import annotations
