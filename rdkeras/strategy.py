@@ -23,12 +23,19 @@ class RDMAStrategy:
     """Distributes Keras models compiled inside :meth:`scope` over the job's workers.
 
     Args:
-        parallelism: "data" (each worker trains the whole model on its shard).
+        parallelism: "data" (each worker trains the whole model on its shard), "model"
+            (a pipeline: each worker trains the layers `placement` gives it) or "hybrid"
+            (world_size / stages replicas of a `stages`-worker pipeline, data-parallel
+            among replicas).
         transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp" or "grpc".
         mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``).
         bucket_bytes: bytes the ring allreduce moves per pass.
         timeout: seconds any wait may take before it fails naming the peer.
         seed: shuffling seed shared by all workers.
+        placement: model/hybrid: layer-name glob -> pipeline stage, e.g. ``{"conv*": 0, "fc*": 1}``;
+            unplaced layers follow their producer.
+        micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
+        stages: hybrid: workers per pipeline (default: the number of stages `placement` names).
     """
 
     def __init__(
@@ -39,9 +46,21 @@ class RDMAStrategy:
         bucket_bytes: int = 64 << 20,
         timeout: float | None = None,
         seed: int = 1234,
+        placement: dict[str, int] | None = None,
+        micro_batches: int = 1,
+        stages: int | None = None,
     ):
-        if parallelism != "data":
-            raise ValueError(f"parallelism={parallelism!r} is not available yet; use 'data'")
+        if parallelism not in ("data", "model", "hybrid"):
+            raise ValueError(f"parallelism must be 'data', 'model' or 'hybrid', got {parallelism!r}")
+        if parallelism != "data" and not placement:
+            raise ValueError(
+                f"parallelism={parallelism!r} needs a placement: layer-name patterns -> workers, "
+                "e.g. placement={'conv*': 0, 'dense*': 1}"
+            )
+        if parallelism == "data" and placement:
+            raise ValueError("placement is for parallelism='model' or 'hybrid'; data parallelism places nothing")
+        if placement is not None:
+            placement = dict(placement)  # also accepts an OmegaConf DictConfig
         c = cluster_lib.resolve()
         self.cluster = c
         self.engine = Engine(
@@ -52,8 +71,18 @@ class RDMAStrategy:
             master_port=c.master_port,
             timeout=timeout,
         )
-        mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
-        self._parallel = DataParallel(self.engine, mode, bucket_bytes, seed)
+        self.parallelism = parallelism
+        if parallelism == "data":
+            mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
+            self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, seed)
+        else:
+            from rdkeras.parallel.model import ModelParallel
+
+            if parallelism == "hybrid":
+                stages = stages or (max(placement.values()) + 1)
+            elif stages not in (None, c.world_size):
+                raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
+            self._parallel = ModelParallel(self.engine, placement, stages, micro_batches, bucket_bytes, seed)
 
     @property
     def num_workers(self) -> int:
@@ -89,6 +118,10 @@ class RDMAStrategy:
             yield self
         finally:
             keras.Model.compile = original
+
+    def plan_text(self) -> str:
+        """Model/hybrid parallelism: the cut edges of the current plan, as a table ('' otherwise)."""
+        return self._parallel.plan_text() if hasattr(self._parallel, "plan_text") else ""
 
     def distribute(self, model: Any) -> Any:
         """Distributes a model compiled outside :meth:`scope`."""

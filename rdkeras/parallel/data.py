@@ -31,8 +31,9 @@ _FLOAT_KINDS = ("float32", "float64")
 class Collectives:
     """Allreduce helpers over the engine, created lazily and identically on every worker."""
 
-    def __init__(self, engine: Engine, bucket_bytes: int):
-        self.engine, self.bucket_bytes = engine, bucket_bytes
+    def __init__(self, engine: Engine, bucket_bytes: int, members: list[int] | None = None, name: str = ""):
+        self.engine, self.bucket_bytes, self.name = engine, bucket_bytes, name
+        self.members = list(range(engine.world_size)) if members is None else list(members)
         self._rings: dict[tuple[str, str], tuple[Any, int]] = {}
         self._serial = itertools.count()
 
@@ -41,7 +42,9 @@ class Collectives:
         needed = nbytes + 64 * 1024  # 64-byte padding per tensor, generously
         if ring is None or needed > capacity:
             capacity = max(needed, 2 * capacity, 1 << 20)
-            ring = self.engine.ring(f"{purpose}/{dtype}/{next(self._serial)}", capacity, self.bucket_bytes)
+            ring = self.engine.ring(
+                f"{self.name}{purpose}/{dtype}/{next(self._serial)}", capacity, self.bucket_bytes, self.members
+            )
             self._rings[(purpose, dtype)] = (ring, capacity)
         return ring
 
@@ -66,7 +69,7 @@ class Collectives:
         return [r.copy() for r in self.allreduce(mine, average=False, purpose="sync")]
 
     def mean(self, values: list[float]) -> list[float]:
-        if self.engine.world_size == 1 or not values:
+        if len(self.members) == 1 or not values:
             return list(values)
         (out,) = self.allreduce([np.asarray(values, np.float64)], average=True, purpose="sync")
         return [float(v) for v in out]

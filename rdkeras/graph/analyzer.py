@@ -1,0 +1,415 @@
+"""The graph analyzer: which worker runs each layer, and every tensor that crosses workers.
+
+Input: a built Functional (or Sequential) Keras model and a placement, layer-name
+glob -> worker (stage index), e.g. ``{"block*": 0, "fc*": 1, "predictions": 1}``.
+Output: a :class:`Plan` -- the stage of every layer, the order of the stages, and
+one :class:`Edge` per (tensor, consuming worker) pair whose producer lives on
+another worker, each marked **static** (shape fully known once the batch size is:
+the receiver pre-allocates the destination) or **dynamic** (a dimension is only
+known at run time: the receiver allocates per step and reads).
+
+Rules, in the order they apply:
+- a layer named exactly by a key is placed there; otherwise the first glob (in
+  the placement's order) that matches its name wins;
+- an unplaced layer follows the producer of its first input (worker 0 when it
+  reads only model inputs);
+- model inputs are read by one worker, the *reader* (worker 0), and sent to every
+  other worker that consumes them; labels and sample weights go straight from
+  the reader to the *loss worker* (the one that owns the model's outputs), never
+  through the stages in between;
+- every pattern must match a layer, every worker must own a layer, and the
+  workers must form a pipeline without cycles -- otherwise a ValueError says
+  what is wrong before any process waits on another.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+READER = 0
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One tensor crossing from worker `src` to worker `dst` each step (and its gradient back)."""
+
+    name: str  # unique, stable across workers: producer layer / tensor index -> dst
+    producer: str  # layer name, or "input:<name>", "labels[i]", "sample_weight[i]"
+    consumers: tuple[str, ...]  # layer names on dst (or "loss")
+    src: int
+    dst: int
+    shape: tuple[int | None, ...]  # with the batch dimension substituted where known
+    dtype: str
+    kind: str  # "activation" | "input" | "labels" | "sample_weight" | "output"
+    needs_grad: bool  # a gradient flows back dst -> src
+    static: bool
+    reason: str
+    tensor: Any = field(default=None, compare=False, repr=False)  # the KerasTensor (None for labels)
+
+    @property
+    def mode(self) -> str:
+        return "static" if self.static else "dynamic"
+
+    @property
+    def bytes_per_step(self) -> int | None:
+        """Bytes sent forward per step (None when a dimension is unknown); gradients add as much again."""
+        if any(d is None for d in self.shape):
+            return None
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class Plan:
+    """Where each layer runs and what crosses the wire; identical on every worker."""
+
+    model_name: str
+    num_stages: int
+    layer_stage: dict[str, int]  # every non-input layer -> its worker
+    stage_order: list[int]  # workers in pipeline (topological) order
+    loss_stage: int
+    edges: list[Edge]
+    batch_size: int | None
+    micro_batches: int = 1
+
+    def edges_into(self, stage: int) -> list[Edge]:
+        return [e for e in self.edges if e.dst == stage]
+
+    def edges_out_of(self, stage: int) -> list[Edge]:
+        return [e for e in self.edges if e.src == stage]
+
+    def layers_of(self, stage: int) -> list[str]:
+        return [name for name, s in self.layer_stage.items() if s == stage]
+
+    def text(self) -> str:
+        """The plan as a table (printed once at startup, saved with the TensorBoard logs)."""
+        batch = "unknown (dynamic)" if self.batch_size is None else str(self.batch_size)
+        lines = [
+            f"rdkeras model-parallel plan for {self.model_name!r}: {self.num_stages} workers, "
+            f"batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
+            + " -> ".join(str(s) for s in self.stage_order)
+            + f"; loss on worker {self.loss_stage}"
+        ]
+        for s in self.stage_order:
+            names = self.layers_of(s)
+            shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
+            lines.append(f"  worker {s}: {len(names)} layers: {shown}")
+        header = ("edge", "src->dst", "shape", "dtype", "bytes/step", "grad", "mode", "reason")
+        rows = [
+            (
+                f"{e.producer} -> {','.join(e.consumers)}",
+                f"{e.src}->{e.dst}",
+                "(" + ", ".join("?" if d is None else str(d) for d in e.shape) + ")",
+                e.dtype,
+                "?" if e.bytes_per_step is None else _human(e.bytes_per_step),
+                "yes" if e.needs_grad else "no",
+                e.mode,
+                e.reason,
+            )
+            for e in self.edges
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for r in [header, *rows]:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        known = [e.bytes_per_step for e in self.edges if e.bytes_per_step is not None]
+        total = sum(known) + sum(e.bytes_per_step or 0 for e in self.edges if e.needs_grad)
+        dynamic = " + the dynamic edges, sized per step" if len(known) < len(self.edges) else ""
+        lines.append(f"  {len(self.edges)} edges; {_human(total)}{dynamic} per step over the wire (with gradients)")
+        return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def functional_of(model: Any) -> Any:
+    """The Functional graph behind a Functional or Sequential model."""
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        graph = getattr(model, "_functional", None)
+        if graph is None:
+            raise ValueError(
+                f"Sequential model {model.name!r} has no graph yet: start it with keras.Input(shape) "
+                "(or build it) before placing its layers on workers"
+            )
+        return graph
+    if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "_inputs_struct"):
+        raise ValueError(
+            f"model {model.name!r} ({type(model).__name__}) is subclassed: model parallelism needs a "
+            "Functional or Sequential model, whose layer graph can be cut between workers"
+        )
+    return model
+
+
+def _nodes_in_order(graph: Any) -> list[Any]:
+    """The graph's nodes, producers before consumers."""
+    depths = sorted(graph._nodes_by_depth, reverse=True)
+    return [n for d in depths for n in graph._nodes_by_depth[d]]
+
+
+def assign_layers(model: Any, placement: Mapping[str, int], num_stages: int) -> dict[str, int]:
+    """Maps every (non-input) layer of `model` to a worker; raises ValueError on a bad placement."""
+    graph = functional_of(model)
+    if num_stages < 1:
+        raise ValueError(f"model parallelism needs at least one worker, got {num_stages}")
+    if not placement:
+        raise ValueError("placement is empty: map layer-name patterns to workers, e.g. {'conv*': 0, 'fc*': 1}")
+    for pattern, worker in placement.items():
+        if not isinstance(worker, (int, np.integer)) or isinstance(worker, bool) or not 0 <= worker < num_stages:
+            raise ValueError(
+                f"placement {pattern!r}: {worker!r} is not a worker index in 0..{num_stages - 1} "
+                f"(this job has {num_stages} pipeline stages)"
+            )
+    nodes = [n for n in _nodes_in_order(graph) if not n.is_input]
+    layers = []
+    for n in nodes:
+        if n.operation.name not in layers:
+            layers.append(n.operation.name)
+    unmatched = [p for p in placement if not any(fnmatch.fnmatchcase(name, p) for name in layers)]
+    if unmatched:
+        raise ValueError(
+            f"placement pattern(s) {', '.join(repr(p) for p in unmatched)} match no layer of model "
+            f"{model.name!r}; its layers are: {', '.join(layers)}"
+        )
+    stage: dict[str, int] = {}
+    for name in layers:
+        if name in placement:
+            stage[name] = int(placement[name])
+            continue
+        for pattern, worker in placement.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                stage[name] = int(worker)
+                break
+    for n in nodes:  # producers come first, so a follower's producer is already placed
+        name = n.operation.name
+        if name not in stage:
+            producers = [t._keras_history.operation for t in n.input_tensors]
+            placed = [stage[p.name] for p in producers if p.name in stage]
+            stage[name] = placed[0] if placed else READER
+    empty = sorted(set(range(num_stages)) - set(stage.values()))
+    if empty:
+        raise ValueError(
+            f"worker(s) {', '.join(map(str, empty))} would own no layer of model {model.name!r}: "
+            f"every one of the {num_stages} workers needs at least one (placement: {dict(placement)})"
+        )
+    return stage
+
+
+def _producer_stage(tensor: Any, stage: Mapping[str, int]) -> int | None:
+    op = tensor._keras_history.operation
+    return stage.get(op.name)  # None: a model input
+
+
+def _trainable_ancestry(graph: Any) -> dict[int, bool]:
+    """id(tensor) -> whether any trainable weight influences it."""
+    influenced: dict[int, bool] = {}
+    for n in _nodes_in_order(graph):
+        if n.is_input:
+            for t in n.output_tensors:
+                influenced[id(t)] = False
+            continue
+        upstream = any(influenced.get(id(t), False) for t in n.input_tensors)
+        own = bool(getattr(n.operation, "trainable_weights", []))
+        for t in n.output_tensors:
+            influenced[id(t)] = upstream or own
+    return influenced
+
+
+def _spec(shape: tuple, batch_size: int | None, what: str) -> tuple[tuple, bool, str]:
+    full = (batch_size, *shape[1:]) if shape and shape[0] is None else tuple(shape)
+    unknown = [i for i, d in enumerate(full) if d is None]
+    if not unknown:
+        return full, True, "shape fully known"
+    if unknown == [0] and shape and shape[0] is None:
+        return full, False, "batch size varies (a partial last batch): use drop_remainder=True for static"
+    dims = ", ".join(str(i) for i in unknown if i)
+    return full, False, f"{what} dimension {dims} known only at run time (variable length)"
+
+
+def _is_float(dtype: str) -> bool:
+    return np.dtype(dtype).kind == "f" if dtype != "bfloat16" else True
+
+
+def analyze(
+    model: Any,
+    placement: Mapping[str, int],
+    num_stages: int,
+    batch_size: int | None = None,
+    micro_batches: int = 1,
+    label_specs: list[tuple[tuple, str]] | None = None,
+    sample_weight_specs: list[tuple[tuple, str]] | None = None,
+) -> Plan:
+    """Places `model`'s layers on `num_stages` workers and finds every cut edge.
+
+    Args:
+        batch_size: the per-step batch, when every batch has it (else the batch
+            dimension makes edges dynamic). With micro-batching, edges carry
+            ``batch_size / micro_batches`` rows.
+        label_specs / sample_weight_specs: (shape with batch first, dtype) of each
+            label / sample-weight tensor, when known (they travel reader -> loss worker).
+    """
+    graph = functional_of(model)
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    rows = None
+    if batch_size is not None:
+        if batch_size % micro_batches:
+            raise ValueError(
+                f"batch size {batch_size} does not split into {micro_batches} equal micro-batches: "
+                "choose a batch size divisible by micro_batches"
+            )
+        rows = batch_size // micro_batches
+    stage = assign_layers(model, placement, num_stages)
+    influenced = _trainable_ancestry(graph)
+    nodes = [n for n in _nodes_in_order(graph) if not n.is_input]
+
+    # Output tensors of the model: the loss worker owns the last of them in pipeline order.
+    outputs = list(graph.outputs)
+    output_stages = [_producer_stage(t, stage) for t in outputs]
+
+    # Consumers per (tensor, worker), in graph order.
+    consumers: dict[tuple[int, int], list[str]] = {}
+    tensors: dict[int, Any] = {}
+    for n in nodes:
+        dst = stage[n.operation.name]
+        for t in n.input_tensors:
+            src = _producer_stage(t, stage)
+            if src is None:
+                src = READER
+                if dst == READER:
+                    continue  # the reader feeds its own layers directly
+            elif src == dst:
+                continue
+            key = (id(t), dst)
+            tensors[id(t)] = t
+            names = consumers.setdefault(key, [])
+            if n.operation.name not in names:
+                names.append(n.operation.name)
+
+    # Stage order: topological over activation edges (data edges from the reader are
+    # sent before anything else each step, so they cannot form a cycle).
+    succ: dict[int, set[int]] = {s: set() for s in range(num_stages)}
+    for tid, dst in consumers:
+        src = _producer_stage(tensors[tid], stage)
+        if src is not None:
+            succ[src].add(dst)
+    order = _topological(succ, stage, consumers, tensors)
+    loss_stage = max((s for s in output_stages if s is not None), key=order.index, default=READER)
+
+    edges: list[Edge] = []
+    for (tid, dst), names in consumers.items():
+        t = tensors[tid]
+        src = _producer_stage(t, stage)
+        op = t._keras_history.operation
+        if src is None:
+            producer, kind, src = f"input:{op.name}", "input", READER
+        else:
+            producer, kind = f"{op.name}:{t._keras_history.tensor_index}", "activation"
+        shape, static, reason = _spec(tuple(t.shape), rows, "tensor")
+        edges.append(
+            Edge(
+                name=f"{producer}->{dst}",
+                producer=producer,
+                consumers=tuple(names),
+                src=src,
+                dst=dst,
+                shape=shape,
+                dtype=str(t.dtype),
+                kind=kind,
+                needs_grad=kind == "activation" and _is_float(str(t.dtype)) and influenced.get(tid, False),
+                static=static,
+                reason=reason,
+                tensor=t,
+            )
+        )
+    # Model outputs produced away from the loss worker travel there too.
+    for i, (t, s) in enumerate(zip(outputs, output_stages, strict=True)):
+        s = READER if s is None else s
+        if s != loss_stage and (id(t), loss_stage) not in consumers:
+            op = t._keras_history.operation
+            shape, static, reason = _spec(tuple(t.shape), rows, "output")
+            edges.append(
+                Edge(
+                    name=f"output[{i}]->{loss_stage}",
+                    producer=f"{op.name}:{t._keras_history.tensor_index}",
+                    consumers=("loss",),
+                    src=s,
+                    dst=loss_stage,
+                    shape=shape,
+                    dtype=str(t.dtype),
+                    kind="output",
+                    needs_grad=_is_float(str(t.dtype)) and influenced.get(id(t), False),
+                    static=static,
+                    reason=reason,
+                    tensor=t,
+                )
+            )
+    if loss_stage != READER:
+        for kind, specs in (("labels", label_specs), ("sample_weight", sample_weight_specs)):
+            for i, (shape, dtype) in enumerate(specs or []):
+                full, static, reason = _spec((None, *tuple(shape)[1:]), rows, kind)
+                edges.append(
+                    Edge(
+                        name=f"{kind}[{i}]->{loss_stage}",
+                        producer=f"{kind}[{i}]",
+                        consumers=("loss",),
+                        src=READER,
+                        dst=loss_stage,
+                        shape=full,
+                        dtype=str(np.dtype(dtype)),
+                        kind=kind,
+                        needs_grad=False,
+                        static=static,
+                        reason=reason + " (straight from the reader to the loss worker)",
+                    )
+                )
+    return Plan(
+        model_name=model.name,
+        num_stages=num_stages,
+        layer_stage=stage,
+        stage_order=order,
+        loss_stage=loss_stage,
+        edges=edges,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+    )
+
+
+def _topological(succ: dict[int, set[int]], stage: Mapping[str, int], consumers: dict, tensors: dict) -> list[int]:
+    indegree = {s: 0 for s in succ}
+    for outs in succ.values():
+        for d in outs:
+            indegree[d] += 1
+    ready = sorted(s for s, d in indegree.items() if d == 0)
+    order: list[int] = []
+    while ready:
+        s = ready.pop(0)
+        order.append(s)
+        for d in sorted(succ[s]):
+            indegree[d] -= 1
+            if indegree[d] == 0:
+                ready.append(d)
+        ready.sort()
+    if len(order) < len(succ):
+        stuck = sorted(set(succ) - set(order))
+        crossing = []
+        for (tid, dst), names in consumers.items():
+            src = _producer_stage(tensors[tid], stage)
+            if src in stuck and dst in stuck:
+                op = tensors[tid]._keras_history.operation
+                crossing.append(f"{op.name} (worker {src}) -> {names[0]} (worker {dst})")
+        raise ValueError(
+            f"placement makes a cycle between workers {', '.join(map(str, stuck))}: "
+            f"{'; '.join(crossing[:4])}. A pipeline needs tensors to flow one way: "
+            "move those layers so that each worker only feeds later ones"
+        )
+    return order

@@ -1,0 +1,121 @@
+"""The graph rewriter: one worker's stage of a placed model, as its own Keras model.
+
+A stage's model takes, in order, the model inputs this worker reads itself and
+the tensors it receives (each one the destination of a cut edge: an RDMARecv),
+and returns the tensors it sends (sources of cut edges: RDMASend) and the model
+outputs it computes. It shares its layers -- and so its weights -- with the
+user's model: nothing is copied, and training the stage trains the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rdkeras.graph.analyzer import READER, Edge, Plan, functional_of
+
+
+@dataclass
+class Feed:
+    """Where one stage-model input comes from: the reader's own data, or a received edge."""
+
+    input_index: int | None  # position among the model's (flattened) inputs, for local data
+    edge: Edge | None
+
+
+@dataclass
+class Stage:
+    index: int
+    plan: Plan
+    model: Any  # keras.Model over this worker's layers (None if it only relays data)
+    feeds: list[Feed]
+    sends: list[list[Edge]]  # per stage-model output: the edges that carry it (may be empty)
+    outputs: list[tuple[str, Any]]  # per model output (on the loss stage): ("local", position) | ("edge", Edge)
+    data_edges: list[tuple[int, Edge]]  # reader only: (input position, edge) for inputs others consume
+    label_edges: list[Edge]  # labels / sample weights, reader -> loss stage
+
+    @property
+    def is_reader(self) -> bool:
+        return self.index == READER
+
+    @property
+    def is_loss(self) -> bool:
+        return self.index == self.plan.loss_stage
+
+    @property
+    def received(self) -> list[Edge]:
+        """Edges this stage receives each step, in plan order."""
+        return [e for e in self.plan.edges if e.dst == self.index]
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        return list(self.model.trainable_variables) if self.model is not None else []
+
+
+def build_stage(model: Any, plan: Plan, index: int) -> Stage:
+    """The stage of `plan` that worker `index` runs."""
+    import keras
+
+    graph = functional_of(model)
+    inputs = list(graph.inputs)
+    input_pos = {id(t): i for i, t in enumerate(inputs)}
+    mine = set(plan.layers_of(index))
+
+    feeds: list[Feed] = []
+    feed_tensors: list[Any] = []
+    received_by_tensor = {id(e.tensor): e for e in plan.edges if e.dst == index and e.kind in ("activation", "input")}
+    seen: set[int] = set()
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            if node.is_input or node.operation.name not in mine:
+                continue
+            for t in node.input_tensors:
+                if id(t) in seen:
+                    continue
+                if id(t) in received_by_tensor:
+                    feeds.append(Feed(None, received_by_tensor[id(t)]))
+                elif id(t) in input_pos and index == READER:
+                    feeds.append(Feed(input_pos[id(t)], None))
+                else:
+                    continue  # produced by this stage
+                seen.add(id(t))
+                feed_tensors.append(t)
+
+    # Tensors this stage computes that leave it: cut edges out, and model outputs.
+    out_tensors: list[Any] = []
+    sends: list[list[Edge]] = []
+
+    def output_position(t: Any) -> int:
+        for i, u in enumerate(out_tensors):
+            if u is t:
+                return i
+        out_tensors.append(t)
+        sends.append([])
+        return len(out_tensors) - 1
+
+    for e in plan.edges:
+        if e.src == index and e.kind in ("activation", "output"):
+            sends[output_position(e.tensor)].append(e)
+    outputs: list[tuple[str, Any]] = []
+    for i, t in enumerate(graph.outputs):
+        producer = plan.layer_stage.get(t._keras_history.operation.name)
+        if producer == index:
+            pos = output_position(t)
+            if index == plan.loss_stage:
+                outputs.append(("local", pos))
+        elif index == plan.loss_stage:
+            edge = next((e for e in plan.edges if e.tensor is t and e.dst == index), None)
+            if edge is None:
+                raise ValueError(f"model output {i} of {model.name!r} has no way to the loss worker {index}")
+            outputs.append(("edge", edge))
+
+    stage_model = None
+    if out_tensors:
+        stage_model = keras.Model(feed_tensors, out_tensors, name=f"{model.name}_stage{index}")
+    data_edges = []
+    if index == READER:
+        for e in plan.edges:
+            if e.kind == "input":
+                data_edges.append((input_pos[id(e.tensor)], e))
+    label_edges = [e for e in plan.edges if e.kind in ("labels", "sample_weight") and index in (e.src, e.dst)]
+    return Stage(index, plan, stage_model, feeds, sends, outputs, data_edges, label_edges)
