@@ -1,5 +1,9 @@
 """Training throughput: per-worker mini-batches/s of model.fit, alone and on N workers.
 
+``--parallel model`` (VGG-16 split over 2 workers) measures model parallelism
+instead: one process alone, then the pipeline over rdkeras (static edges) and
+over ``transport=grpc``, each with and without micro-batching.
+
 Configurations, measured one after another in one run: 1 worker without any
 communication (plain Keras), N such workers side by side (no communication:
 what the host's shared memory bandwidth leaves each), N workers on rdkeras for
@@ -24,7 +28,16 @@ FCN5_SIZES = {"small": (4096, 1024), "full": (26752, 2048)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="fcn5", choices=["fcn5"], help="the network (fcn5: 5-layer fully connected)")
+    p.add_argument("--model", default="fcn5", choices=["fcn5", "vgg16"], help="fcn5 (5-layer fully connected), vgg16")
+    p.add_argument("--parallel", default="data", choices=["data", "model"], help="model: the layers split over workers")
+    p.add_argument(
+        "--split",
+        default="block5_pool,block3_pool",
+        help="model parallel: cut after each of these layers in turn (block5_pool = features | classifier)",
+    )
+    p.add_argument("--micro-batches", default="1,4", help="model parallel: micro-batch counts to measure")
+    p.add_argument("--image-size", type=int, default=32, help="vgg16 input size (224 in the paper)")
+    p.add_argument("--width", type=float, default=0.25, help="vgg16 channel multiplier (1.0 in the paper)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
@@ -78,8 +91,148 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
     return {"rate": rate, "params": params, "transport": transport}
 
 
+def _pin_one_core() -> None:
+    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def model_parallel_rank(
+    split: str, micro: int, image_size: int, width: float, batch: int, steps: int, warmup: int, distributed: bool
+) -> dict:
+    """One worker of a 2-stage VGG-16 pipeline cut after layer `split` (or the whole model alone)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    _pin_one_core()
+    import contextlib
+
+    import keras
+
+    import rdkeras
+    from rdkeras.models import vgg16
+
+    names = [layer.name for layer in vgg16(image_size=image_size, width=width).layers[1:]]
+    cut = names.index(split) + 1
+    placement = {name: int(i >= cut) for i, name in enumerate(names)}
+    strategy = (
+        rdkeras.RDMAStrategy(parallelism="model", placement=placement, micro_batches=micro) if distributed else None
+    )
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * (steps + warmup), image_size, image_size, 3), dtype=np.float32)
+    y = rng.integers(0, 10, len(x))
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = vgg16(image_size=image_size, width=width)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+    clock = _Clock(warmup)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
+    result = {"rate": steps / (clock.t1 - clock.t0), "params": model.count_params()}
+    if strategy:
+        edge = strategy._parallel.current("train").plan.edges[0]
+        result["edge"] = f"{edge.producer} {edge.shape} {edge.mode}"
+        result["edge_bytes"] = edge.bytes_per_step
+        strategy.close()
+    return result
+
+
+class _Clock:
+    def __new__(cls, warmup: int):
+        import keras
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_begin(self, b, logs=None):
+                if b == warmup:
+                    self.t0 = time.perf_counter()
+
+            def on_train_batch_end(self, b, logs=None):
+                self.t1 = time.perf_counter()
+
+        return Clock()
+
+
+def run_model_parallel(args: argparse.Namespace) -> int:
+    from rdkeras.bench import run_ranks
+
+    if args.model != "vgg16":
+        raise SystemExit("bench fit: --parallel model measures vgg16 (pass --model vgg16)")
+    steps = max(4, args.steps // 2) if args.quick else args.steps
+    common = {"image_size": args.image_size, "width": args.width, "batch": args.batch_size, "steps": steps}
+    common["warmup"] = 3
+    splits = args.split.split(",")
+    micros = [int(m) for m in args.micro_batches.split(",")]
+    transports = [t for t in args.transports.split(",") if t]
+    rows = []
+
+    def measure(label: str, workers: int, **kw) -> dict | None:
+        print(f"[fit] {label} ...", flush=True)
+        env = {"RDKERAS_TRANSPORT": kw.pop("transport")} if workers > 1 else {"RDKERAS_WORLD_SIZE": ""}
+        ranks = run_ranks(
+            "fit",
+            label,
+            "rdkeras.bench.fit:model_parallel_rank",
+            workers,
+            {**common, **kw},
+            env=env,
+            timeout=args.timeout,
+        )
+        if ranks is None:
+            return None
+        return {"config": label, "rate": min(r.value["rate"] for r in ranks), **ranks[0].value}
+
+    alone = measure("1 process (whole model, 1 core)", 1, split=splits[0], micro=1, distributed=False)
+    if alone is None:
+        return 1
+    rows.append({**alone, "transport": "none", "split": "-", "micro": 1})
+    for split in splits:
+        for micro in micros:
+            for t in transports:
+                r = measure(
+                    f"2 workers, cut after {split}, {micro} micro, {t}",
+                    2,
+                    split=split,
+                    micro=micro,
+                    distributed=True,
+                    transport=t,
+                )
+                if r is None:
+                    return 1
+                rows.append({**r, "transport": t, "split": split, "micro": micro})
+    print(
+        f"\nmodel-parallel model.fit: VGG-16 {args.image_size}x{args.image_size}, width x{args.width} "
+        f"({alone['params'] / 1e6:.1f} M params), batch {args.batch_size}, 2 workers pinned to one core each"
+    )
+    print(
+        f"{'configuration':<48} {'cut edge (per micro-batch)':<34} {'batches/s':>9} {'x 1 process':>11} {'x grpc':>7}"
+    )
+    for r in rows:
+        grpc = next(
+            (
+                g["rate"]
+                for g in rows
+                if g["transport"] == "grpc" and g["split"] == r["split"] and g["micro"] == r["micro"]
+            ),
+            None,
+        )
+        xg = f"{r['rate'] / grpc:.2f}" if grpc and r["transport"] not in ("grpc", "none") else "-"
+        print(
+            f"{r['config']:<48} {r.get('edge', '-'):<34} {r['rate']:>9.2f} {r['rate'] / alone['rate']:>11.2f} {xg:>7}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fit_model_parallel.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out / 'fit_model_parallel.json'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from rdkeras.bench import run_ranks
+
+    if args.parallel == "model":
+        return run_model_parallel(args)
+    if args.model != "fcn5":
+        raise SystemExit("bench fit: data parallelism is measured on fcn5")
 
     width, hidden = FCN5_SIZES["full" if args.full else "small"]
     steps = max(4, args.steps // 2) if args.quick else args.steps
