@@ -72,7 +72,9 @@ def _scalars(folder):
 
     acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
     acc.Reload()
-    return {tag: [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
+    series = {tag: [tf.make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
+    # Text summaries (the plan) are bytes; the rest are float scalars.
+    return {tag: [v.item() if v.dtype == object else float(v) for v in values] for tag, values in series.items()}
 
 
 def test_tensorboard_shows_throughput_and_traffic(tmp_path):
@@ -96,6 +98,8 @@ def test_tensorboard_shows_throughput_and_traffic(tmp_path):
     regs = scalars["tracker/registrations"]
     assert regs[-1] == regs[steps // 2]  # the second epoch registers nothing (the first set rings up)
     assert results[0].value["traffic"]["bytes_written"] > 0
+    (plan,) = scalars["plan"]  # written once, as text
+    assert f"one ring allreduce of {grads:,} gradient bytes" in plan.decode()
 
 
 @pytest.mark.parametrize("transport", [VERBS])
