@@ -76,6 +76,38 @@ def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, 
     return out
 
 
+def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> dict:
+    """fit_model once per (transport, data mode) in this one process (TensorFlow is imported once: slow in the VM).
+
+    Each run gets its own rendezvous port, which rank 0 picks and shares before the previous run ends.
+    """
+    import keras
+
+    import rdkeras
+    from rdkeras.launch import free_port
+
+    x, y = _data(kind)
+    out = {}
+    for i, (transport, mode) in enumerate(runs):
+        strategy = rdkeras.RDMAStrategy(transport=transport, mode=mode)
+        with strategy.scope():
+            model = _model(kind, seed=100 + strategy.worker_index)
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
+        model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+        out[f"{strategy.transport}/{mode}"] = [w.tolist() for w in model.get_weights()]
+        if i + 1 < len(runs):
+            store = strategy.engine.store
+            if strategy.worker_index == 0:
+                store.set(f"next_port/{i}", str(free_port()).encode())
+            (port,) = store.get([f"next_port/{i}"], waiting_for=[0])
+            os.environ["RDKERAS_MASTER_PORT"] = port.decode()
+        strategy.close()
+        keras.backend.clear_session()
+    return out
+
+
 def fit_inputs(source: str, batch: int = 8, epochs: int = 2) -> dict:
     """Same training as fit_model('mlp'), fed as a tf.data.Dataset or a keras.utils.PyDataset."""
     import keras

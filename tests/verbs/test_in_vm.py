@@ -34,11 +34,29 @@ def _not_ready() -> str | None:
 @pytest.mark.timeout(1300)  # the VM emulates its CPU: TensorFlow alone takes a minute to import there
 @pytest.mark.skipif(_not_ready() is not None, reason=str(_not_ready()))
 def test_verbs_conformance_inside_the_softroce_vm():
-    guest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "verbs",
-             "tests/multiproc/test_conformance.py", "tests/multiproc/test_failures.py",
-             "tests/multiproc/test_data_parallel.py"]
-    done = subprocess.run([sys.executable, str(HERE / "run_in_vm.py"), "--timeout", "1200", "--", *guest],
-                          cwd=REPO, capture_output=True, text=True, timeout=1260)
+    # Every verbs test but the 3-rank ring (70 s under emulation; the 2-rank ring and
+    # training in both data modes cover the same paths), to keep CI's VM step short.
+    guest = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "verbs and not verbs-3",
+        "tests/multiproc/test_conformance.py",
+        "tests/multiproc/test_failures.py",
+        "tests/multiproc/test_data_parallel.py",
+    ]
+    # 4 GiB: two TensorFlow processes, each training four times, plus the guest's memory-only root.
+    done = subprocess.run(
+        [sys.executable, str(HERE / "run_in_vm.py"), "--mem", "4G", "--timeout", "1200", "--", *guest],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1260,
+    )
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail.split(" passed")[-1].split("\n")[0], tail
