@@ -384,7 +384,7 @@ class _PipelinedModel:
                 for e in stage.received:
                     if e.needs_grad:
                         tape.watch(received[e.name])
-                outs = _run_stage(stage, feeds, m, received, training=True)
+                outs = _run_stage(stage, feeds, m, received, chain, training=True)
                 objective = _regularization(stage, plan.micro_batches)
                 if stage.is_loss:
                     loss = feeds.loss(m, outs, received, training=True)
@@ -392,6 +392,9 @@ class _PipelinedModel:
                         total_loss = loss if total_loss is None else total_loss + loss
                         objective = loss if objective is None else objective + loss
             chain = _send_outputs(run, stage, m, outs, chain)
+            # The next receive waits until this micro-batch is computed: a receive blocks
+            # TensorFlow's (one) thread, which must not idle while work is ready.
+            chain = [*chain, _computed(outs, objective)]
             passes.append((tape, outs, received, objective))
         variables = stage.trainable_variables
         summed: list[Any] = [None] * len(variables)
@@ -412,14 +415,17 @@ class _PipelinedModel:
                 targets.append(objective)
                 output_grads.append(tf.ones_like(objective))
             back = [received[e.name] for e in stage.received if e.needs_grad]
-            grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
-            grads = grads or [None] * (len(variables) + len(back))
+            with tf.control_dependencies(chain):  # after the previous micro-batch's gradients left
+                grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
+            grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (
+                len(variables) + len(back)
+            )
             for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
-                g = tf.zeros_like(received[e.name]) if g is None else tf.convert_to_tensor(g)
+                g = tf.zeros_like(received[e.name]) if g is None else g
                 chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
+            chain = [*chain, _computed(grads)]
             for i, g in enumerate(grads[: len(variables)]):
                 if g is not None:
-                    g = tf.convert_to_tensor(g)
                     summed[i] = g if summed[i] is None else summed[i] + g
         if mp.replicas > 1 and variables:
             summed = _average_over_replicas(mp, summed, variables)
@@ -441,7 +447,7 @@ class _PipelinedModel:
         for m in range(plan.micro_batches):
             chain = feeds.send_data(m, chain)
             received, chain = feeds.receive(m, chain)
-            outs = _run_stage(stage, feeds, m, received, training=False)
+            outs = _run_stage(stage, feeds, m, received, chain, training=False)
             chain = _send_outputs(run, stage, m, outs, chain, forward_only=True)
             if stage.is_loss:
                 loss = feeds.loss(m, outs, received, training=False)
@@ -461,7 +467,7 @@ class _PipelinedModel:
         feeds = _Feeds(self, run, x, None, None)
         chain = feeds.send_data(0, feeds.after_data())
         received, chain = feeds.receive(0, chain)
-        outs = _run_stage(stage, feeds, 0, received, training=False)
+        outs = _run_stage(stage, feeds, 0, received, chain, training=False)
         chain = _send_outputs(run, stage, 0, outs, chain, forward_only=True)
         graph = functional_of(self)
         if stage.is_loss:
@@ -577,11 +583,19 @@ class _Feeds:
         self._metric_batches.clear()
 
 
-def _run_stage(stage: Stage, feeds: _Feeds, m: int, received: dict[str, Any], training: bool) -> list[Any]:
+def _run_stage(
+    stage: Stage, feeds: _Feeds, m: int, received: dict[str, Any], chain: list[Any], training: bool
+) -> list[Any]:
+    import tensorflow as tf
+
     if stage.model is None:
         return []
     inputs = [feeds.inputs[f.input_index][m] if f.edge is None else received[f.edge.name] for f in stage.feeds]
-    outs = stage.model(inputs, training=training)
+    # Micro-batch m computes only once m-1's activations are on their way: with one thread,
+    # TensorFlow would otherwise run every micro-batch's forward before the first send, and
+    # the next stage could not overlap with this one.
+    with tf.control_dependencies(chain):
+        outs = stage.model(inputs, training=training)
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
@@ -592,6 +606,14 @@ def _send_outputs(
         for e in edges:
             chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
     return chain
+
+
+def _computed(*tensors: Any) -> Any:
+    """An op that runs once all of `tensors` (nested lists, Nones skipped) exist."""
+    import keras
+    import tensorflow as tf
+
+    return tf.group(*[t for t in keras.tree.flatten(list(tensors)) if t is not None])
 
 
 def _regularization(stage: Stage, micro_batches: int) -> Any:
