@@ -50,6 +50,14 @@ class Edge:
     static: bool
     reason: str
     tensor: Any = field(default=None, compare=False, repr=False)  # the KerasTensor (None for labels)
+    transfers: int = 1  # per step: one per micro-batch
+
+    @property
+    def bytes_per_transfer(self) -> int | None:
+        """Bytes of one forward transfer (None when a dimension is unknown)."""
+        if any(d is None for d in self.shape):
+            return None
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     @property
     def mode(self) -> str:
@@ -57,10 +65,10 @@ class Edge:
 
     @property
     def bytes_per_step(self) -> int | None:
-        """Bytes sent forward per step (None when a dimension is unknown); gradients add as much again."""
-        if any(d is None for d in self.shape):
-            return None
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        """Bytes sent forward per step, all micro-batches (None when a dimension is unknown);
+        a gradient adds as much again."""
+        one = self.bytes_per_transfer
+        return None if one is None else one * self.transfers
 
 
 @dataclass
@@ -89,7 +97,7 @@ class Plan:
         """The plan as a table (printed once at startup, saved with the TensorBoard logs)."""
         batch = "unknown (dynamic)" if self.batch_size is None else str(self.batch_size)
         lines = [
-            f"rdkeras model-parallel plan for {self.model_name!r}: {self.num_stages} workers, "
+            f"model-parallel plan for {self.model_name!r}: {self.num_stages} workers, "
             f"batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
             + " -> ".join(str(s) for s in self.stage_order)
             + f"; loss on worker {self.loss_stage}"
@@ -98,7 +106,7 @@ class Plan:
             names = self.layers_of(s)
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
             lines.append(f"  worker {s}: {len(names)} layers: {shown}")
-        header = ("edge", "src->dst", "shape", "dtype", "bytes/step", "grad", "mode", "reason")
+        header = ("edge", "src->dst", "shape (per transfer)", "dtype", "bytes/step", "grad", "mode", "reason")
         rows = [
             (
                 f"{e.producer} -> {','.join(e.consumers)}",
@@ -329,6 +337,7 @@ def analyze(
                 static=static,
                 reason=reason,
                 tensor=t,
+                transfers=micro_batches,
             )
         )
     # Model outputs produced away from the loss worker travel there too.
@@ -351,6 +360,7 @@ def analyze(
                     static=static,
                     reason=reason,
                     tensor=t,
+                    transfers=micro_batches,
                 )
             )
     if loss_stage != READER:
@@ -370,6 +380,7 @@ def analyze(
                         needs_grad=False,
                         static=static,
                         reason=reason + " (straight from the reader to the loss worker)",
+                        transfers=micro_batches,
                     )
                 )
     return Plan(

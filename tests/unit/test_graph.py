@@ -49,6 +49,7 @@ def test_vgg16_with_micro_batches_and_no_fixed_batch(vgg16):
     placement = {"block*": 0, "flatten": 1, "fc*": 1, "predictions": 1}
     plan = analyze(vgg16, placement, 2, batch_size=32, micro_batches=4)
     assert plan.edges[0].shape == (8, 7, 7, 512)  # a micro-batch per transfer
+    assert plan.edges[0].bytes_per_step == 4 * plan.edges[0].bytes_per_transfer == 32 * 7 * 7 * 512 * 4
     plan = analyze(vgg16, placement, 2, batch_size=None)
     (edge,) = plan.edges
     assert not edge.static and edge.shape == (None, 7, 7, 512) and "drop_remainder" in edge.reason
