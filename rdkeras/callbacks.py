@@ -108,7 +108,7 @@ class TrainingStats(keras.callbacks.Callback):
             scalars["throughput/examples_per_s"] = steps * batch_size / seconds
         if "bytes_written" in now:
             scalars["comm/bytes_sent"] = (now["bytes_written"] - last["bytes_written"]) / steps
-            scalars["comm/bytes_received"] = (now["bytes_read"] - last["bytes_read"]) / steps
+            scalars["comm/bytes_received"] = (now["bytes_received"] - last["bytes_received"]) / steps
             scalars["comm/wait_ms"] = (now["wait_seconds"] - last["wait_seconds"]) * 1e3 / steps
             scalars["tracker/registrations"] = now["registrations"]
         with self._writer.as_default():

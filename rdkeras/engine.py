@@ -183,7 +183,14 @@ class Engine:
 
     def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
         """One-sided read of len(dst) bytes from `peer`'s region `key` at `offset`."""
-        self._impl.read(peer, as_buffer(dst), key, offset)
+        buf = as_buffer(dst)
+        self._impl.read(peer, buf, key, offset)
+        self._impl.count_received(memoryview(buf).nbytes)
+
+    def count_received(self, nbytes: int) -> None:
+        """Adds to ``traffic()["bytes_received"]``: for protocols whose peers write into this
+        rank's memory one-sidedly (the transport sees only the writer)."""
+        self._impl.count_received(int(nbytes))
 
     def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         """Sets an 8-byte flag, ordered after every earlier write to `peer`."""
@@ -202,7 +209,9 @@ class Engine:
         return self._impl.counters().as_dict()
 
     def traffic(self) -> dict[str, float]:
-        """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags, wait_seconds."""
+        """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags (as the
+        initiator), bytes_received (what arrived here for it: channel messages, ring chunks,
+        reads) and wait_seconds (blocked on peers)."""
         return self._impl.traffic()
 
     # -- channels ----------------------------------------------------------------

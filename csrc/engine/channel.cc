@@ -96,6 +96,7 @@ const void* StaticChannel::recv() {
       },
       peer_, "static channel message");
   ++seq_;
+  engine_->countReceived(nbytes());
   return local_ + slot * stride_;
 }
 
@@ -160,6 +161,7 @@ void* DynamicChannel::recv(TensorMeta* meta) {
     throw;
   }
   ++seq_;
+  engine_->countReceived(rec->nbytes);
   return dst;
 }
 

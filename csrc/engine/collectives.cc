@@ -150,6 +150,7 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   t.writeFlag(right_, right_key_, offFlag(slot), m + 1, deadline);
   // Receive the left neighbour's partial sum and add our input to it.
   engine_->waitFlag(block_ + offFlag(slot), m + 1, left_, "allreduce: data from the left neighbour");
+  engine_->countReceived(recv_end - recv_begin);
   const uint8_t* staged = block_ + offSlot(slot);
   forEachSegment(inputs, offsets, recv_begin, recv_end, [&](size_t i, size_t lo, size_t hi) {
     const auto* in = static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]);
@@ -210,8 +211,10 @@ uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, b
     }
     // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
     // writes chunk rank-s straight into our output block.
-    for (int s = 0; s < n - 1; ++s)
+    for (int s = 0; s < n - 1; ++s) {
       allgatherStep(out, out_region_offset, lo(rank_ + 1 - s), hi(rank_ + 1 - s));
+      engine_->countReceived(hi(rank_ - s) - lo(rank_ - s));  // what the left neighbour wrote
+    }
   }
   return out;
 }

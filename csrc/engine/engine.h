@@ -51,6 +51,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
   double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }
   const TransportStats& transportStats() const { return transport_->stats(); }
+  // Bytes that arrived here for this rank to consume: messages peers wrote into its
+  // channels and rings (one-sided: the transport never sees them) and reads it made.
+  void countReceived(size_t n) { bytes_received_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t bytesReceived() const { return bytes_received_.load(std::memory_order_relaxed); }
 
  private:
   int rank_;
@@ -62,6 +66,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool connected_ = false;
   bool closed_ = false;
   std::atomic<uint64_t> wait_ns_{0};
+  std::atomic<uint64_t> bytes_received_{0};
 };
 
 // Names of the transports compiled into this build.

@@ -187,17 +187,21 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
       .def("counters", [](Engine& e) { return e.tracker().counters(); })
-      .def("traffic", [](Engine& e) {
-        const TransportStats& s = e.transportStats();
-        py::dict d;
-        d["bytes_written"] = s.bytes_written.load();
-        d["bytes_read"] = s.bytes_read.load();
-        d["writes"] = s.writes.load();
-        d["reads"] = s.reads.load();
-        d["flags"] = s.flags.load();
-        d["wait_seconds"] = e.waitSeconds();
-        return d;
-      });
+      .def("traffic",
+           [](Engine& e) {
+             const TransportStats& s = e.transportStats();
+             py::dict d;
+             d["bytes_written"] = s.bytes_written.load();
+             d["bytes_read"] = s.bytes_read.load();
+             d["writes"] = s.writes.load();
+             d["reads"] = s.reads.load();
+             d["flags"] = s.flags.load();
+             d["bytes_received"] = e.bytesReceived();
+             d["wait_seconds"] = e.waitSeconds();
+             return d;
+           })
+      .def("count_received", &Engine::countReceived, py::arg("nbytes"),
+           "Adds to bytes_received (protocols built in Python on one-sided writes).");
 
   py::enum_<Role>(m, "Role").value("SENDER", Role::kSender).value("RECEIVER", Role::kReceiver);
 

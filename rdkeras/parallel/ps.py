@@ -113,6 +113,7 @@ class ParameterServer:
         for s in range(n):
             if s != r:
                 self._wait(0, s, t)
+        eng.count_received((n - 1) * self.owned_bytes[r])  # the others' gradients, written here
         out = []
         for i in self.owned(len(grads)):
             total = grads[i].astype(self.dtypes[i], copy=True)

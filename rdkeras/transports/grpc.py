@@ -73,7 +73,8 @@ class GrpcEngine:
         self._next_key = itertools.count(1)
         self._registrations = 0
         self._bytes_registered = 0
-        self._traffic = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0, "wait_seconds": 0.0}
+        self._traffic = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
+        self._traffic.update(bytes_received=0, wait_seconds=0.0)
         self._outbox: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
         self._pulled: dict[str, int] = {}  # channel -> messages the receiver took
         self._cond = threading.Condition()
@@ -143,6 +144,9 @@ class GrpcEngine:
 
     def traffic(self) -> dict[str, float]:
         return dict(self._traffic)
+
+    def count_received(self, nbytes: int) -> None:
+        self._traffic["bytes_received"] += nbytes
 
     def count(self, kind: str, nbytes: int = 0) -> None:
         self._traffic[f"bytes_{'written' if kind == 'writes' else 'read'}"] += nbytes
@@ -329,6 +333,7 @@ class _GrpcChannel:
         msg = self.engine._call(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=self.sequence))
         self.engine._traffic["wait_seconds"] += time.monotonic() - start
         self.engine.count("reads", len(msg.tensor_content))
+        self.engine.count_received(len(msg.tensor_content))
         self.sequence += 1
         buf = np.frombuffer(msg.tensor_content, dtype=np.uint8).copy()  # a writable tensor, as TF allocates
         if self.nbytes is not None:

@@ -95,6 +95,9 @@ def test_tensorboard_shows_throughput_and_traffic(tmp_path):
     # A 2-worker ring sends half the gradients twice (reduce-scatter + allgather) per step (+ padding).
     sent = scalars["comm/bytes_sent"][2:]
     assert all(grads <= s <= grads + 64 * 8 for s in sent), sent
+    # ... and receives as much: the neighbour's halves, written straight into this worker's memory.
+    received = scalars["comm/bytes_received"][2:]
+    assert all(grads <= r <= grads + 64 * 8 for r in received), received
     regs = scalars["tracker/registrations"]
     assert regs[-1] == regs[steps // 2]  # the second epoch registers nothing (the first set rings up)
     assert results[0].value["traffic"]["bytes_written"] > 0
