@@ -117,23 +117,8 @@ class _DistributedModel:
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         a = _bind(self._rdkeras_base.fit, self, args, kwargs)
         dp = self._rdkeras
-        if a["validation_split"] and a["validation_data"] is None and dp.shardable_arrays(a["x"]):
-            from keras.src.trainers.data_adapters import array_slicing
-
-            (a["x"], a["y"], a["sample_weight"]), a["validation_data"] = array_slicing.train_validation_split(
-                (a["x"], a["y"], a["sample_weight"]), validation_split=a["validation_split"]
-            )
-            a["validation_split"] = 0.0
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.shard(
-            a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
-        )
+        shard_fit_arguments(a, dp)
         dp.batch_size = a["batch_size"]  # per worker, when known (for TrainingStats)
-        if a["validation_data"] is not None:
-            vx, vy, vw = _unpack(a["validation_data"])
-            vx, vy, vw, a["validation_batch_size"] = dp.shard(
-                vx, vy, vw, a["validation_batch_size"] or a["batch_size"], shuffle=False
-            )
-            a["validation_data"] = vx if vy is None else (vx, vy) if vw is None else (vx, vy, vw)
         a["callbacks"], a["verbose"] = dp.worker_callbacks(a["callbacks"], a["verbose"])
         return self._rdkeras_base.fit(self, **a)
 
@@ -174,6 +159,27 @@ class _DistributedModel:
         keys = [k for k, v in result.items() if np.ndim(v) == 0]
         means = self._rdkeras.collectives.mean([float(result[k]) for k in keys])
         return {**result, **dict(zip(keys, means, strict=True))}
+
+
+def shard_fit_arguments(a: dict, sharding: DataParallel) -> None:
+    """Gives this worker its part of fit's training and validation data, in place in `a`
+    (fit's bound arguments). ``validation_split`` is applied first, to the whole arrays."""
+    if a["validation_split"] and a["validation_data"] is None and sharding.shardable_arrays(a["x"]):
+        from keras.src.trainers.data_adapters import array_slicing
+
+        (a["x"], a["y"], a["sample_weight"]), a["validation_data"] = array_slicing.train_validation_split(
+            (a["x"], a["y"], a["sample_weight"]), validation_split=a["validation_split"]
+        )
+        a["validation_split"] = 0.0
+    a["x"], a["y"], a["sample_weight"], a["batch_size"] = sharding.shard(
+        a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
+    )
+    if a["validation_data"] is not None:
+        vx, vy, vw = _unpack(a["validation_data"])
+        vx, vy, vw, a["validation_batch_size"] = sharding.shard(
+            vx, vy, vw, a["validation_batch_size"] or a["batch_size"], shuffle=False
+        )
+        a["validation_data"] = vx if vy is None else (vx, vy) if vw is None else (vx, vy, vw)
 
 
 def _bind(method: Any, self: Any, args: tuple, kwargs: dict) -> dict:

@@ -28,7 +28,14 @@ from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.graph import READER, Plan, Stage, analyze, assign_layers, build_stage, functional_of
 from rdkeras.ops import rdma_recv, rdma_send
-from rdkeras.parallel.data import _CHIEF_ONLY_CALLBACKS, Collectives, DataParallel, _bind, _unpack
+from rdkeras.parallel.data import (
+    _CHIEF_ONLY_CALLBACKS,
+    Collectives,
+    DataParallel,
+    _bind,
+    _unpack,
+    shard_fit_arguments,
+)
 
 
 class Pipeline:
@@ -299,24 +306,11 @@ class _PipelinedModel:
 
         a = _bind(self._rdkeras_base.fit, self, args, kwargs)
         mp = self._rdkeras
-        if a["validation_split"] and a["validation_data"] is None and DataParallel.shardable_arrays(a["x"]):
-            from keras.src.trainers.data_adapters import array_slicing
-
-            (a["x"], a["y"], a["sample_weight"]), a["validation_data"] = array_slicing.train_validation_split(
-                (a["x"], a["y"], a["sample_weight"]), validation_split=a["validation_split"]
-            )
-            a["validation_split"] = 0.0
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = mp._sharding.shard(
-            a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=a["shuffle"]
-        )
+        shard_fit_arguments(a, mp._sharding)  # over replicas (a no-op for one pipeline)
         mp.batch_size = a["batch_size"]
         mp.prepare("train", a["x"], a["y"], a["sample_weight"], a["batch_size"])
         if a["validation_data"] is not None:
-            vx, vy, vw = _unpack(a["validation_data"])
-            vbatch = a["validation_batch_size"] or a["batch_size"]
-            vx, vy, vw, a["validation_batch_size"] = mp._sharding.shard(vx, vy, vw, vbatch, shuffle=False)
-            a["validation_data"] = vx if vy is None else (vx, vy) if vw is None else (vx, vy, vw)
-            mp.prepare("eval", vx, vy, vw, a["validation_batch_size"])
+            mp.prepare("eval", *_unpack(a["validation_data"]), a["validation_batch_size"])
         callbacks, a["verbose"] = mp.worker_callbacks(a["callbacks"], a["verbose"])
 
         class GatherWeights(keras.callbacks.Callback):  # first, so checkpoints save trained weights
