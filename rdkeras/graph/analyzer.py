@@ -83,6 +83,7 @@ class Plan:
     edges: list[Edge]
     batch_size: int | None
     micro_batches: int = 1
+    replicas: int = 1  # hybrid: copies of this pipeline, data-parallel among them
 
     def edges_into(self, stage: int) -> list[Edge]:
         return [e for e in self.edges if e.dst == stage]
@@ -97,8 +98,9 @@ class Plan:
         """The plan as a table (printed once at startup, saved with the TensorBoard logs)."""
         batch = "unknown (dynamic)" if self.batch_size is None else str(self.batch_size)
         lines = [
-            f"model-parallel plan for {self.model_name!r}: {self.num_stages} workers, "
-            f"batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
+            f"model-parallel plan for {self.model_name!r}: {self.num_stages} stages"
+            + (f" x {self.replicas} replicas" if self.replicas > 1 else "")
+            + f", batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
             + " -> ".join(str(s) for s in self.stage_order)
             + f"; loss on worker {self.loss_stage}"
         ]

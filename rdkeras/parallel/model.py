@@ -172,6 +172,7 @@ class ModelParallel:
         pipeline = self._pipelines.get(key)
         if pipeline is None:
             plan = analyze(model, self.placement, self.num_stages, rows, micro, label_specs, weight_specs)
+            plan.replicas = self.replicas
             self._serial += 1
             pipeline = Pipeline(self, model, plan, self._serial)
             self._pipelines[key] = pipeline

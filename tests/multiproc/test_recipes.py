@@ -113,33 +113,17 @@ def test_tensorboard_holds_loss_throughput_traffic_registrations_and_the_plan(sw
     assert {"rdkeras/comm/bytes_sent", "train/batch_loss"} <= set(drawn) and (tmp_path / "scalars.png").exists()
 
 
-def _model_parallel_missing() -> str | None:
-    """Why RDMAStrategy(parallelism="model") cannot run here, or None once it can."""
-    import inspect
-
-    import rdkeras
-
-    if "placement" not in inspect.signature(rdkeras.RDMAStrategy).parameters:
-        return "RDMAStrategy has no placement argument yet"
-    try:
-        rdkeras.RDMAStrategy(parallelism="model", placement={"*": 0}).close()
-    except ValueError as e:
-        if "not available" in str(e):
-            return str(e)
-    return None
-
-
-def test_vgg16_model_parallel_recipe_trains_two_steps(tmp_path):
-    why = _model_parallel_missing()
-    if why:
-        pytest.skip(f"model parallelism not in this build: {why}")
-    done = _train("+recipe=vgg16_model", *TWO_STEPS, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+@pytest.mark.parametrize(("parallel", "workers"), [("model", 2), ("hybrid", 4)])
+def test_vgg16_model_parallel_recipe_trains_two_steps(tmp_path, parallel, workers):
+    args = ("+recipe=vgg16_model", f"parallel={parallel}", f"cluster.num_workers={workers}", *TWO_STEPS)
+    done = _train(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["parallel"] == "model" and math.isfinite(results["final"]["loss"])
+    assert results["parallel"] == parallel and math.isfinite(results["final"]["loss"])
     plan = dict(_scalars(tmp_path / "tensorboard" / "rdkeras")["plan"])[0]
     text = plan.decode() if isinstance(plan, bytes) else plan
     assert "block5_pool:0 -> flatten" in text and "static" in text  # the cut edge between the workers
+    assert ("2 stages x 2 replicas" in text) == (parallel == "hybrid")
 
 
 def test_a_placement_naming_a_missing_layer_is_one_error_line(tmp_path):
