@@ -316,6 +316,42 @@ def analyze(
     loss_stage = max((s for s in output_stages if s is not None), key=order.index, default=READER)
 
     edges: list[Edge] = []
+
+    def add(
+        name: str,
+        producer: str,
+        consumers: tuple,
+        src: int,
+        dst: int,
+        shape: tuple,
+        dtype: str,
+        kind: str,
+        needs_grad: bool,
+        tensor: Any = None,
+        note: str = "",
+    ) -> None:
+        full, static, reason = _spec(shape, rows, "tensor" if kind in ("activation", "input") else kind)
+        edges.append(
+            Edge(
+                name,
+                producer,
+                consumers,
+                src,
+                dst,
+                full,
+                dtype,
+                kind,
+                needs_grad,
+                static,
+                reason + note,
+                tensor,
+                transfers=micro_batches,
+            )
+        )
+
+    def trained(t: Any) -> bool:  # a gradient flows back through t
+        return _is_float(str(t.dtype)) and influenced.get(id(t), False)
+
     for (tid, dst), names in consumers.items():
         t = tensors[tid]
         src = _producer_stage(t, stage)
@@ -324,66 +360,49 @@ def analyze(
             producer, kind, src = f"input:{op.name}", "input", READER
         else:
             producer, kind = f"{op.name}:{t._keras_history.tensor_index}", "activation"
-        shape, static, reason = _spec(tuple(t.shape), rows, "tensor")
-        edges.append(
-            Edge(
-                name=f"{producer}->{dst}",
-                producer=producer,
-                consumers=tuple(names),
-                src=src,
-                dst=dst,
-                shape=shape,
-                dtype=str(t.dtype),
-                kind=kind,
-                needs_grad=kind == "activation" and _is_float(str(t.dtype)) and influenced.get(tid, False),
-                static=static,
-                reason=reason,
-                tensor=t,
-                transfers=micro_batches,
-            )
+        add(
+            f"{producer}->{dst}",
+            producer,
+            tuple(names),
+            src,
+            dst,
+            tuple(t.shape),
+            str(t.dtype),
+            kind,
+            kind == "activation" and trained(t),
+            t,
         )
     # Model outputs produced away from the loss worker travel there too.
     for i, (t, s) in enumerate(zip(outputs, output_stages, strict=True)):
         s = READER if s is None else s
         if s != loss_stage and (id(t), loss_stage) not in consumers:
-            op = t._keras_history.operation
-            shape, static, reason = _spec(tuple(t.shape), rows, "output")
-            edges.append(
-                Edge(
-                    name=f"output[{i}]->{loss_stage}",
-                    producer=f"{op.name}:{t._keras_history.tensor_index}",
-                    consumers=("loss",),
-                    src=s,
-                    dst=loss_stage,
-                    shape=shape,
-                    dtype=str(t.dtype),
-                    kind="output",
-                    needs_grad=_is_float(str(t.dtype)) and influenced.get(id(t), False),
-                    static=static,
-                    reason=reason,
-                    tensor=t,
-                    transfers=micro_batches,
-                )
+            producer = f"{t._keras_history.operation.name}:{t._keras_history.tensor_index}"
+            add(
+                f"output[{i}]->{loss_stage}",
+                producer,
+                ("loss",),
+                s,
+                loss_stage,
+                tuple(t.shape),
+                str(t.dtype),
+                "output",
+                trained(t),
+                t,
             )
     if loss_stage != READER:
         for kind, specs in (("labels", label_specs), ("sample_weight", sample_weight_specs)):
             for i, (shape, dtype) in enumerate(specs or []):
-                full, static, reason = _spec((None, *tuple(shape)[1:]), rows, kind)
-                edges.append(
-                    Edge(
-                        name=f"{kind}[{i}]->{loss_stage}",
-                        producer=f"{kind}[{i}]",
-                        consumers=("loss",),
-                        src=READER,
-                        dst=loss_stage,
-                        shape=full,
-                        dtype=str(np.dtype(dtype)),
-                        kind=kind,
-                        needs_grad=False,
-                        static=static,
-                        reason=reason + " (straight from the reader to the loss worker)",
-                        transfers=micro_batches,
-                    )
+                add(
+                    f"{kind}[{i}]->{loss_stage}",
+                    f"{kind}[{i}]",
+                    ("loss",),
+                    READER,
+                    loss_stage,
+                    (None, *tuple(shape)[1:]),
+                    str(np.dtype(dtype)),
+                    kind,
+                    False,
+                    note=" (straight from the reader to the loss worker)",
                 )
     return Plan(
         model_name=model.name,

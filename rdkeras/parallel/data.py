@@ -117,7 +117,7 @@ class _DistributedModel:
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         a = _bind(self._rdkeras_base.fit, self, args, kwargs)
         dp = self._rdkeras
-        shard_fit_arguments(a, dp)
+        shard_fit_arguments(a, dp.sharding)
         dp.batch_size = a["batch_size"]  # per worker, when known (for TrainingStats)
         a["callbacks"], a["verbose"] = dp.worker_callbacks(a["callbacks"], a["verbose"])
         return self._rdkeras_base.fit(self, **a)
@@ -127,7 +127,7 @@ class _DistributedModel:
             return self._rdkeras_base.evaluate(self, *args, **kwargs)
         a = _bind(self._rdkeras_base.evaluate, self, args, kwargs)
         dp = self._rdkeras
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.shard(
+        a["x"], a["y"], a["sample_weight"], a["batch_size"] = dp.sharding.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
         )
         a["callbacks"], a["verbose"] = dp.worker_callbacks(a["callbacks"], a["verbose"])
@@ -161,7 +161,15 @@ class _DistributedModel:
         return {**result, **dict(zip(keys, means, strict=True))}
 
 
-def shard_fit_arguments(a: dict, sharding: DataParallel) -> None:
+def reporting_callbacks(callbacks: Any, verbose: Any, reporter: bool) -> tuple[Any, Any]:
+    """(callbacks, verbose) for a worker: the reporter keeps all; the others drop the chief-only
+    callbacks (checkpoints, TensorBoard, CSV) and the progress bar."""
+    if reporter:
+        return callbacks, verbose
+    return [c for c in (callbacks or []) if type(c).__name__ not in _CHIEF_ONLY_CALLBACKS], 0
+
+
+def shard_fit_arguments(a: dict, sharding: Sharding) -> None:
     """Gives this worker its part of fit's training and validation data, in place in `a`
     (fit's bound arguments). ``validation_split`` is applied first, to the whole arrays."""
     if a["validation_split"] and a["validation_data"] is None and sharding.shardable_arrays(a["x"]):
@@ -206,7 +214,7 @@ class DataParallel:
         self.engine, self.mode, self.seed = engine, mode, seed
         self.collectives = Collectives(engine, bucket_bytes)
         self.synced = False
-        self._warned: set[str] = set()
+        self.sharding = Sharding(engine.world_size, engine.rank, warn=engine.rank == 0)
         self._attached: list[Any] = []
         self.batch_size: int | None = None
 
@@ -250,14 +258,35 @@ class DataParallel:
                 v.assign(value)
         self.synced = True
 
+    def worker_callbacks(self, callbacks: Any, verbose: Any) -> tuple[Any, Any]:
+        """The chief keeps every callback and the progress bar; other workers drop the chief-only ones."""
+        return reporting_callbacks(callbacks, verbose, self.engine.rank == 0)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        self.sharding.warn_once(key, message)
+
+
+class Sharding:
+    """Shard `index` of `num_shards` of each input: every worker (data parallelism) or every
+    pipeline replica (hybrid) trains on its own part, all parts the same number of steps."""
+
+    def __init__(self, num_shards: int, index: int, warn: bool = True):
+        self.num_shards, self.index, self.warn = num_shards, index, warn
+        self._warned: set[str] = set()
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned and self.warn:
+            self._warned.add(key)
+            logger.warning(message)
+
     @staticmethod
     def shardable_arrays(x: Any) -> bool:
         import tensorflow as tf
 
         if isinstance(x, dict):
-            return all(DataParallel.shardable_arrays(v) for v in x.values())
+            return all(Sharding.shardable_arrays(v) for v in x.values())
         if isinstance(x, (list, tuple)):
-            return all(DataParallel.shardable_arrays(v) for v in x)
+            return all(Sharding.shardable_arrays(v) for v in x)
         return isinstance(x, (np.ndarray, tf.Tensor)) or hasattr(x, "__array__")
 
     def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: Any = False) -> tuple:
@@ -265,7 +294,7 @@ class DataParallel:
         import keras
         import tensorflow as tf
 
-        n, r = self.num_workers, self.rank
+        n, r = self.num_shards, self.index
         if n == 1 or x is None:
             return x, y, sample_weight, batch_size
         if isinstance(x, tf.data.Dataset):
@@ -273,14 +302,14 @@ class DataParallel:
             cardinality = int(x.cardinality())
             if cardinality >= 0:
                 if cardinality % n:
-                    self._warn_once(
+                    self.warn_once(
                         "uneven",
                         f"dropping {cardinality % n} of {cardinality} batches per epoch "
                         f"so that all {n} workers run the same number of steps",
                     )
                 ds = ds.take(cardinality // n)
             else:
-                self._warn_once(
+                self.warn_once(
                     "unknown",
                     "dataset of unknown length: make sure every worker gets the same "
                     "number of batches (pass steps_per_epoch), or training will stall",
@@ -301,7 +330,7 @@ class DataParallel:
             if steps == 0:
                 raise ValueError(f"{samples} samples cannot fill one batch of {batch_size} on each of {n} workers")
             if samples % (batch_size * n):
-                self._warn_once(
+                self.warn_once(
                     "drop",
                     f"{samples} samples: each epoch uses {steps * n * batch_size} "
                     f"(whole batches of {batch_size} x {n} workers)",
@@ -316,18 +345,6 @@ class DataParallel:
             f"rdkeras cannot shard input of type {type(x).__name__}: pass NumPy arrays, "
             "a tf.data.Dataset or a keras.utils.PyDataset"
         )
-
-    def worker_callbacks(self, callbacks: Any, verbose: Any) -> tuple[Any, Any]:
-        """The chief keeps every callback and the progress bar; other workers drop the chief-only ones."""
-        if self.engine.rank == 0:
-            return callbacks, verbose
-        kept = [c for c in (callbacks or []) if type(c).__name__ not in _CHIEF_ONLY_CALLBACKS]
-        return kept, 0
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned and self.engine.rank == 0:
-            self._warned.add(key)
-            logger.warning(message)
 
 
 class _ShardedPyDataset:

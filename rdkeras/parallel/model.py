@@ -26,14 +26,15 @@ import numpy as np
 
 from rdkeras._log import logger
 from rdkeras.engine import Engine
-from rdkeras.graph import READER, Plan, Stage, analyze, assign_layers, build_stage, functional_of
+from rdkeras.graph import Plan, Stage, analyze, assign_layers, build_stage, functional_of
 from rdkeras.ops import rdma_recv, rdma_send
 from rdkeras.parallel.data import (
-    _CHIEF_ONLY_CALLBACKS,
     Collectives,
-    DataParallel,
+    GradientAllreduce,
+    Sharding,
     _bind,
     _unpack,
+    reporting_callbacks,
     shard_fit_arguments,
 )
 
@@ -111,9 +112,10 @@ class ModelParallel:
         self.replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
-        self.replica_collectives = Collectives(engine, bucket_bytes, group, name="stage/")
+        # Hybrid: each stage's gradients are averaged over its replicas, as data parallelism does.
+        self.average_over_replicas = GradientAllreduce(Collectives(engine, bucket_bytes, group, name="stage/"))
         # Replicas share data the data-parallel way: replica r takes shard r.
-        self._sharding = _ReplicaSharding(self)
+        self.sharding = Sharding(self.replicas, self.replica, warn=engine.rank == 0)
         self.synced = False
         self.batch_size: int | None = None
         self._pipelines: dict[tuple, Pipeline] = {}
@@ -235,26 +237,7 @@ class ModelParallel:
 
     def worker_callbacks(self, callbacks: Any, verbose: Any) -> tuple[Any, Any]:
         """Chief-only callbacks and the progress bar run where the loss is."""
-        if self.is_reporter:
-            return callbacks, verbose
-        kept = [c for c in (callbacks or []) if type(c).__name__ not in _CHIEF_ONLY_CALLBACKS]
-        return kept, 0
-
-
-class _ReplicaSharding(DataParallel):
-    """Data sharding over replicas: replica r's workers all read shard r."""
-
-    def __init__(self, mp: ModelParallel):
-        self.engine, self.seed, self._mp = mp.engine, mp.seed, mp
-        self._warned: set[str] = set()
-
-    @property
-    def num_workers(self) -> int:
-        return self._mp.replicas
-
-    @property
-    def rank(self) -> int:
-        return self._mp.replica
+        return reporting_callbacks(callbacks, verbose, self.is_reporter)
 
 
 def _data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> tuple:
@@ -307,7 +290,7 @@ class _PipelinedModel:
 
         a = _bind(self._rdkeras_base.fit, self, args, kwargs)
         mp = self._rdkeras
-        shard_fit_arguments(a, mp._sharding)  # over replicas (a no-op for one pipeline)
+        shard_fit_arguments(a, mp.sharding)  # over replicas (a no-op for one pipeline)
         mp.batch_size = a["batch_size"]
         mp.prepare("train", a["x"], a["y"], a["sample_weight"], a["batch_size"])
         if a["validation_data"] is not None:
@@ -326,7 +309,7 @@ class _PipelinedModel:
             return self._rdkeras_base.evaluate(self, *args, **kwargs)
         a = _bind(self._rdkeras_base.evaluate, self, args, kwargs)
         mp = self._rdkeras
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = mp._sharding.shard(
+        a["x"], a["y"], a["sample_weight"], a["batch_size"] = mp.sharding.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
         )
         mp.prepare("eval", a["x"], a["y"], a["sample_weight"], a["batch_size"])
@@ -423,7 +406,7 @@ class _PipelinedModel:
                 if g is not None:
                     summed[i] = g if summed[i] is None else summed[i] + g
         if mp.replicas > 1 and variables:
-            summed = _average_over_replicas(mp, summed, variables)
+            summed = mp.average_over_replicas(summed)
         pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
         with tf.control_dependencies(chain):
             if pairs:
@@ -443,7 +426,7 @@ class _PipelinedModel:
             chain = feeds.send_data(m, chain)
             received, chain = feeds.receive(m, chain)
             outs = _run_stage(stage, feeds, m, received, chain, training=False)
-            chain = _send_outputs(run, stage, m, outs, chain, forward_only=True)
+            chain = _send_outputs(run, stage, m, outs, chain)
             if stage.is_loss:
                 loss = feeds.loss(m, outs, received, training=False)
                 if loss is not None:
@@ -463,7 +446,7 @@ class _PipelinedModel:
         chain = feeds.send_data(0, feeds.after_data())
         received, chain = feeds.receive(0, chain)
         outs = _run_stage(stage, feeds, 0, received, chain, training=False)
-        chain = _send_outputs(run, stage, 0, outs, chain, forward_only=True)
+        chain = _send_outputs(run, stage, 0, outs, chain)
         graph = functional_of(self)
         if stage.is_loss:
             flat = feeds.model_outputs(outs, received)
@@ -594,9 +577,7 @@ def _run_stage(
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-def _send_outputs(
-    run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: list[Any], forward_only: bool = False
-) -> list[Any]:
+def _send_outputs(run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: list[Any]) -> list[Any]:
     for pos, edges in enumerate(stage.sends):
         for e in edges:
             chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
@@ -617,20 +598,3 @@ def _regularization(stage: Stage, micro_batches: int) -> Any:
     if stage.model is None or not stage.model.losses:
         return None
     return tf.add_n(stage.model.losses) / micro_batches
-
-
-def _average_over_replicas(mp: ModelParallel, grads: list[Any], variables: list[Any]) -> list[Any]:
-    import tensorflow as tf
-
-    dense = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables, strict=True)]
-
-    def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
-        return mp.replica_collectives.allreduce(list(arrays), average=True)
-
-    out = tf.numpy_function(reduce, dense, Tout=[g.dtype for g in dense], stateful=True, name="rdkeras_stage_allreduce")
-    for o, g in zip(out, dense, strict=True):
-        o.set_shape(g.shape)
-    return list(out)
-
-
-__all__ = ["READER", "ModelParallel"]
