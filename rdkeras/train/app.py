@@ -35,6 +35,9 @@ def _task(cfg: Any) -> None:
 
         if HydraConfig.get().mode.name == "MULTIRUN":
             print(f"{PROG}: job {HydraConfig.get().job.num} failed: {_describe(e)}", file=sys.stderr, flush=True)
+            # The job must fail where it runs, so launcher plugins (submitit: another process, another
+            # node) report it; Hydra's sweeper raises it again in this process once all jobs ran.
+            raise
 
 
 def _run_job(cfg: Any) -> None:
@@ -125,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_EXIT
     except WorkerError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if not type(e).__module__.startswith("submitit"):
+            raise
+        # A job the cluster lost (killed, timed out, node failure): submitit says which and where its log is.
+        print(f"{PROG}: a job failed on the cluster: {' '.join(str(e).split())[:2000]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
