@@ -488,14 +488,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped")
     parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")
-    parser.add_argument("script", help="the Python script to run (or -m module)")
+    parser.add_argument("script", help="the Python script to run, or -m MODULE")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    a = parser.parse_args(argv)
-    if a.script == "-m" and not a.args:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # "-m MODULE ARGS" as python has it: everything after the module is the module's.
+    with_values = {a for action in parser._actions if action.nargs is None and action.option_strings
+                   for a in action.option_strings}  # fmt: skip
+    i = 0
+    while i < len(argv) and argv[i] != "-m" and argv[i].startswith("-"):
+        i += 2 if argv[i] in with_values else 1
+    module = argv[i + 1 : i + 2] if i < len(argv) and argv[i] == "-m" else None
+    if module == []:
         parser.error("-m needs a module name")
-    cmd = [sys.executable, *(["-m", a.args[0], *a.args[1:]] if a.script == "-m" else [a.script, *a.args])]
-    if a.script != "-m" and not os.path.exists(a.script):
-        parser.error(f"no such script: {a.script}")
+    a = parser.parse_args([*(t for t in argv[:i] if t != "--"), "--", "-m", *argv[i + 2 :]] if module else argv)
+    if module:
+        cmd = [sys.executable, "-m", module[0], *a.args]
+    else:
+        cmd = [sys.executable, a.script, *a.args]
+        if not os.path.exists(a.script):
+            parser.error(f"no such script: {a.script}")
     port = a.master_port or (DEFAULT_MASTER_PORT if a.nnodes > 1 else None)
     try:
         job = Job(a.per_node, a.nnodes, a.node_rank, a.master_addr, port)

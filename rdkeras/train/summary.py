@@ -55,7 +55,7 @@ def text(results: dict, before: dict[str, float], after: dict[str, float], *, sy
     """
     workers, steps, batch = results["workers"], results["steps"], results["batch_size"]
     timed, seconds = results.get("steady_steps", 0), results.get("steady_seconds", 0.0)
-    how = f"steps 2-{timed + 1} of global batch {batch}, after the first (compilation)"
+    how = f"steps 2-{timed + 1}, global batch {batch}; the first step compiles"
     if timed < 1 or seconds <= 0:
         timed, seconds = steps, max(results["fit_seconds"], 1e-9)
         how = f"{steps} step(s) of global batch {batch}, compilation included"

@@ -173,3 +173,9 @@ def test_two_launchers_make_one_job_across_nodes(tmp_path):
     sums = sorted(re.findall(r"^\[(\d)\] rank \d local \d of 4: sum (\S+)", outs[0] + outs[1], re.M))
     assert sums == [("0", "10.0"), ("1", "10.0"), ("2", "10.0"), ("3", "10.0")], outs
     assert (tmp_path / "config" / "rdkeras" / "job-token").exists()
+
+
+def test_a_module_runs_with_dash_m_as_python_has_it():
+    done = _launch("-n", "2", "--timeout", "120", "-m", "tests.multiproc.ring_sum", timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(re.findall(r"^\[(\d)\] rank \d local \d of 2: sum 3\.0$", done.stdout, re.M)) == ["0", "1"]

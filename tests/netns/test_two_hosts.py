@@ -12,6 +12,7 @@ import pytest
 
 from rdkeras.testing import netns
 from tests.conftest import TESTS_DIR
+from tests.readme_commands import command
 
 REPO = TESTS_DIR.parent
 WHY = netns.why_not()
@@ -141,3 +142,31 @@ def test_two_by_two_fit_equals_one_process(two_host_job):
     for r in two_host_job["across"] + two_host_job["within"]:
         for got, ref in zip(r["weights"], want, strict=True):
             np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
+    """README's `python -m rdkeras.launch --nnodes 2 ... -m rdkeras.train +recipe=fcn5`, one per "host"."""
+    small = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]
+    small += ["trainer.verbose=2", "logger=none", "trainer.checkpoint=false"]
+    env = _env(tmp_path)
+    with netns.hosts(2) as (a, b):
+        procs = []
+        for node, host in enumerate((a, b)):
+            argv = command("python", "rdkeras.launch", overrides=[*small, f"hydra.run.dir={tmp_path}/node{node}"])
+            for flag, value in (("--node-rank", str(node)), ("--master-addr", a.addr), ("--master-port", "29512")):
+                argv[argv.index(flag) + 1] = value
+            procs.append(
+                subprocess.Popen(
+                    host.command(argv),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                    cwd=tmp_path,
+                )
+            )
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    results = json.loads((tmp_path / "node0" / "results.json").read_text())
+    assert results["workers"] == 4 and results["transport"] == "tcp"
+    assert "[0] summary: fcn5 on 4 worker(s)" in outs[0]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TESTS_DIR
+from tests.readme_commands import command
 
 REPO = TESTS_DIR.parent
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
@@ -61,11 +62,10 @@ def one_process(tmp_path_factory) -> Path:
     return out
 
 
-def _srun_train(slurm, env, run_dir: Path, *extra: str):
-    return slurm.run(
-        "srun", "-n", "2", "--label", sys.executable, "-m", "rdkeras.train", "+recipe=fcn5", *SMALL, *extra,
-        f"hydra.run.dir={run_dir}", env=env, timeout=600, cwd=run_dir.parent,
-    )  # fmt: skip
+def _srun_train(slurm, env, run_dir: Path):
+    """The README's srun command, made small."""
+    argv = command("srun", overrides=[*SMALL, f"hydra.run.dir={run_dir}"])
+    return slurm.run(*argv, env=env, timeout=600, cwd=run_dir.parent)
 
 
 def test_srun_trains_two_tasks_with_no_rdkeras_variable(slurm, env, tmp_path):
@@ -90,9 +90,10 @@ def test_srun_two_tasks_equal_one_process(slurm, env, tmp_path, one_process):
 
 def test_sbatch_script_runs_and_a_failing_job_is_reported(slurm, env, tmp_path):
     run = tmp_path / "sbatch"
-    ok = slurm.run(
-        "sbatch", "--wait", f"--chdir={tmp_path}", str(SBATCH), *SMALL, f"hydra.run.dir={run}", env=env, timeout=600
-    )
+    readme = command("sbatch", overrides=[*SMALL, f"hydra.run.dir={run}"])
+    assert readme[1] == "examples/slurm/train.sbatch"
+    # Submitted from tmp_path, where the job's output file goes.
+    ok = slurm.run("sbatch", "--wait", str(REPO / readme[1]), *readme[2:], env=env, timeout=600, cwd=tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("rdkeras-fcn5-*.out"))
     assert ok.returncode == 0, ok.stdout + ok.stderr + logs[-3000:]
     assert json.loads((run / "results.json").read_text())["workers"] == 2
@@ -107,9 +108,9 @@ def test_sbatch_script_runs_and_a_failing_job_is_reported(slurm, env, tmp_path):
 def test_hydra_submitit_launcher_runs_a_recipe_and_reports_a_failed_job(slurm, env, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
     sweep = tmp_path / "multirun"
-    args = [sys.executable, "-m", "rdkeras.train", "--multirun", "hydra/launcher=submitit_slurm"]
-    args += ["hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}"]
-    args += [f"hydra.launcher.submitit_folder={tmp_path}/submitit", "+recipe=fcn5", *SMALL]
+    extra = ["hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}"]
+    extra += [f"hydra.launcher.submitit_folder={tmp_path}/submitit", *SMALL]
+    args = command("python", "submitit_slurm", overrides=extra)
     done = slurm.run(*args, env=env, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((sweep / "0" / "results.json").read_text())
