@@ -16,7 +16,7 @@ from tests.readme_commands import command
 
 REPO = TESTS_DIR.parent
 WHY = netns.why_not()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}")
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}"), pytest.mark.timeout(900)]
 GLOBAL_BATCH = 16
 LAUNCH = [sys.executable, "-m", "rdkeras.launch"]
 WORKER = str(TESTS_DIR / "netns" / "fit_worker.py")
