@@ -64,6 +64,7 @@ def _launch_on(host: netns.Host, node_rank: int, master: netns.Host, out, env) -
 @pytest.fixture(scope="module")
 def two_host_job(tmp_path_factory):
     """A 2x2 data-parallel fit (2 nodes x 2 workers), plus a 2-worker job inside one namespace."""
+    netns.cleanup_stale()  # what a killed earlier run may have left
     tmp = tmp_path_factory.mktemp("netns")
     env = _env(tmp)
     across, within = tmp / "across", tmp / "within"
