@@ -27,7 +27,6 @@ def make_strategy(cfg: Any) -> Any:
         "parallelism": parallel.kind,
         "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
         "timeout": cfg.transport.timeout,
-        "seed": cfg.trainer.seed,
     }
     if parallel.kind in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
@@ -46,13 +45,14 @@ def make_strategy(cfg: Any) -> Any:
         raise ConfigError(str(e)) from None
 
 
-def load_data(cfg: Any, num_workers: int) -> Any:
+def load_data(cfg: Any) -> Any:
     from hydra.utils import instantiate
 
     overrides = {}
     if "samples" in cfg.data and cfg.data.samples is None:
-        # Synthetic data: exactly the epoch's worth (every worker makes the same arrays and takes its shard).
-        overrides["samples"] = cfg.trainer.steps_per_epoch * cfg.trainer.batch_size * num_workers
+        # Synthetic data: exactly the epoch's worth of global batches (every worker makes the same
+        # arrays and takes its part of each batch).
+        overrides["samples"] = cfg.trainer.steps_per_epoch * cfg.trainer.batch_size
     return instantiate(cfg.data, **overrides)
 
 
@@ -126,7 +126,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
     keras.utils.set_random_seed(cfg.trainer.seed)
 
     started = time.perf_counter()
-    data = load_data(cfg, place.world_size)
+    data = load_data(cfg)
     if cfg.parallel.kind in ("model", "hybrid"):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
