@@ -5,10 +5,11 @@
     python -m rdkeras.train --multirun +recipe=fcn5 trainer.batch_size=32,128
 
 The config groups (``model``, ``data``, ``parallel``, ``transport``, ``cluster``,
-``trainer``, ``logger``) and the ``recipe`` presets live in ``rdkeras/conf``,
-inside the package. With ``cluster=local`` the app spawns the workers itself
-(``rdkeras.launch``); under TF_CONFIG, SLURM or ``python -m rdkeras.launch`` it
-is one worker of that job. Hydra's output folder receives the resolved config,
+``trainer``, ``logger``) live in the top-level ``conf/`` and the ``recipe``
+presets in ``recipes/``; the wheel ships both inside the package. With
+``cluster=local`` the app spawns the workers itself (``rdkeras.launch``);
+under TF_CONFIG, SLURM or ``python -m rdkeras.launch`` it is one worker of
+that job. Hydra's output folder receives the resolved config,
 the workers' logs, TensorBoard events, checkpoints and ``results.json``.
 """
 

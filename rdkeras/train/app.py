@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rdkeras.train.config import CONFIG_NAME, ConfigError, validate
+from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, validate
 
 PROG = "rdkeras.train"
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from rdkeras.data import DataError
 
     args = sys.argv[1:] if argv is None else list(argv)
-    hydra_main = hydra.main(config_path="pkg://rdkeras.conf", config_name=CONFIG_NAME, version_base=None)(_task)
+    hydra_main = hydra.main(config_path=hydra_sources(), config_name=CONFIG_NAME, version_base=None)(_task)
     full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
-import importlib.resources
+from pathlib import Path
 from typing import Any
 
-CONFIG_MODULE = "rdkeras.conf"
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger")
 _TRANSPORTS = ("auto", "shm", "tcp", "verbs", "grpc")
@@ -16,9 +15,29 @@ class ConfigError(ValueError):
     """The configuration cannot work; the message says what is wrong and what to do."""
 
 
+def config_dirs() -> tuple[Path, Path]:
+    """The config groups folder and the recipes folder: ``conf/`` and ``recipes/``.
+
+    A wheel ships them inside the package (``rdkeras/conf``, ``rdkeras/recipes``);
+    a source checkout (and so ``pip install -e .``) has them at its top level,
+    where they are read live.
+    """
+    package = Path(__file__).resolve().parent.parent
+    for base in (package, package.parent):
+        conf, recipes_dir = base / "conf", base / "recipes"
+        if (conf / f"{CONFIG_NAME}.yaml").is_file() and recipes_dir.is_dir():
+            return conf, recipes_dir
+    raise ConfigError(f"no conf/ and recipes/ next to or inside {package}: reinstall rdkeras (pip install .)")
+
+
+def recipe_file(name: str) -> Path:
+    return config_dirs()[1] / f"{name}.yaml"
+
+
 def options(group: str) -> list[str]:
-    """The options of a config group (or ``recipe``), from the files shipped in the package."""
-    folder = importlib.resources.files(CONFIG_MODULE) / group
+    """The options of a config group (or ``recipe``)."""
+    conf, recipes_dir = config_dirs()
+    folder = recipes_dir if group == "recipe" else conf / group
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -26,14 +45,25 @@ def recipes() -> list[str]:
     return options("recipe")
 
 
+def hydra_sources() -> str:
+    """Registers the recipes folder as Hydra's ``recipe`` group; returns the primary config folder."""
+    from hydra.core.plugins import Plugins
+
+    from rdkeras.train import _hydra_recipes
+
+    Plugins.instance().register(_hydra_recipes.RecipesSource)
+    Plugins.instance().register(_hydra_recipes.RecipesSearchPath)
+    return str(config_dirs()[0])
+
+
 def compose(overrides: list[str] | None = None) -> Any:
     """The composed config for these command-line overrides, as the app would see it (for tests and notebooks)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_module(CONFIG_MODULE, version_base=None):
+    with initialize_config_dir(hydra_sources(), version_base=None):
         return hydra_compose(CONFIG_NAME, overrides=list(overrides or []))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import importlib
-import importlib.resources
 import io
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from omegaconf import OmegaConf
 
 from rdkeras import data as data_lib
 from rdkeras.train import ConfigError, compose, recipes
-from rdkeras.train.config import GROUPS, check_placement, options, validate
+from rdkeras.train.config import GROUPS, check_placement, options, recipe_file, validate
 
 SIX = ["alexnet", "inception_v3", "vgg16", "lstm", "gru", "fcn5"]
 # A model each data option fits (the data's sizes interpolate the model's).
@@ -60,7 +59,7 @@ def test_every_option_of_every_group_composes_and_resolves(group):
 
 @pytest.mark.parametrize("recipe", recipes())
 def test_every_recipe_composes_and_builds_its_model(recipe):
-    header = (importlib.resources.files("rdkeras.conf") / "recipe" / f"{recipe}.yaml").read_text().splitlines()
+    header = recipe_file(recipe).read_text().splitlines()
     assert header[0] == "# @package _global_"
     assert header[1] == f"# python -m rdkeras.train +recipe={recipe}"  # each recipe says how to launch it
     cfg = compose([f"+recipe={recipe}"])
