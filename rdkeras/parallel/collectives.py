@@ -160,4 +160,5 @@ class GradientAllreduce:
     def _reduce(self, *arrays: np.ndarray) -> list[np.ndarray]:
         # The inputs are views of TensorFlow's buffers; the outputs are 64-byte
         # aligned views of registered memory, which TensorFlow aliases.
-        return self.collectives.allreduce(list(arrays), average=self.average)
+        reduced = self.collectives.allreduce(list(arrays), average=self.average)
+        return [r.reshape(a.shape) for r, a in zip(reduced, arrays, strict=True)]  # views (0-d stays 0-d)
