@@ -121,7 +121,6 @@ def test_the_four_workers_end_bit_identical(two_host_job):
     assert all(r["evaluate"] == first["evaluate"] for r in two_host_job["across"])
 
 
-@pytest.mark.xfail(strict=False, reason="needs global batch from main (batch_size split over workers)")
 def test_two_by_two_fit_equals_one_process(two_host_job):
     from tests.multiproc.keras_workers import fit_model
 
