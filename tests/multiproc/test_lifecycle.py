@@ -3,6 +3,8 @@ after a worker is killed, custom loops and tf.distribute scripts train like one 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,35 @@ def test_custom_training_loop_matches_one_process():
     assert results[0].value == results[1].value
     _close(results[0].value["weights"], reference.value["weights"], 1e-5)
     np.testing.assert_allclose(results[0].value["losses"], reference.value["losses"], rtol=1e-5)
+
+
+def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_changed(tmp_path):
+    # TF_CONFIG alone describes the job, as for MultiWorkerMirroredStrategy: no RDKERAS_* variable is set;
+    # the job token comes from the user's secret file, created on first use.
+    import json
+    import os
+    import sys
+
+    from rdkeras.launch import _RESULT_MARK, free_port, run_workers
+
+    ports = [free_port(), free_port()]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
+    base.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    envs = [
+        {**base, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in (0, 1)
+    ]
+    code = (
+        "import json; from tests.multiproc.lifecycle_workers import tf_tutorial; "
+        f"print({_RESULT_MARK!r} + json.dumps(tf_tutorial()), flush=True)"
+    )
+    results = run_workers([[sys.executable, "-c", code]] * 2, envs, timeout=240)
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    a, b = results[0].value, results[1].value
+    assert a["weights"] == b["weights"] and a["loss"] == b["loss"]  # one model, trained together
+    assert a["loss"][-1] < a["loss"][0]
+    assert a["replicas"] == b["replicas"] == 2
+    assert [a["task"], b["task"]] == [["worker", 0], ["worker", 1]]
+    assert a["env"] == b["env"] == []  # no rdkeras variable anywhere
+    assert (tmp_path / "config" / "rdkeras" / "job-token").stat().st_mode & 0o077 == 0
