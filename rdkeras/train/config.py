@@ -6,10 +6,11 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
+from rdkeras import cluster
 from rdkeras.engine import TRANSPORTS
 
 CONFIG_NAME = "train"
-GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger")
+GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
 
 
 class ConfigError(ValueError):
@@ -109,6 +110,18 @@ def validate(cfg: Any) -> None:
     _positive(trainer.batch_size, "trainer.batch_size")
     _positive(trainer.steps_per_epoch, "trainer.steps_per_epoch", allow_none=True)
     _positive(trainer.validation_steps, "trainer.validation_steps", allow_none=True)
+    for flag in ("resume", "shuffle"):
+        if not isinstance(trainer.get(flag), bool):
+            raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
+    if kind == "local" and parallel.kind != "model" and not cluster.in_job():  # (in a job, its size counts)
+        replicas = cfg.cluster.num_workers
+        if parallel.kind == "hybrid" and parallel.placement:
+            replicas //= max(1, max(parallel.placement.values()) + 1)
+        if replicas > 1 and trainer.batch_size % replicas:
+            raise ConfigError(
+                f"trainer.batch_size={trainer.batch_size} is the global batch, split over {replicas} replicas, "
+                f"and does not divide by {replicas}: choose a multiple of {replicas}"
+            )
     if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
         raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
 
