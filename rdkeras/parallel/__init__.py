@@ -1,1 +1,1 @@
-"""How a compiled Keras model is spread over workers (data parallel now; model parallel later)."""
+"""How a compiled Keras model is spread over workers: data, model (pipeline) and hybrid parallelism."""
