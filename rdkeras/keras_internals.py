@@ -62,7 +62,7 @@ _HOOKS = (
     ("keras.optimizers.LossScaleOptimizer", "inner_optimizer"),
     ("keras.optimizers.Optimizer", "_trainable_variables"),
 )
-# Attributes that exist only on instances (set in __init__/compile): checked on a small model.
+# Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
     "_compile_loss",
     "_loss_tracker",
@@ -116,19 +116,21 @@ def _resolve(path: str) -> Any:
 def missing_hooks(instances: dict[str, Any] | None = None) -> list[str]:
     """The private Keras names rdkeras uses that this Keras lacks.
 
-    Names set only on instances are checked when `instances` (object path -> an instance) gives
-    one; creating instances here would shift Keras's automatic layer names in the user's program.
+    Names set only on instances are checked on `instances` (object path -> an instance) where given;
+    rdkeras itself does not create instances for this, which would shift Keras's automatic layer
+    names in the user's program (the tests do).
     """
     missing = []
     for path, attr in _HOOKS:
         owner = _resolve(path)
-        if attr in _INSTANCE_ATTRS:
-            owner = (instances or {}).get(path, owner if owner is not None else None)
-            if instances is None or path not in instances:
-                if owner is None:
-                    missing.append(f"{path}.{attr}")
-                continue
-        if owner is None or not hasattr(owner, attr):
+        if owner is None:
+            present = False
+        elif attr in _INSTANCE_ATTRS:
+            probe = (instances or {}).get(path)
+            present = probe is None or hasattr(probe, attr)
+        else:
+            present = hasattr(owner, attr)
+        if not present:
             missing.append(f"{path}.{attr}")
     return missing
 
