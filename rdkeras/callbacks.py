@@ -2,56 +2,28 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import keras
-import numpy as np
+
+from rdkeras import keras_internals
 
 
 def plan_text(model: Any) -> str:
-    """What each step sends where, as Markdown (TensorBoard's text tab renders it).
-
-    A parallelism that knows its own plan (model parallelism: placement and cut
-    edges) provides it as ``model._rdkeras.plan_text()``; for data parallelism
-    the plan is the gradient exchange: tensors, bytes and allreduce passes per step.
-    """
-    parallel = getattr(model, "_rdkeras", None)
+    """What each step of `model` sends where, as Markdown (TensorBoard's text tab renders it):
+    the data-parallel gradient exchange, or the model-parallel placement and cut edges."""
+    parallel = keras_internals.parallel_of(model)
     if parallel is None:
         return "single process: nothing crosses a worker boundary"
-    own = getattr(parallel, "plan_text", None)
-    if callable(own):
-        return str(own())
-    engine, workers = parallel.engine, parallel.num_workers
-    rows, total = [], 0
-    for v in model.trainable_variables:
-        nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-        total += nbytes
-        rows.append(f"| {v.path} | {tuple(v.shape)} | {v.dtype} | {nbytes:,} |")
-    mode = getattr(parallel, "mode", "allreduce")
-    lines = [f"**data parallel**, {workers} workers, transport `{engine.transport}`, mode `{mode}`", ""]
-    if mode == "allreduce":
-        bucket = parallel.collectives.bucket_bytes
-        passes = max(1, math.ceil(total / bucket))
-        lines.append(
-            f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
-            f"{bucket:,} bytes; each worker sends and receives {2 * (workers - 1) * total // max(workers, 1):,} bytes."
-        )
-    else:
-        lines.append(
-            f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "
-            f"variable (sharded over the {workers} workers); updated parameters pulled back."
-        )
-    lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
-    return "\n".join(lines)
+    return parallel.plan_text()
 
 
 class TrainingStats(keras.callbacks.Callback):
     """Writes throughput and communication per step as TensorBoard scalars (chief only).
 
     Scalars, under ``<log_dir>/rdkeras``: ``throughput/batches_per_s``,
-    ``throughput/examples_per_s`` (when the per-worker batch size is known),
+    ``throughput/examples_per_s`` (examples of the global batch, the whole job, when its size is known),
     ``comm/bytes_sent``, ``comm/bytes_received`` (per step, this worker),
     ``comm/wait_ms`` (time blocked on peers per step), ``tracker/registrations``
     (cumulative; flat in a steady state); and, once, the text ``plan``: how the
@@ -69,7 +41,7 @@ class TrainingStats(keras.callbacks.Callback):
         self._step = 0
 
     def _engine(self) -> Any:
-        parallel = getattr(self.model, "_rdkeras", None)
+        parallel = keras_internals.parallel_of(self.model)
         return parallel.engine if parallel is not None else None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -103,7 +75,7 @@ class TrainingStats(keras.callbacks.Callback):
         steps = self.update_freq
         seconds = max(now["time"] - last["time"], 1e-9)
         scalars = {"throughput/batches_per_s": steps / seconds}
-        batch_size = getattr(getattr(self.model, "_rdkeras", None), "batch_size", None)
+        batch_size = getattr(keras_internals.parallel_of(self.model), "global_batch_size", None)
         if batch_size:
             scalars["throughput/examples_per_s"] = steps * batch_size / seconds
         if "bytes_written" in now:

@@ -1,6 +1,6 @@
 """The engine's Python face: a connected set of ranks and the channels between them.
 
-    with Engine.from_env(transport="shm") as eng:
+    with Engine(transport="shm") as eng:          # rank, world, rendezvous from RDKERAS_*
         if eng.rank == 0:
             tx = eng.static_channel("act", src=0, dst=1, shape=(32, 128), dtype="float32")
             tx.send(x)
@@ -8,9 +8,11 @@
             rx = eng.static_channel("act", src=0, dst=1, shape=(32, 128), dtype="float32")
             y = rx.recv()            # a view into registered memory: no copy
 
-Native transports ("shm", "tcp") run in C++ (rdkeras._engine); "grpc" is the
-RPC baseline with the same API (rdkeras.transports.grpc), so a benchmark flips
-the transport and nothing else.
+The face runs the rendezvous (rdkeras._bootstrap) and names channels and rings;
+everything else is the backend's (rdkeras.transports.base.Backend), chosen by
+name in one place (rdkeras.transports): the native engine for shm, tcp and
+verbs (rdkeras._engine, C++), the RPC baseline for grpc. A benchmark flips the
+transport and nothing else.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import _engine, cluster, jobtoken
+from rdkeras import _engine, cluster, jobtoken, transports
 from rdkeras._bootstrap import Store
 from rdkeras._log import logger
 from rdkeras.errors import EngineError
+from rdkeras.transports.base import Backend, BackendConfig
 
-TRANSPORTS = ("auto", "shm", "tcp", "verbs", "grpc")
+TRANSPORTS = ("auto", *transports.names())
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
 DEFAULT_TIMEOUT = 300.0
 
@@ -60,8 +63,9 @@ class Engine:
     Args:
         rank: This process's rank (default: ``RDKERAS_RANK`` or 0).
         world_size: Number of ranks (default: ``RDKERAS_WORLD_SIZE`` or 1).
-        transport: "auto", "shm" (one host), "tcp" or "grpc" (default: ``RDKERAS_TRANSPORT`` or
-            "auto", which picks shm when every rank is on this host and tcp otherwise).
+        transport: "auto", "shm" (one host), "tcp", "verbs" or "grpc" (default: ``RDKERAS_TRANSPORT``
+            or "auto", which picks shm when every rank is on this host, else verbs where every rank
+            has RDMA, else tcp).
         master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
         master_port: Its port (``RDKERAS_MASTER_PORT``).
         token: The job token all ranks share (default: ``rdkeras.jobtoken.resolve``:
@@ -70,6 +74,10 @@ class Engine:
         timeout: Seconds any wait may take before it fails naming the peer
             (``RDKERAS_TIMEOUT``, default 300).
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
+
+    Attributes:
+        backend: The transport's :class:`~rdkeras.transports.base.Backend` underneath.
+        store: The rendezvous store (setup-time key-value exchange between ranks).
     """
 
     def __init__(
@@ -89,12 +97,13 @@ class Engine:
         self.transport = str(_env("RDKERAS_TRANSPORT", "auto") if transport is None else transport)
         self.timeout = float(_env("RDKERAS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout)
         arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        if self.transport == "verbs" and (why := _engine.verbs_why_not_viable()):
-            raise EngineError(
-                f"transport='verbs' is not viable here: {why} (`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
-            )
+        if self.transport != "auto":
+            spec = transports.get(self.transport)  # an unknown name fails here, before any connection
+            if why := spec.why_not_viable():
+                raise EngineError(
+                    f"transport={self.transport!r} is not viable here: {why} "
+                    "(`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
+                )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
         master_addr = str(_env("RDKERAS_MASTER_ADDR", "127.0.0.1") if master_addr is None else master_addr)
@@ -111,48 +120,30 @@ class Engine:
         try:
             if self.transport == "auto":
                 self.transport = self._choose_transport()
-            advertise = self.store.local_host
-            if self.transport == "grpc":
-                from rdkeras.transports.grpc import GrpcEngine
-
-                self._impl: Any = GrpcEngine(self.rank, self.world_size, self.timeout, advertise_host=advertise)
-                self._channels: Any = GrpcEngine
-            else:
-                self._impl = _engine.Engine(
-                    self.rank, self.world_size, self.transport, arena_bytes, self.timeout, advertise_host=advertise
-                )
-                self._channels = _engine
-            descriptors = self.store.all_gather("endpoints", self._impl.descriptor.encode())
+            # Listeners bind the address this rank reaches rank 0 from: the job's network, not 0.0.0.0.
+            host = self.store.local_host
+            config = BackendConfig(
+                self.rank, self.world_size, self.timeout, arena_bytes, advertise_host=host, bind_host=host
+            )
+            self.backend: Backend = transports.create(self.transport, config)
+            descriptors = self.store.all_gather("endpoints", self.backend.descriptor.encode())
             if self.rank == 0:
                 self.store.set("transport-secret", secrets.token_hex(32).encode())
             (secret,) = self.store.get(["transport-secret"], waiting_for=[0])
-            self._impl.connect([d.decode() for d in descriptors], secret.decode())
+            self.backend.connect([d.decode() for d in descriptors], secret.decode())
         except BaseException:
             self.store.close()
             raise
 
     def _choose_transport(self) -> str:
-        """shm when every rank shares this host (a memcpy beats any NIC's loopback), else verbs
-        when every rank can use it, else tcp; logged once, on rank 0."""
-        why = _engine.verbs_why_not_viable()
-        mine = f"{host_identity()}|{'' if why else 'verbs'}"
-        peers = [v.decode().split("|") for v in self.store.all_gather("transport-facts", mine.encode())]
-        hosts = {h for h, _ in peers}
-        if len(hosts) == 1:
-            choice, reason = "shm", f"all {self.world_size} rank(s) on one host"
-        elif all(v == "verbs" for _, v in peers):
-            choice, reason = "verbs", f"{len(hosts)} hosts, RDMA on every rank"
-        else:
-            choice = "tcp"
-            reason = f"{len(hosts)} hosts; verbs not viable on every rank" + (f" (here: {why})" if why else "")
+        """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);
+        logged once, on rank 0."""
+        mine = f"{host_identity()}|{transports.auto_facts()}"
+        facts = [v.decode().split("|", 1) for v in self.store.all_gather("transport-facts", mine.encode())]
+        choice, reason = transports.choose_auto([h for h, _ in facts], [f for _, f in facts])
         if self.rank == 0:
             logger.info(f"transport=auto chose {choice}: {reason}")
         return choice
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> Engine:
-        """An engine configured from ``RDKERAS_*`` variables; keyword arguments win."""
-        return cls(**overrides)
 
     # -- registered memory and one-sided access ---------------------------------
 
@@ -161,51 +152,56 @@ class Engine:
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self._impl.alloc(nbytes).view(dtype).reshape(shape)
+        return self.backend.alloc(nbytes).view(dtype).reshape(shape)
 
-    def register(self, array: np.ndarray) -> int:
-        """Registers `array`'s memory; returns the key peers address it by."""
-        return self._impl.register(as_buffer(array))
+    def register(self, array: Any) -> int:
+        """Registers `array`'s memory for peers to write and read; returns the key they address it by.
+
+        The engine keeps a reference to `array` until :meth:`deregister`, so the memory
+        cannot be freed under a peer's write. Read-only buffers are refused.
+        """
+        return self.backend.register(as_buffer(array))
 
     def deregister(self, key: int) -> None:
-        self._impl.deregister(key)
+        """Withdraws a registration: the key is stale from now on, everywhere."""
+        self.backend.deregister(key)
 
     def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
         """One-sided write of `src`'s bytes into `peer`'s region `key` at `offset`."""
-        self._impl.write(peer, as_buffer(src), key, offset)
+        self.backend.write(peer, as_buffer(src), key, offset)
 
     def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
         """One-sided read of len(dst) bytes from `peer`'s region `key` at `offset`."""
         buf = as_buffer(dst)
-        self._impl.read(peer, buf, key, offset)
-        self._impl.count_received(memoryview(buf).nbytes)
+        self.backend.read(peer, buf, key, offset)
+        self.backend.count_received(memoryview(buf).nbytes)
 
     def count_received(self, nbytes: int) -> None:
         """Adds to ``traffic()["bytes_received"]``: for protocols whose peers write into this
         rank's memory one-sidedly (the transport sees only the writer)."""
-        self._impl.count_received(int(nbytes))
+        self.backend.count_received(int(nbytes))
 
     def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         """Sets an 8-byte flag, ordered after every earlier write to `peer`."""
-        self._impl.write_flag(peer, key, offset, value)
+        self.backend.write_flag(peer, key, offset, value)
 
     def flush(self, peer: int) -> None:
         """Waits until earlier operations to `peer` completed; raises errors it reported."""
-        self._impl.flush(peer)
+        self.backend.flush(peer)
 
     def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
         """Waits until the 8-byte flag at `offset` in local `buffer` is >= value."""
-        self._impl.wait_flag(buffer, offset, value, peer)
+        self.backend.wait_flag(buffer, offset, value, peer)
 
     def counters(self) -> dict[str, int]:
         """Tensor tracker counters: registrations, bytes_registered, cache_hits, pool_*."""
-        return self._impl.counters().as_dict()
+        return self.backend.counters()
 
     def traffic(self) -> dict[str, float]:
         """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags (as the
         initiator), bytes_received (what arrived here for it: channel messages, ring chunks,
         reads) and wait_seconds (blocked on peers)."""
-        return self._impl.traffic()
+        return self.backend.traffic()
 
     # -- channels ----------------------------------------------------------------
 
@@ -216,9 +212,8 @@ class Engine:
             raise ValueError(f"channel name {name!r} is already used on this engine")
         self._names.add(name)
         sending = self.rank == src
-        role = _engine.Role.SENDER if sending else _engine.Role.RECEIVER
         peer = dst if sending else src
-        channel = make(role, peer)
+        channel = make(sending, peer)
         mine, theirs = ("send", "recv") if sending else ("recv", "send")
         self.store.set(f"ch/{kind}/{name}/{mine}", f"{spec}\n{channel.descriptor}".encode())
         (remote,) = self.store.get([f"ch/{kind}/{name}/{theirs}"], waiting_for=[peer])
@@ -243,7 +238,7 @@ class Engine:
             name,
             src,
             dst,
-            lambda role, peer: self._channels.StaticChannel(self._impl, role, peer, nbytes),
+            lambda sender, peer: self.backend.static_channel(sender, peer, nbytes),
             f"{dtype.str}{list(shape)}",
         )
         return StaticSender(ch, shape, dtype) if self.rank == src else StaticReceiver(ch, shape, dtype)
@@ -255,7 +250,7 @@ class Engine:
             name,
             src,
             dst,
-            lambda role, peer: self._channels.DynamicChannel(self._impl, role, peer),
+            lambda sender, peer: self.backend.dynamic_channel(sender, peer),
             "dynamic",
         )
         return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
@@ -275,11 +270,7 @@ class Engine:
         if name in self._names:
             raise ValueError(f"name {name!r} is already used on this engine")
         self._names.add(name)
-        if self.transport == "grpc":
-            from rdkeras.transports.grpc import ChannelRing
-
-            return ChannelRing(self, name, capacity_bytes, members)
-        ring = _engine.RingAllreduce(self._impl, capacity_bytes, bucket_bytes, members)
+        ring = self.backend.ring(capacity_bytes, bucket_bytes, members)
         n, at = len(members), members.index(self.rank)
         left, right = members[(at - 1) % n], members[(at + 1) % n]
         self.store.set(f"ring/{name}/{self.rank}", ring.descriptor.encode())
@@ -301,7 +292,7 @@ class Engine:
         except EngineError:
             pass  # a peer is gone; close anyway
         finally:
-            self._impl.close()
+            self.backend.close()
             self.store.close()
 
     def __enter__(self) -> Engine:

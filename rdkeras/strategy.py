@@ -4,38 +4,46 @@ strategy = rdkeras.RDMAStrategy()            # cluster from the environment
 with strategy.scope():
     model = build_model()
     model.compile(optimizer="adam", loss=..., metrics=[...])
-model.fit(ds, epochs=...)                    # plain Keras fit
+model.fit(ds, epochs=..., batch_size=256)    # plain Keras fit; 256 is the global batch
+
+The names a tf.distribute user reaches for exist too: ``num_replicas_in_sync``,
+``cluster_resolver``, ``experimental_distribute_dataset``,
+``distribute_datasets_from_function``, ``run``, ``reduce``, and for custom
+training loops :meth:`RDMAStrategy.allreduce`, :meth:`broadcast_variables` and
+:class:`DistributedGradientTape`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rdkeras import cluster as cluster_lib
+from rdkeras import keras_internals
 from rdkeras.engine import Engine
-from rdkeras.parallel.data import DataParallel
+from rdkeras.parallel import check_settings
 
 
 class RDMAStrategy:
     """Distributes Keras models compiled inside :meth:`scope` over the job's workers.
 
     Args:
-        parallelism: "data" (each worker trains the whole model on its shard), "model"
-            (a pipeline: each worker trains the layers `placement` gives it) or "hybrid"
-            (world_size / stages replicas of a `stages`-worker pipeline, data-parallel
-            among replicas).
-        transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp" or "grpc".
-        mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``).
+        parallelism: "data" (each worker trains the whole model on its part of every batch), "model"
+            (a pipeline: each worker trains the layers `placement` gives it) or "hybrid" (world_size /
+            stages replicas of a `stages`-worker pipeline, data-parallel among replicas).
+        transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp", "verbs" or "grpc".
+        mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``) or "ps".
         bucket_bytes: bytes the ring allreduce moves per pass.
         timeout: seconds any wait may take before it fails naming the peer.
-        seed: shuffling seed shared by all workers.
         placement: model/hybrid: layer-name glob -> pipeline stage, e.g. ``{"conv*": 0, "fc*": 1}``;
             unplaced layers follow their producer.
         micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
         stages: hybrid: workers per pipeline (default: the number of stages `placement` names).
+        global_batch: ``batch_size`` (and a dataset's batches) are the global batch, split over the
+            data-parallel replicas, as in tf.distribute and keras.distribution (default). False:
+            Horovod's convention, ``batch_size`` per replica.
     """
 
     def __init__(
@@ -45,24 +53,19 @@ class RDMAStrategy:
         mode: str | None = None,
         bucket_bytes: int = 64 << 20,
         timeout: float | None = None,
-        seed: int = 1234,
         placement: dict[str, int] | None = None,
         micro_batches: int = 1,
         stages: int | None = None,
+        global_batch: bool = True,
     ):
-        if parallelism not in ("data", "model", "hybrid"):
-            raise ValueError(f"parallelism must be 'data', 'model' or 'hybrid', got {parallelism!r}")
-        if parallelism != "data" and not placement:
-            raise ValueError(
-                f"parallelism={parallelism!r} needs a placement: layer-name patterns -> workers, "
-                "e.g. placement={'conv*': 0, 'dense*': 1}"
-            )
-        if parallelism == "data" and placement:
-            raise ValueError("placement is for parallelism='model' or 'hybrid'; data parallelism places nothing")
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
+        mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
+        check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
+        keras_internals.check()
         c = cluster_lib.resolve()
         self.cluster = c
+        check_settings(parallelism, mode, placement, micro_batches, c.world_size)
         self.engine = Engine(
             c.rank,
             c.world_size,
@@ -72,17 +75,30 @@ class RDMAStrategy:
             timeout=timeout,
         )
         self.parallelism = parallelism
-        if parallelism == "data":
-            mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
-            self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, seed)
-        else:
-            from rdkeras.parallel.model import ModelParallel
+        try:
+            if parallelism == "data":
+                from rdkeras.parallel.data_parallel import DataParallel
 
-            if parallelism == "hybrid":
-                stages = stages or (max(placement.values()) + 1)
-            elif stages not in (None, c.world_size):
-                raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
-            self._parallel = ModelParallel(self.engine, placement, stages, micro_batches, bucket_bytes, seed)
+                self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, global_batch)
+            else:
+                from rdkeras.parallel.model_parallel import ModelParallel
+
+                assert placement is not None  # (check_settings)
+                if parallelism == "hybrid":
+                    stages = stages or (max(placement.values()) + 1)
+                elif stages not in (None, c.world_size):
+                    raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
+                self._parallel = ModelParallel(
+                    self.engine, placement, stages, micro_batches, bucket_bytes, global_batch
+                )
+        except BaseException:
+            self.engine.close()
+            raise
+        self._closed = False
+        if self.engine.world_size > 1:
+            keras_internals.guard_fit(self._undistributed_fit)
+
+    # -- where this process sits ------------------------------------------------------
 
     @property
     def num_workers(self) -> int:
@@ -100,34 +116,139 @@ class RDMAStrategy:
     def transport(self) -> str:
         return self.engine.transport
 
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Data-parallel replicas each global batch is split over (workers; pipelines for model/hybrid)."""
+        return int(getattr(self._parallel, "replicas", self.engine.world_size))
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """TensorFlow's ClusterResolver for this job (task_type, task_id, cluster_spec, num_accelerators)."""
+        return self.cluster.cluster_resolver()
+
+    # -- models -------------------------------------------------------------------------
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[RDMAStrategy]:
-        """Models compiled inside this block train distributed."""
-        import keras
-
-        original = keras.Model.compile
-        parallel = self._parallel
-
-        def compile(model: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001
-            result = original(model, *args, **kwargs)
-            parallel.attach(model)
-            return result
-
-        keras.Model.compile = compile
-        try:
+        """Models compiled inside this block train distributed (also models loaded with
+        ``keras.models.load_model``, which compiles them)."""
+        self._check_open()
+        with keras_internals.on_compile(self._parallel.attach):
             yield self
-        finally:
-            keras.Model.compile = original
-
-    def plan_text(self) -> str:
-        """Model/hybrid parallelism: the cut edges of the current plan, as a table ('' otherwise)."""
-        return self._parallel.plan_text() if hasattr(self._parallel, "plan_text") else ""
 
     def distribute(self, model: Any) -> Any:
         """Distributes a model compiled outside :meth:`scope`."""
+        self._check_open()
         return self._parallel.attach(model)
 
+    @property
+    def plan(self) -> Any:
+        """What crosses the wire each step: the data-parallel gradient exchange (an ``ExchangePlan``) or
+        the model-parallel cut edges (a ``Plan``); None before a model is attached (or trained, for model
+        parallelism). ``plan.text()`` prints it."""
+        return self._parallel.plan
+
+    def plan_text(self) -> str:
+        """The current plan as text ('' when there is none yet)."""
+        return self._parallel.plan_text()
+
+    def _undistributed_fit(self, model: Any) -> None:
+        raise RuntimeError(
+            f"model.fit on {model.name!r}, which was compiled outside strategy.scope(), while this "
+            f"RDMAStrategy spans {self.num_workers} workers: each worker would train its own copy. Build and "
+            "compile the model inside `with strategy.scope():` (load_model there too), or call "
+            "strategy.distribute(model) after compiling it"
+        )
+
+    # -- input ---------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """This worker's part of a dataset batched at the global batch size (tf.distribute's name):
+        each global batch split over the replicas, as ``fit`` does. For custom training loops."""
+        x, _, _, _ = self._data_sharding().shard(dataset, None, None, None)
+        return x
+
+    distribute_dataset = experimental_distribute_dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """``dataset_fn(tf.distribute.InputContext)`` builds this replica's dataset itself (batched at
+        ``input_context.get_per_replica_batch_size(global_batch)``); fit uses it as it is."""
+        import tensorflow as tf
+
+        sharding = self._data_sharding()
+        context = tf.distribute.InputContext(
+            num_input_pipelines=sharding.num_shards,
+            input_pipeline_id=sharding.index,
+            num_replicas_in_sync=sharding.num_shards,
+        )
+        dataset = dataset_fn(context)
+        dataset._rdkeras_per_replica = True  # sharding leaves it alone
+        return dataset
+
+    def _data_sharding(self) -> Any:
+        return self._parallel.sharding
+
+    # -- custom training loops ---------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Runs `fn` for this worker's replica (tf.distribute's ``strategy.run``; one replica per worker)."""
+        return fn(*args, **(kwargs or {}))
+
+    def allreduce(self, values: Any, op: str = "mean") -> Any:
+        """Averages (op="mean") or sums (op="sum") a structure of tensors over the data-parallel replicas;
+        works eagerly and inside ``tf.function``. Collective: every worker calls it alike."""
+        import keras
+
+        from rdkeras.parallel.collectives import GradientAllreduce
+
+        if op not in ("mean", "sum"):
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        flat = keras.tree.flatten(values)
+        reduced = GradientAllreduce(self._collectives(), average=op == "mean")(flat)
+        return keras.tree.pack_sequence_as(values, reduced)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """tf.distribute's ``strategy.reduce``: `value` (this replica's) reduced over replicas ("SUM" or
+        "MEAN"; with `axis`, also along that axis, the mean weighted by each replica's rows)."""
+        import tensorflow as tf
+
+        op = str(getattr(reduce_op, "value", reduce_op)).lower()
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce_op must be 'SUM' or 'MEAN', got {reduce_op!r}")
+        value = tf.convert_to_tensor(value)
+        if axis is None:
+            return self.allreduce(value, op)
+        total = self.allreduce(tf.reduce_sum(value, axis=axis), "sum")
+        if op == "sum":
+            return total
+        rows = self.allreduce(tf.cast(tf.shape(value)[axis], total.dtype), "sum")
+        return total / rows
+
+    def broadcast_variables(self, variables: Sequence[Any], root: int = 0) -> None:
+        """Gives every worker `root`'s values of these Keras/TF variables (eager; collective)."""
+        from rdkeras.parallel.collectives import share_variables
+
+        variables = list(variables)
+        share_variables(self._collectives(), variables, [root] * len(variables))
+
+    def _collectives(self) -> Any:
+        if self.parallelism != "data":
+            raise ValueError("allreduce/broadcast for custom loops need parallelism='data'")
+        return self._parallel.collectives
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RDMAStrategy is closed: create a new one")
+
     def close(self) -> None:
+        """Returns every distributed model to plain Keras and leaves the job."""
+        if self._closed:
+            return
+        self._closed = True
+        keras_internals.unguard_fit(self._undistributed_fit)
+        self._parallel.detach_all()
         self.engine.close()
 
     def __enter__(self) -> RDMAStrategy:
@@ -135,3 +256,23 @@ class RDMAStrategy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DistributedGradientTape:
+    """Horovod's ``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` averages the
+    gradients over the strategy's replicas.
+
+        with tf.GradientTape() as tape:
+            loss = ...
+        grads = rdkeras.DistributedGradientTape(tape, strategy).gradient(loss, model.trainable_variables)
+    """
+
+    def __init__(self, tape: Any, strategy: RDMAStrategy, op: str = "mean"):
+        self._tape, self._strategy, self._op = tape, strategy, op
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        return self._strategy.allreduce(grads, self._op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tape, name)

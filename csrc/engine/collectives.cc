@@ -118,7 +118,10 @@ void RingAllreduce::connect(const std::string& left, const std::string& right) {
   right_key_ = std::stoull(field(right, "key"));
 }
 
-std::vector<size_t> RingAllreduce::layout(const std::vector<ConstSpan>& inputs, size_t* total) {
+namespace {
+
+// Where each tensor starts in the output block (64-byte aligned); `total` is the padded size.
+std::vector<size_t> layout(const std::vector<ConstSpan>& inputs, size_t* total) {
   std::vector<size_t> offsets(inputs.size());
   size_t at = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -128,6 +131,8 @@ std::vector<size_t> RingAllreduce::layout(const std::vector<ConstSpan>& inputs, 
   *total = at;
   return offsets;
 }
+
+}  // namespace
 
 void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
                                       const std::vector<size_t>& offsets, size_t send_begin, size_t send_end,
@@ -178,9 +183,9 @@ void RingAllreduce::allgatherStep(uint8_t* out, size_t out_offset_in_region, siz
   ++gathers_;
 }
 
-uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
   size_t total;
-  const std::vector<size_t> offsets = layout(inputs, &total);
+  std::vector<size_t> offsets = layout(inputs, &total);
   if (total > capacity_)
     throw EngineError(
         strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
@@ -194,7 +199,7 @@ uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, b
     forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
       std::memcpy(out + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), hi - lo);
     });
-    return out;
+    return {out, std::move(offsets)};
   }
   if (right_key_ == 0) throw EngineError("allreduce: run() before connect()");
   const double inv = average ? 1.0 / n : 1.0;
@@ -216,7 +221,7 @@ uint8_t* RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, b
       engine_->countReceived(hi(rank_ - s) - lo(rank_ - s));  // what the left neighbour wrote
     }
   }
-  return out;
+  return {out, std::move(offsets)};
 }
 
 }  // namespace rdkeras

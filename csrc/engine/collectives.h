@@ -46,19 +46,18 @@ class RingAllreduce {
   // Descriptors of the left (whom we ack) and right (whom we write to) members.
   void connect(const std::string& left, const std::string& right);
 
-  // Reduces `inputs` (all of one dtype) into the next output block and returns
-  // it; tensor i starts at offsets()[i]. With `average`, the sum is divided by
-  // the world size.
-  uint8_t* run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
-  static std::vector<size_t> layout(const std::vector<ConstSpan>& inputs, size_t* total);
+  struct Result {
+    uint8_t* out;                 // the output block this call used
+    std::vector<size_t> offsets;  // tensor i's sum starts at out + offsets[i] (64-byte aligned)
+  };
+  // Reduces `inputs` (all of one dtype) into the next output block. With
+  // `average`, the sum is divided by the number of members.
+  Result run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
 
   size_t capacity() const { return capacity_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
 
  private:
-  struct Remote {
-    uint64_t key = 0;
-  };
   void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
                          size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
                          size_t recv_end, uint8_t* out, DType dtype, double scale);

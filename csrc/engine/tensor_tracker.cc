@@ -55,11 +55,6 @@ void TensorTracker::release(void* p) {
   free_[cls].push_back(off);
 }
 
-size_t TensorTracker::blockSize(const void* p) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return blocks_.at(arena_.offsetOf(p));
-}
-
 uint64_t TensorTracker::insertLocked(const void* p, size_t n) {
   const uint64_t rkey = registrar_ ? registrar_->registerMemory(p, n) : 0;
   const uint64_t key = arena_.contains(p, n)
@@ -71,16 +66,23 @@ uint64_t TensorTracker::insertLocked(const void* p, size_t n) {
   return key;
 }
 
-uint64_t TensorTracker::registerRegion(const void* p, size_t n) {
+uint64_t TensorTracker::registerRegion(const void* p, size_t n, std::shared_ptr<void> owner) {
   std::lock_guard<std::mutex> lock(mu_);
-  return insertLocked(p, n);
+  const uint64_t key = insertLocked(p, n);
+  if (owner) owners_.emplace(key, std::move(owner));
+  return key;
 }
 
 void TensorTracker::deregisterRegion(uint64_t key) {
+  std::shared_ptr<void> owner;  // released after the lock: its deleter may need the GIL
   std::lock_guard<std::mutex> lock(mu_);
   if (!arena_.remove(key)) throw EngineError(strCat("deregister: no region with key 0x", std::hex, key));
   ++counters_.deregistrations;
   forgetLocked(key);
+  if (auto it = owners_.find(key); it != owners_.end()) {
+    owner = std::move(it->second);
+    owners_.erase(it);
+  }
 }
 
 std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, size_t n,

@@ -52,10 +52,10 @@ class TensorTracker {
   // A block of at least n bytes (n may be 0), 64-byte aligned, from the arena.
   void* allocate(size_t n);
   void release(void* p);
-  // Usable size of an allocated block.
-  size_t blockSize(const void* p) const;
 
-  uint64_t registerRegion(const void* p, size_t n);
+  // Registers [p, p+n) as one region; `owner` (e.g. the Python array) is kept
+  // alive until deregisterRegion(key), so peers never write into freed memory.
+  uint64_t registerRegion(const void* p, size_t n, std::shared_ptr<void> owner = {});
   void deregisterRegion(uint64_t key);
   // (key, offset) such that [p, p+n) is region `key` at `offset`; registers on a miss.
   // Memory outside the arena is cached together with `owner`, which keeps it
@@ -92,7 +92,8 @@ class TensorTracker {
   uint64_t clock_ = 0;
   TrackerCounters counters_;
   MemoryRegistrar* registrar_ = nullptr;
-  std::unordered_map<uint64_t, uint64_t> key_rkey_;  // region key -> the registrar's key
+  std::unordered_map<uint64_t, uint64_t> key_rkey_;             // region key -> the registrar's key
+  std::unordered_map<uint64_t, std::shared_ptr<void>> owners_;  // registerRegion's owners, by key
 };
 
 // A zeroed tracker block registered as one region, for the object's lifetime

@@ -34,7 +34,7 @@ class Arena;
 
 struct TransportOptions {
   std::string advertise_host = "127.0.0.1";  // tcp: address peers connect to
-  std::string bind_host = "0.0.0.0";         // tcp: address to listen on
+  std::string bind_host = "127.0.0.1";       // address listeners bind (the job's network)
 };
 
 // What went over the wire, as seen by the initiator (for benchmarks and TensorBoard).

@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "engine/bench_loops.h"
 #include "engine/channel.h"
 #include "engine/collectives.h"
 #include "engine/copy.h"
@@ -38,6 +39,28 @@ Span span(const py::buffer& buffer, bool writable) {
   return {info.ptr, static_cast<size_t>(info.size * info.itemsize)};
 }
 
+// A reference to a Python object, dropped with the GIL held (the engine may let go of it from any thread).
+std::shared_ptr<void> keepAlive(const py::handle& obj) {
+  return std::shared_ptr<void>(new py::object(py::reinterpret_borrow<py::object>(obj)), [](void* p) {
+    if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+}
+
+py::dict countersDict(const TrackerCounters& c) {
+  py::dict d;
+  d["registrations"] = c.registrations;
+  d["deregistrations"] = c.deregistrations;
+  d["bytes_registered"] = c.bytes_registered;
+  d["cache_hits"] = c.cache_hits;
+  d["pool_allocations"] = c.pool_allocations;
+  d["pool_reuses"] = c.pool_reuses;
+  d["pool_bytes_reserved"] = c.pool_bytes_reserved;
+  d["pool_bytes_in_use"] = c.pool_bytes_in_use;
+  return d;
+}
+
 // Where the transport registers (pins) local buffers, registers a buffer from
 // outside the arena together with a reference to its Python owner, so the
 // cached registration can never outlive the memory (see TensorTracker).
@@ -45,12 +68,7 @@ void pin(Engine& e, const py::handle& obj, const Span& s) {
   if (s.size == 0 || !e.connected() || !e.transport().needsLocalRegistration() ||
       e.arena().contains(s.ptr, s.size))
     return;
-  std::shared_ptr<void> owner(new py::object(py::reinterpret_borrow<py::object>(obj)), [](void* p) {
-    if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release
-    py::gil_scoped_acquire gil;
-    delete static_cast<py::object*>(p);
-  });
-  e.tracker().lookupOrRegister(s.ptr, s.size, std::move(owner));
+  e.tracker().lookupOrRegister(s.ptr, s.size, keepAlive(obj));
 }
 
 // A uint8 array over a tracker block; the block returns to the pool when the array dies.
@@ -86,28 +104,6 @@ PYBIND11_MODULE(_engine, m) {
         "Empty when transport='verbs' can run here, else why not.");
   m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");
 
-  py::class_<TrackerCounters>(m, "TrackerCounters")
-      .def_readonly("registrations", &TrackerCounters::registrations)
-      .def_readonly("deregistrations", &TrackerCounters::deregistrations)
-      .def_readonly("bytes_registered", &TrackerCounters::bytes_registered)
-      .def_readonly("cache_hits", &TrackerCounters::cache_hits)
-      .def_readonly("pool_allocations", &TrackerCounters::pool_allocations)
-      .def_readonly("pool_reuses", &TrackerCounters::pool_reuses)
-      .def_readonly("pool_bytes_reserved", &TrackerCounters::pool_bytes_reserved)
-      .def_readonly("pool_bytes_in_use", &TrackerCounters::pool_bytes_in_use)
-      .def("as_dict", [](const TrackerCounters& c) {
-        py::dict d;
-        d["registrations"] = c.registrations;
-        d["deregistrations"] = c.deregistrations;
-        d["bytes_registered"] = c.bytes_registered;
-        d["cache_hits"] = c.cache_hits;
-        d["pool_allocations"] = c.pool_allocations;
-        d["pool_reuses"] = c.pool_reuses;
-        d["pool_bytes_reserved"] = c.pool_bytes_reserved;
-        d["pool_bytes_in_use"] = c.pool_bytes_in_use;
-        return d;
-      });
-
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
                        double timeout, const std::string& advertise_host, const std::string& bind_host) {
@@ -120,7 +116,7 @@ PYBIND11_MODULE(_engine, m) {
              return std::make_shared<Engine>(rank, world_size, o);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
-           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "0.0.0.0")
+           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
@@ -135,11 +131,13 @@ PYBIND11_MODULE(_engine, m) {
             return blockArray(e, e->tracker().allocate(nbytes), nbytes);
           },
           py::arg("nbytes"))
-      .def("register",
-           [](Engine& e, const py::buffer& b) {
-             Span s = span(b, false);
-             return e.tracker().registerRegion(s.ptr, s.size);
-           })
+      .def(
+          "register",
+          [](Engine& e, const py::buffer& b) {
+            Span s = span(b, true);  // peers write into it: read-only memory is refused here
+            return e.tracker().registerRegion(s.ptr, s.size, keepAlive(b));  // alive until deregistered
+          },
+          py::arg("buffer"))
       .def("deregister", [](Engine& e, uint64_t key) { e.tracker().deregisterRegion(key); })
       .def("lookup_or_register",
            [](Engine& e, const py::buffer& b) {
@@ -182,13 +180,16 @@ PYBIND11_MODULE(_engine, m) {
           "wait_flag",
           [](Engine& e, const py::buffer& b, uint64_t offset, uint64_t value, int peer) {
             Span s = span(b, false);
-            if (offset % 8 || offset + 8 > s.size)
-              throw py::value_error("flag offset out of range or unaligned");
+            if (offset > s.size || s.size - offset < 8)
+              throw py::value_error(strCat("wait_flag: offset ", offset,
+                                           " leaves no 8-byte flag inside a buffer of ", s.size, " bytes"));
+            if ((reinterpret_cast<uintptr_t>(s.ptr) + offset) % 8)
+              throw py::value_error("wait_flag: the flag's address is not 8-byte aligned");
             py::gil_scoped_release nogil;
             e.waitFlag(static_cast<uint8_t*>(s.ptr) + offset, value, peer, "flag");
           },
           py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
-      .def("counters", [](Engine& e) { return e.tracker().counters(); })
+      .def("counters", [](Engine& e) { return countersDict(e.tracker().counters()); })
       .def("traffic",
            [](Engine& e) {
              const TransportStats& s = e.transportStats();
@@ -203,13 +204,28 @@ PYBIND11_MODULE(_engine, m) {
              return d;
            })
       .def("count_received", &Engine::countReceived, py::arg("nbytes"),
-           "Adds to bytes_received (protocols built in Python on one-sided writes).");
-
-  py::enum_<Role>(m, "Role").value("SENDER", Role::kSender).value("RECEIVER", Role::kReceiver);
+           "Adds to bytes_received (protocols built in Python on one-sided writes).")
+      .def(
+          "static_channel",
+          [](const std::shared_ptr<Engine>& e, bool sender, int peer, size_t nbytes) {
+            return std::make_shared<StaticChannel>(e, sender ? Role::kSender : Role::kReceiver, peer, nbytes);
+          },
+          py::arg("sender"), py::arg("peer"), py::arg("nbytes"))
+      .def(
+          "dynamic_channel",
+          [](const std::shared_ptr<Engine>& e, bool sender, int peer) {
+            return std::make_shared<DynamicChannel>(e, sender ? Role::kSender : Role::kReceiver, peer);
+          },
+          py::arg("sender"), py::arg("peer"))
+      .def(
+          "ring",
+          [](const std::shared_ptr<Engine>& e, size_t capacity_bytes, size_t bucket_bytes,
+             std::vector<int> members) {
+            return std::make_shared<RingAllreduce>(e, capacity_bytes, bucket_bytes, std::move(members));
+          },
+          py::arg("capacity_bytes"), py::arg("bucket_bytes"), py::arg("members"));
 
   py::class_<StaticChannel, std::shared_ptr<StaticChannel>>(m, "StaticChannel")
-      .def(py::init<std::shared_ptr<Engine>, Role, int, size_t>(), py::arg("engine"), py::arg("role"),
-           py::arg("peer"), py::arg("nbytes"))
       .def_property_readonly("descriptor", &StaticChannel::localDescriptor)
       .def_property_readonly("nbytes", &StaticChannel::nbytes)
       .def_property_readonly("sequence", &StaticChannel::sequence)
@@ -234,8 +250,6 @@ PYBIND11_MODULE(_engine, m) {
       });
 
   py::class_<DynamicChannel, std::shared_ptr<DynamicChannel>>(m, "DynamicChannel")
-      .def(py::init<std::shared_ptr<Engine>, Role, int>(), py::arg("engine"), py::arg("role"),
-           py::arg("peer"))
       .def_property_readonly("descriptor", &DynamicChannel::localDescriptor)
       .def_property_readonly("sequence", &DynamicChannel::sequence)
       .def_property_readonly("peer", &DynamicChannel::peer)
@@ -265,8 +279,6 @@ PYBIND11_MODULE(_engine, m) {
       });
 
   py::class_<RingAllreduce, std::shared_ptr<RingAllreduce>>(m, "RingAllreduce")
-      .def(py::init<std::shared_ptr<Engine>, size_t, size_t, std::vector<int>>(), py::arg("engine"),
-           py::arg("capacity_bytes"), py::arg("bucket_bytes"), py::arg("members") = std::vector<int>{})
       .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &RingAllreduce::capacity)
       .def("connect", &RingAllreduce::connect, py::arg("left"), py::arg("right"))
@@ -290,18 +302,16 @@ PYBIND11_MODULE(_engine, m) {
               spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
               pin(*ring.engine(), a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
             }
-            size_t total;
-            const std::vector<size_t> offsets = RingAllreduce::layout(spans, &total);
-            uint8_t* out;
+            RingAllreduce::Result r;
             {
               py::gil_scoped_release nogil;
-              out = ring.run(spans, dtype, average);
+              r = ring.run(spans, dtype, average);
             }
             // Views into the output block, 64-byte aligned: TensorFlow aliases them.
             py::list result;
             for (size_t i = 0; i < arrays.size(); ++i) {
               std::vector<py::ssize_t> shape(arrays[i].shape(), arrays[i].shape() + arrays[i].ndim());
-              result.append(py::array(arrays[i].dtype(), shape, out + offsets[i], self));
+              result.append(py::array(arrays[i].dtype(), shape, r.out + r.offsets[i], self));
             }
             return result;
           },

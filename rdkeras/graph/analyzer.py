@@ -1,24 +1,24 @@
-"""The graph analyzer: which worker runs each layer, and every tensor that crosses workers.
+"""The graph analyzer: which stage runs each layer, and every tensor that crosses stages.
 
 Input: a built Functional (or Sequential) Keras model and a placement, layer-name
-glob -> worker (stage index), e.g. ``{"block*": 0, "fc*": 1, "predictions": 1}``.
+glob -> stage, e.g. ``{"block*": 0, "fc*": 1, "predictions": 1}``.
 Output: a :class:`Plan` -- the stage of every layer, the order of the stages, and
-one :class:`Edge` per (tensor, consuming worker) pair whose producer lives on
-another worker, each marked **static** (shape fully known once the batch size is:
+one :class:`Edge` per (tensor, consuming stage) pair whose producer lives on
+another stage, each marked **static** (shape fully known once the batch size is:
 the receiver pre-allocates the destination) or **dynamic** (a dimension is only
 known at run time: the receiver allocates per step and reads).
 
 Rules, in the order they apply:
 - a layer named exactly by a key is placed there; otherwise the first glob (in
   the placement's order) that matches its name wins;
-- an unplaced layer follows the producer of its first input (worker 0 when it
+- an unplaced layer follows the producer of its first input (stage 0 when it
   reads only model inputs);
-- model inputs are read by one worker, the *reader* (worker 0), and sent to every
-  other worker that consumes them; labels and sample weights go straight from
-  the reader to the *loss worker* (the one that owns the model's outputs), never
+- model inputs are read by one stage, the *reader* (stage 0), and sent to every
+  other stage that consumes them; labels and sample weights go straight from
+  the reader to the *loss stage* (the one that owns the model's outputs), never
   through the stages in between;
-- every pattern must match a layer, every worker must own a layer, and the
-  workers must form a pipeline without cycles -- otherwise a ValueError says
+- every pattern must match a layer, every stage must own a layer, and the
+  stages must form a pipeline without cycles -- otherwise a ValueError says
   what is wrong before any process waits on another.
 """
 
@@ -31,14 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
+
 READER = 0
 
 
 @dataclass(frozen=True)
 class Edge:
-    """One tensor crossing from worker `src` to worker `dst` each step (and its gradient back)."""
+    """One tensor crossing from stage `src` to stage `dst` each step (and its gradient back)."""
 
-    name: str  # unique, stable across workers: producer layer / tensor index -> dst
+    name: str  # unique, stable across stages: producer layer / tensor index -> dst
     producer: str  # layer name, or "input:<name>", "labels[i]", "sample_weight[i]"
     consumers: tuple[str, ...]  # layer names on dst (or "loss")
     src: int
@@ -60,7 +62,8 @@ class Edge:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     @property
-    def mode(self) -> str:
+    def transfer(self) -> str:
+        """ "static" (a pre-registered destination, written one-sidedly) or "dynamic" (metadata, then a read)."""
         return "static" if self.static else "dynamic"
 
     @property
@@ -77,19 +80,13 @@ class Plan:
 
     model_name: str
     num_stages: int
-    layer_stage: dict[str, int]  # every non-input layer -> its worker
-    stage_order: list[int]  # workers in pipeline (topological) order
+    layer_stage: dict[str, int]  # every non-input layer -> its stage
+    stage_order: list[int]  # stages in pipeline (topological) order
     loss_stage: int
     edges: list[Edge]
     batch_size: int | None
     micro_batches: int = 1
     replicas: int = 1  # hybrid: copies of this pipeline, data-parallel among them
-
-    def edges_into(self, stage: int) -> list[Edge]:
-        return [e for e in self.edges if e.dst == stage]
-
-    def edges_out_of(self, stage: int) -> list[Edge]:
-        return [e for e in self.edges if e.src == stage]
 
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
@@ -102,13 +99,13 @@ class Plan:
             + (f" x {self.replicas} replicas" if self.replicas > 1 else "")
             + f", batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
             + " -> ".join(str(s) for s in self.stage_order)
-            + f"; loss on worker {self.loss_stage}"
+            + f"; loss on stage {self.loss_stage}"
         ]
         for s in self.stage_order:
             names = self.layers_of(s)
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
-            lines.append(f"  worker {s}: {len(names)} layers: {shown}")
-        header = ("edge", "src->dst", "shape (per transfer)", "dtype", "bytes/step", "grad", "mode", "reason")
+            lines.append(f"  stage {s}: {len(names)} layers: {shown}")
+        header = ("edge", "src->dst", "shape (per transfer)", "dtype", "bytes/step", "grad", "transfer", "reason")
         rows = [
             (
                 f"{e.producer} -> {','.join(e.consumers)}",
@@ -117,7 +114,7 @@ class Plan:
                 e.dtype,
                 "?" if e.bytes_per_step is None else _human(e.bytes_per_step),
                 "yes" if e.needs_grad else "no",
-                e.mode,
+                e.transfer,
                 e.reason,
             )
             for e in self.edges
@@ -140,46 +137,20 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def functional_of(model: Any) -> Any:
-    """The Functional graph behind a Functional or Sequential model."""
-    import keras
-
-    if isinstance(model, keras.Sequential):
-        graph = getattr(model, "_functional", None)
-        if graph is None:
-            raise ValueError(
-                f"Sequential model {model.name!r} has no graph yet: start it with keras.Input(shape) "
-                "(or build it) before placing its layers on workers"
-            )
-        return graph
-    if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "_inputs_struct"):
-        raise ValueError(
-            f"model {model.name!r} ({type(model).__name__}) is subclassed: model parallelism needs a "
-            "Functional or Sequential model, whose layer graph can be cut between workers"
-        )
-    return model
-
-
-def _nodes_in_order(graph: Any) -> list[Any]:
-    """The graph's nodes, producers before consumers."""
-    depths = sorted(graph._nodes_by_depth, reverse=True)
-    return [n for d in depths for n in graph._nodes_by_depth[d]]
-
-
 def assign_layers(model: Any, placement: Mapping[str, int], num_stages: int) -> dict[str, int]:
-    """Maps every (non-input) layer of `model` to a worker; raises ValueError on a bad placement."""
+    """Maps every (non-input) layer of `model` to a stage; raises ValueError on a bad placement."""
     graph = functional_of(model)
     if num_stages < 1:
-        raise ValueError(f"model parallelism needs at least one worker, got {num_stages}")
+        raise ValueError(f"model parallelism needs at least one stage, got {num_stages}")
     if not placement:
-        raise ValueError("placement is empty: map layer-name patterns to workers, e.g. {'conv*': 0, 'fc*': 1}")
-    for pattern, worker in placement.items():
-        if not isinstance(worker, (int, np.integer)) or isinstance(worker, bool) or not 0 <= worker < num_stages:
+        raise ValueError("placement is empty: map layer-name patterns to stages, e.g. {'conv*': 0, 'fc*': 1}")
+    for pattern, where in placement.items():
+        if not isinstance(where, (int, np.integer)) or isinstance(where, bool) or not 0 <= where < num_stages:
             raise ValueError(
-                f"placement {pattern!r}: {worker!r} is not a worker index in 0..{num_stages - 1} "
+                f"placement {pattern!r}: {where!r} is not a stage index in 0..{num_stages - 1} "
                 f"(this job has {num_stages} pipeline stages)"
             )
-    nodes = [n for n in _nodes_in_order(graph) if not n.is_input]
+    nodes = [n for n in nodes_in_order(graph) if not n.is_input]
     layers = []
     for n in nodes:
         if n.operation.name not in layers:
@@ -195,34 +166,34 @@ def assign_layers(model: Any, placement: Mapping[str, int], num_stages: int) -> 
         if name in placement:
             stage[name] = int(placement[name])
             continue
-        for pattern, worker in placement.items():
+        for pattern, where in placement.items():
             if fnmatch.fnmatchcase(name, pattern):
-                stage[name] = int(worker)
+                stage[name] = int(where)
                 break
     for n in nodes:  # producers come first, so a follower's producer is already placed
         name = n.operation.name
         if name not in stage:
-            producers = [t._keras_history.operation for t in n.input_tensors]
+            producers = [producer_of(t)[0] for t in n.input_tensors]
             placed = [stage[p.name] for p in producers if p.name in stage]
             stage[name] = placed[0] if placed else READER
     empty = sorted(set(range(num_stages)) - set(stage.values()))
     if empty:
         raise ValueError(
-            f"worker(s) {', '.join(map(str, empty))} would own no layer of model {model.name!r}: "
-            f"every one of the {num_stages} workers needs at least one (placement: {dict(placement)})"
+            f"stage(s) {', '.join(map(str, empty))} would own no layer of model {model.name!r}: "
+            f"every one of the {num_stages} stages needs at least one (placement: {dict(placement)})"
         )
     return stage
 
 
 def _producer_stage(tensor: Any, stage: Mapping[str, int]) -> int | None:
-    op = tensor._keras_history.operation
+    op = producer_of(tensor)[0]
     return stage.get(op.name)  # None: a model input
 
 
 def _trainable_ancestry(graph: Any) -> dict[int, bool]:
     """id(tensor) -> whether any trainable weight influences it."""
     influenced: dict[int, bool] = {}
-    for n in _nodes_in_order(graph):
+    for n in nodes_in_order(graph):
         if n.is_input:
             for t in n.output_tensors:
                 influenced[id(t)] = False
@@ -258,14 +229,14 @@ def analyze(
     label_specs: list[tuple[tuple, str]] | None = None,
     sample_weight_specs: list[tuple[tuple, str]] | None = None,
 ) -> Plan:
-    """Places `model`'s layers on `num_stages` workers and finds every cut edge.
+    """Places `model`'s layers on `num_stages` stages and finds every cut edge.
 
     Args:
         batch_size: the per-step batch, when every batch has it (else the batch
             dimension makes edges dynamic). With micro-batching, edges carry
             ``batch_size / micro_batches`` rows.
         label_specs / sample_weight_specs: (shape with batch first, dtype) of each
-            label / sample-weight tensor, when known (they travel reader -> loss worker).
+            label / sample-weight tensor, when known (they travel reader -> loss stage).
     """
     graph = functional_of(model)
     if micro_batches < 1:
@@ -280,13 +251,13 @@ def analyze(
         rows = batch_size // micro_batches
     stage = assign_layers(model, placement, num_stages)
     influenced = _trainable_ancestry(graph)
-    nodes = [n for n in _nodes_in_order(graph) if not n.is_input]
+    nodes = [n for n in nodes_in_order(graph) if not n.is_input]
 
-    # Output tensors of the model: the loss worker owns the last of them in pipeline order.
+    # Output tensors of the model: the loss stage owns the last of them in pipeline order.
     outputs = list(graph.outputs)
     output_stages = [_producer_stage(t, stage) for t in outputs]
 
-    # Consumers per (tensor, worker), in graph order.
+    # Consumers per (tensor, stage), in graph order.
     consumers: dict[tuple[int, int], list[str]] = {}
     tensors: dict[int, Any] = {}
     for n in nodes:
@@ -355,11 +326,11 @@ def analyze(
     for (tid, dst), names in consumers.items():
         t = tensors[tid]
         src = _producer_stage(t, stage)
-        op = t._keras_history.operation
+        op = producer_of(t)[0]
         if src is None:
             producer, kind, src = f"input:{op.name}", "input", READER
         else:
-            producer, kind = f"{op.name}:{t._keras_history.tensor_index}", "activation"
+            producer, kind = f"{op.name}:{producer_of(t)[1]}", "activation"
         add(
             f"{producer}->{dst}",
             producer,
@@ -372,11 +343,11 @@ def analyze(
             kind == "activation" and trained(t),
             t,
         )
-    # Model outputs produced away from the loss worker travel there too.
+    # Model outputs produced away from the loss stage travel there too.
     for i, (t, s) in enumerate(zip(outputs, output_stages, strict=True)):
         s = READER if s is None else s
         if s != loss_stage and (id(t), loss_stage) not in consumers:
-            producer = f"{t._keras_history.operation.name}:{t._keras_history.tensor_index}"
+            producer = f"{producer_of(t)[0].name}:{producer_of(t)[1]}"
             add(
                 f"output[{i}]->{loss_stage}",
                 producer,
@@ -402,7 +373,7 @@ def analyze(
                     str(np.dtype(dtype)),
                     kind,
                     False,
-                    note=" (straight from the reader to the loss worker)",
+                    note=" (straight from the reader to the loss stage)",
                 )
     return Plan(
         model_name=model.name,
@@ -437,11 +408,11 @@ def _topological(succ: dict[int, set[int]], stage: Mapping[str, int], consumers:
         for (tid, dst), names in consumers.items():
             src = _producer_stage(tensors[tid], stage)
             if src in stuck and dst in stuck:
-                op = tensors[tid]._keras_history.operation
-                crossing.append(f"{op.name} (worker {src}) -> {names[0]} (worker {dst})")
+                op = producer_of(tensors[tid])[0]
+                crossing.append(f"{op.name} (stage {src}) -> {names[0]} (stage {dst})")
         raise ValueError(
-            f"placement makes a cycle between workers {', '.join(map(str, stuck))}: "
+            f"placement makes a cycle between stages {', '.join(map(str, stuck))}: "
             f"{'; '.join(crossing[:4])}. A pipeline needs tensors to flow one way: "
-            "move those layers so that each worker only feeds later ones"
+            "move those layers so that each stage only feeds later ones"
         )
     return order

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rdkeras.graph.analyzer import READER, Edge, Plan, functional_of
+from rdkeras.graph.analyzer import READER, Edge, Plan
+from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
 
 
 @dataclass
@@ -65,21 +66,20 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
     feed_tensors: list[Any] = []
     received_by_tensor = {id(e.tensor): e for e in plan.edges if e.dst == index and e.kind in ("activation", "input")}
     seen: set[int] = set()
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
-            if node.is_input or node.operation.name not in mine:
+    for node in nodes_in_order(graph):
+        if node.is_input or node.operation.name not in mine:
+            continue
+        for t in node.input_tensors:
+            if id(t) in seen:
                 continue
-            for t in node.input_tensors:
-                if id(t) in seen:
-                    continue
-                if id(t) in received_by_tensor:
-                    feeds.append(Feed(None, received_by_tensor[id(t)]))
-                elif id(t) in input_pos and index == READER:
-                    feeds.append(Feed(input_pos[id(t)], None))
-                else:
-                    continue  # produced by this stage
-                seen.add(id(t))
-                feed_tensors.append(t)
+            if id(t) in received_by_tensor:
+                feeds.append(Feed(None, received_by_tensor[id(t)]))
+            elif id(t) in input_pos and index == READER:
+                feeds.append(Feed(input_pos[id(t)], None))
+            else:
+                continue  # produced by this stage
+            seen.add(id(t))
+            feed_tensors.append(t)
 
     # Tensors this stage computes that leave it: cut edges out, and model outputs.
     out_tensors: list[Any] = []
@@ -98,7 +98,7 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
             sends[output_position(e.tensor)].append(e)
     outputs: list[tuple[str, Any]] = []
     for i, t in enumerate(graph.outputs):
-        producer = plan.layer_stage.get(t._keras_history.operation.name)
+        producer = plan.layer_stage.get(producer_of(t)[0].name)
         if producer == index:
             pos = output_position(t)
             if index == plan.loss_stage:
@@ -106,7 +106,7 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
         elif index == plan.loss_stage:
             edge = next((e for e in plan.edges if e.tensor is t and e.dst == index), None)
             if edge is None:
-                raise ValueError(f"model output {i} of {model.name!r} has no way to the loss worker {index}")
+                raise ValueError(f"model output {i} of {model.name!r} has no way to the loss stage {index}")
             outputs.append(("edge", edge))
 
     stage_model = None

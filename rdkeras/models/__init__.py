@@ -11,15 +11,4 @@ from rdkeras.models.cnn import alexnet, fashion_cnn, inception_v3, vgg16
 from rdkeras.models.fcn import fcn5
 from rdkeras.models.rnn import char_lm, gru, lstm
 
-BUILDERS = {
-    "alexnet": alexnet,
-    "inception_v3": inception_v3,
-    "vgg16": vgg16,
-    "lstm": lstm,
-    "gru": gru,
-    "fcn5": fcn5,
-    "fashion_cnn": fashion_cnn,
-    "char_lm": char_lm,
-}
-
-__all__ = ["BUILDERS", "alexnet", "char_lm", "fashion_cnn", "fcn5", "gru", "inception_v3", "lstm", "vgg16"]
+__all__ = ["alexnet", "char_lm", "fashion_cnn", "fcn5", "gru", "inception_v3", "lstm", "vgg16"]

@@ -1,1 +1,120 @@
-"""Transports implemented in Python (the native ones live in csrc/transport/)."""
+"""Transports: the one place a backend is chosen by name.
+
+Every transport is a :class:`~rdkeras.transports.base.Backend`. The registry
+maps a name to a factory and a viability check; ``rdkeras.Engine`` asks it for
+``create(name, config)`` and never looks at the name itself. Adding a backend
+is one ``register(BackendSpec(...))`` call (as tensorpipe and gloo register
+theirs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rdkeras import _engine
+from rdkeras.transports.base import Backend, BackendConfig
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend: how to tell whether it can run here, and how to make one."""
+
+    name: str
+    summary: str
+    why_not_viable: Callable[[], str]  # "" when it can run in this process
+    create: Callable[[BackendConfig], Backend]
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register(spec: BackendSpec) -> None:
+    """Adds a backend under ``spec.name`` (a name may be registered once)."""
+    if spec.name in _REGISTRY or spec.name == "auto":
+        raise ValueError(f"a transport named {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+
+
+def names() -> tuple[str, ...]:
+    """Every registered transport, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> BackendSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown transport {name!r}; choose one of auto, {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def create(name: str, config: BackendConfig) -> Backend:
+    """A backend of transport `name`, listening but not yet connected."""
+    spec = get(name)
+    if why := spec.why_not_viable():
+        raise _engine.EngineError(
+            f"transport={name!r} is not viable here: {why} (`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
+        )
+    return spec.create(config)
+
+
+def auto_facts() -> str:
+    """What this rank contributes to ``transport="auto"``: the native transports viable here."""
+    return ",".join(n for n in ("verbs",) if n in _REGISTRY and not _REGISTRY[n].why_not_viable())
+
+
+def choose_auto(hosts: Sequence[str], facts: Sequence[str]) -> tuple[str, str]:
+    """(transport, reason) for ``transport="auto"`` from every rank's host identity and auto_facts().
+
+    shm when every rank shares one host (a memcpy beats any NIC's loopback), else verbs when
+    every rank can use it, else tcp.
+    """
+    distinct = set(hosts)
+    if len(distinct) == 1:
+        return "shm", f"all {len(hosts)} rank(s) on one host"
+    if all("verbs" in f.split(",") for f in facts):
+        return "verbs", f"{len(distinct)} hosts, RDMA on every rank"
+    why = _engine.verbs_why_not_viable()
+    return "tcp", f"{len(distinct)} hosts; verbs not viable on every rank" + (f" (here: {why})" if why else "")
+
+
+def _native(name: str) -> Callable[[BackendConfig], Backend]:
+    def make(config: BackendConfig) -> Backend:
+        return _engine.Engine(
+            config.rank,
+            config.world_size,
+            name,
+            config.arena_bytes,
+            config.timeout,
+            advertise_host=config.advertise_host,
+            bind_host=config.bind_host,
+        )
+
+    return make
+
+
+def _compiled(name: str) -> Callable[[], str]:
+    def check() -> str:
+        return "" if name in _engine.native_transports() else f"this build of rdkeras has no {name} transport"
+
+    return check
+
+
+def _grpc(config: BackendConfig) -> Backend:
+    from rdkeras.transports.grpc import GrpcBackend  # grpcio loads only when asked for
+
+    return GrpcBackend(config)
+
+
+register(BackendSpec("shm", "one host: peers map each other's memory", _compiled("shm"), _native("shm")))
+register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))
+register(
+    BackendSpec(
+        "verbs",
+        "InfiniBand/RoCE RDMA over RC queue pairs",
+        _engine.verbs_why_not_viable,  # says what is missing: the build, the library or a device
+        _native("verbs"),
+    )
+)
+register(BackendSpec("grpc", "the RPC baseline: TensorProto-style messages over gRPC", lambda: "", _grpc))
+
+__all__ = ["Backend", "BackendConfig", "BackendSpec", "choose_auto", "create", "get", "names", "register"]

@@ -5,6 +5,8 @@ tensor_content) through grpcio, the way TensorFlow's gRPC runtime moves them:
 serialized on the sender, copied through RPC-managed buffers, deserialized on
 the receiver. Channels are receiver-pull like TF's RecvTensor. One-sided
 region access becomes Write/Read/Flag RPCs so the conformance tests apply.
+``GrpcBackend`` implements ``rdkeras.transports.base.Backend``, like the native
+engine, so the face and every benchmark treat it as one more transport.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
@@ -19,8 +22,8 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from rdkeras import _engine
 from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras.transports.base import BackendConfig
 
 _SERVICE = "rdkeras.Baseline"
 _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -54,30 +57,59 @@ def _build_message_class() -> Any:
 TensorMessage = _build_message_class()
 
 
-class _Counters:
-    """Counters in the shape of the native tracker's (grpc registers nothing)."""
+_COUNTER_NAMES = (
+    "registrations",
+    "deregistrations",
+    "bytes_registered",
+    "cache_hits",
+    "pool_allocations",
+    "pool_reuses",
+    "pool_bytes_reserved",
+    "pool_bytes_in_use",
+)
 
-    def __init__(self, registrations: int, bytes_registered: int):
-        self.registrations, self.bytes_registered = registrations, bytes_registered
 
-    def as_dict(self) -> dict[str, int]:
-        return {"registrations": self.registrations, "bytes_registered": self.bytes_registered, "cache_hits": 0}
+class _Mailbox:
+    """Messages this rank's channels sent, held until their receivers pull them (RecvTensor)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._messages: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
+        self._pulled: dict[str, int] = {}  # channel -> messages its receiver took
+
+    def put(self, channel: str, seq: int, msg: Any) -> None:
+        with self._cond:
+            self._messages[(channel, seq)] = msg
+            self._cond.notify_all()
+
+    def take(self, channel: str, seq: int, deadline: float, still_wanted: Any) -> Any:
+        """The message, or None once the deadline passed or the caller went away."""
+        with self._cond:
+            while (channel, seq) not in self._messages:
+                left = deadline - time.monotonic()
+                if left <= 0 or not still_wanted():
+                    return None
+                self._cond.wait(min(left, 0.5))
+            self._pulled[channel] = seq + 1
+            self._cond.notify_all()
+            return self._messages.pop((channel, seq))
+
+    def pulled(self, channel: str) -> int:
+        with self._cond:
+            return self._pulled.get(channel, 0)
 
 
-class GrpcEngine:
-    """Same surface as rdkeras._engine.Engine, over gRPC."""
+class GrpcBackend:
+    """The Backend interface over gRPC: region access as RPCs, channels as receiver-pull RPCs."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, advertise_host: str = "127.0.0.1"):
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+    def __init__(self, config: BackendConfig):
+        self.rank, self.world_size, self.timeout = config.rank, config.world_size, config.timeout
         self._regions: dict[int, np.ndarray] = {}
         self._next_key = itertools.count(1)
-        self._registrations = 0
-        self._bytes_registered = 0
-        self._traffic = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
+        self._counters = dict.fromkeys(_COUNTER_NAMES, 0)
+        self._traffic: dict[str, float] = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
         self._traffic.update(bytes_received=0, wait_seconds=0.0)
-        self._outbox: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
-        self._pulled: dict[str, int] = {}  # channel -> messages the receiver took
-        self._cond = threading.Condition()
+        self.mailbox = _Mailbox()
         self._secret = ""
         self._stubs: dict[int, dict[str, Any]] = {}
         self._grpc_channels: list[grpc.Channel] = []
@@ -91,20 +123,13 @@ class GrpcEngine:
             for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
         }
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, handlers)])
-        self._port = self._server.add_insecure_port(f"{advertise_host}:0")
+        self._port = self._server.add_insecure_port(f"{config.bind_host}:0")
+        if not self._port:
+            raise EngineError(f"grpc: cannot listen on {config.bind_host}")
         self._server.start()
-        self.descriptor = f"grpc;host={advertise_host};port={self._port}"
+        self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    # Expose the classes the Engine face instantiates for channels.
-    @staticmethod
-    def StaticChannel(engine: GrpcEngine, role: Any, peer: int, nbytes: int) -> _GrpcChannel:  # noqa: N802
-        return _GrpcChannel(engine, role, peer, nbytes)
-
-    @staticmethod
-    def DynamicChannel(engine: GrpcEngine, role: Any, peer: int) -> _GrpcChannel:  # noqa: N802
-        return _GrpcChannel(engine, role, peer, None)
-
-    def connect(self, descriptors: list[str], secret: str) -> None:
+    def connect(self, descriptors: Sequence[str], secret: str) -> None:
         self._secret = secret
         for r, desc in enumerate(descriptors):
             if r == self.rank:
@@ -121,9 +146,15 @@ class GrpcEngine:
                 for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
             }
 
+    def close(self) -> None:
+        self._server.stop(grace=None)
+        for ch in self._grpc_channels:
+            ch.close()
+
     # -- client side -----------------------------------------------------------
 
-    def _call(self, peer: int, name: str, msg: Any, timeout: float | None = None) -> Any:
+    def rpc(self, peer: int, name: str, msg: Any, timeout: float | None = None) -> Any:
+        """One RPC to `peer`, its failures mapped to the engine's errors."""
         if peer not in self._stubs:
             raise EngineError(f"grpc: no connection to rank {peer}")
         try:
@@ -149,77 +180,85 @@ class GrpcEngine:
         self._traffic["bytes_received"] += nbytes
 
     def count(self, kind: str, nbytes: int = 0) -> None:
+        """Adds one operation of `kind` ("writes" or "reads") moving `nbytes`."""
         self._traffic[f"bytes_{'written' if kind == 'writes' else 'read'}"] += nbytes
         self._traffic[kind] += 1
 
+    def count_wait(self, seconds: float) -> None:
+        self._traffic["wait_seconds"] += seconds
+
     def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
         data = memoryview(src).tobytes()
-        self._call(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=data))
+        self.rpc(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=data))
         self.count("writes", len(data))
 
     def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
         view = memoryview(dst).cast("B")
-        reply = self._call(peer, "Read", TensorMessage(key=key, offset=offset, length=view.nbytes))
+        reply = self.rpc(peer, "Read", TensorMessage(key=key, offset=offset, length=view.nbytes))
         view[:] = reply.tensor_content
         self.count("reads", view.nbytes)
 
     def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
-        self._call(peer, "Flag", TensorMessage(key=key, offset=offset, value=value))
+        self.rpc(peer, "Flag", TensorMessage(key=key, offset=offset, value=value))
         self._traffic["flags"] += 1
 
     def flush(self, peer: int) -> None:
         self.check_peer(peer)  # every call above is synchronous
 
     def check_peer(self, peer: int) -> None:
-        self._call(peer, "Ping", TensorMessage(), timeout=min(self.timeout, 5.0))
+        self.rpc(peer, "Ping", TensorMessage(), timeout=min(self.timeout, 5.0))
 
     def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
         flag = np.frombuffer(memoryview(buffer).cast("B")[offset : offset + 8], dtype=np.uint64)
-        self._poll(lambda: int(flag[0]) >= value, peer, "flag")
+        self.wait_until(lambda: int(flag[0]) >= value, peer, "flag")
 
-    def _poll(self, ready: Any, peer: int, what: str) -> None:
+    def wait_until(self, ready: Any, peer: int, what: str) -> None:
+        """Polls `ready()` until true, pinging `peer` twice a second; bounded by the timeout."""
         start = time.monotonic()
-        deadline = start + self.timeout
-        next_ping = start + 0.5
+        deadline, next_ping = start + self.timeout, start + 0.5
         try:
-            self._wait_until(ready, peer, what, deadline, next_ping)
+            while not ready():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"timed out after {self.timeout:g} s waiting for rank {peer} ({what})")
+                if now >= next_ping:
+                    self.check_peer(peer)
+                    next_ping = now + 0.5
+                time.sleep(0.0002)
         finally:
-            self._traffic["wait_seconds"] += time.monotonic() - start
-
-    def _wait_until(self, ready: Any, peer: int, what: str, deadline: float, next_ping: float) -> None:
-        while not ready():
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(f"timed out after {self.timeout:g} s waiting for rank {peer} ({what})")
-            if now >= next_ping:
-                self.check_peer(peer)
-                next_ping = now + 0.5
-            time.sleep(0.0002)
+            self.count_wait(time.monotonic() - start)
 
     # -- regions -----------------------------------------------------------------
 
     def alloc(self, nbytes: int) -> np.ndarray:
         return np.zeros(nbytes, dtype=np.uint8)
 
-    def register(self, array: Any) -> int:
-        view = np.frombuffer(memoryview(array).cast("B"), dtype=np.uint8)
+    def register(self, buffer: Any) -> int:
+        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)  # holds the buffer alive
         key = next(self._next_key) << 32 | 1
         self._regions[key] = view
-        self._registrations += 1
-        self._bytes_registered += view.nbytes
+        self._counters["registrations"] += 1
+        self._counters["bytes_registered"] += view.nbytes
         return key
 
     def deregister(self, key: int) -> None:
         if self._regions.pop(key, None) is None:
             raise EngineError(f"deregister: no region with key {key:#x}")
+        self._counters["deregistrations"] += 1
 
-    def counters(self) -> _Counters:
-        return _Counters(self._registrations, self._bytes_registered)
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
 
-    def close(self) -> None:
-        self._server.stop(grace=None)
-        for ch in self._grpc_channels:
-            ch.close()
+    # -- channels and rings --------------------------------------------------------
+
+    def static_channel(self, sender: bool, peer: int, nbytes: int) -> GrpcStaticChannel:
+        return GrpcStaticChannel(self, sender, peer, nbytes)
+
+    def dynamic_channel(self, sender: bool, peer: int) -> GrpcDynamicChannel:
+        return GrpcDynamicChannel(self, sender, peer)
+
+    def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> GrpcRing:
+        return GrpcRing(self, capacity_bytes, list(members))
 
     # -- server side -------------------------------------------------------------
 
@@ -232,11 +271,12 @@ class GrpcEngine:
         self._authorized(context)
         region = self._regions.get(req.key)
         if region is None:
-            context.abort(
+            context.abort(  # raises
                 grpc.StatusCode.NOT_FOUND,
                 f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, "
                 "or never registered)",
             )
+            raise AssertionError("unreachable")
         if req.offset > region.nbytes or length > region.nbytes - req.offset:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -267,111 +307,130 @@ class GrpcEngine:
 
     def _rpc_recvtensor(self, req: Any, context: Any) -> Any:
         self._authorized(context)
-        key = (req.channel, req.seq)
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while key not in self._outbox:
-                left = deadline - time.monotonic()
-                if left <= 0 or not context.is_active():
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {key}")
-                self._cond.wait(min(left, 0.5))
-            msg = self._outbox.pop(key)
-            self._pulled[req.channel] = req.seq + 1
-            self._cond.notify_all()
+        msg = self.mailbox.take(req.channel, req.seq, time.monotonic() + self.timeout, context.is_active)
+        if msg is None:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {req.channel}#{req.seq}")
         return msg
 
 
 class _GrpcChannel:
-    """A static or dynamic channel over gRPC (the baseline has no difference)."""
+    """One end of a channel over gRPC: the sender serializes into its mailbox, the receiver
+    pulls with RecvTensor (static and dynamic channels differ only in what they check)."""
 
     _ids = itertools.count()
 
-    def __init__(self, engine: GrpcEngine, role: Any, peer: int, nbytes: int | None):
-        self.engine, self.role, self.peer, self.nbytes = engine, role, peer, nbytes
-        self.name = f"{engine.rank}:{next(self._ids)}"
+    def __init__(self, backend: GrpcBackend, sender: bool, peer: int):
+        self.backend, self.sender, self.peer = backend, sender, peer
+        self.name = f"{backend.rank}:{next(self._ids)}"
         self.sequence = 0
         self._remote_name = ""
         self.descriptor = f"channel;name={self.name}"
 
-    def connect(self, remote: str) -> None:
-        self._remote_name = remote.split("name=", 1)[1]
+    def connect(self, remote_descriptor: str) -> None:
+        self._remote_name = remote_descriptor.split("name=", 1)[1]
 
     @property
     def acked(self) -> int:
-        with self.engine._cond:
-            return self.engine._pulled.get(self.name, 0)
+        return self.backend.mailbox.pulled(self.name)
 
     def wait_acked(self, count: int) -> None:
-        self.engine._poll(lambda: self.acked >= count, self.peer, "receiver to pull")
+        self.backend.wait_until(lambda: self.acked >= count, self.peer, "receiver to pull")
 
-    def send(self, data: Any, dtype: str = "|u1", shape: Any = None) -> int:
-        if self.role != _engine.Role.SENDER:
+    def _send(self, a: np.ndarray, dtype: str, shape: Sequence[int]) -> int:
+        if not self.sender:
             raise EngineError("send() called on the receiving end of a channel")
-        a = np.asarray(data)
-        if self.nbytes is not None and a.nbytes != self.nbytes:
-            raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
         # Serialize now, as TF does when the tensor is sent: the caller may reuse its buffer.
         msg = TensorMessage(
-            dtype=dtype,
-            shape=list(a.shape if shape is None else shape),
-            tensor_content=a.tobytes(),
-            channel=self.name,
-            seq=self.sequence,
+            dtype=dtype, shape=list(shape), tensor_content=a.tobytes(), channel=self.name, seq=self.sequence
         )
         self.wait_acked(self.sequence - 1)  # at most two messages outstanding, like the native channels
-        with self.engine._cond:
-            self.engine._outbox[(self.name, self.sequence)] = msg
-            self.engine._cond.notify_all()
-        self.engine.count("writes", a.nbytes)
+        self.backend.mailbox.put(self.name, self.sequence, msg)
+        self.backend.count("writes", a.nbytes)
         self.sequence += 1
         return self.sequence - 1
 
-    def recv(self) -> Any:
-        if self.role != _engine.Role.RECEIVER:
+    def _recv(self) -> Any:
+        if self.sender:
             raise EngineError("recv() called on the sending end of a channel")
         start = time.monotonic()
-        msg = self.engine._call(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=self.sequence))
-        self.engine._traffic["wait_seconds"] += time.monotonic() - start
-        self.engine.count("reads", len(msg.tensor_content))
-        self.engine.count_received(len(msg.tensor_content))
+        msg = self.backend.rpc(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=self.sequence))
+        self.backend.count_wait(time.monotonic() - start)
+        self.backend.count("reads", len(msg.tensor_content))
+        self.backend.count_received(len(msg.tensor_content))
         self.sequence += 1
-        buf = np.frombuffer(msg.tensor_content, dtype=np.uint8).copy()  # a writable tensor, as TF allocates
-        if self.nbytes is not None:
-            return buf
-        return buf, msg.dtype, tuple(msg.shape)
+        return msg
 
 
-class ChannelRing:
-    """Ring allreduce over the engine's channel API, as TensorFlow's gRPC collective does it:
+class GrpcStaticChannel(_GrpcChannel):
+    """A channel of fixed-size messages."""
+
+    def __init__(self, backend: GrpcBackend, sender: bool, peer: int, nbytes: int):
+        super().__init__(backend, sender, peer)
+        self.nbytes = nbytes
+
+    def send(self, data: Any) -> None:
+        a = np.asarray(data)
+        if a.nbytes != self.nbytes:
+            raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
+        self._send(a, "|u1", [a.nbytes])
+
+    def recv(self) -> np.ndarray:
+        return np.frombuffer(self._recv().tensor_content, dtype=np.uint8).copy()  # writable, as TF allocates
+
+
+class GrpcDynamicChannel(_GrpcChannel):
+    """A channel whose tensors carry their dtype and shape."""
+
+    def send(self, data: Any, dtype: str, shape: Sequence[int]) -> int:
+        return self._send(np.asarray(data), dtype, shape)
+
+    def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        msg = self._recv()
+        return np.frombuffer(msg.tensor_content, dtype=np.uint8).copy(), msg.dtype, tuple(msg.shape)
+
+
+def _field(descriptor: str, key: str) -> str:
+    return dict(kv.split("=", 1) for kv in descriptor.split(";")[1:])[key]
+
+
+class GrpcRing:
+    """Ring allreduce over gRPC channels, as TensorFlow's gRPC collective does it:
     reduce-scatter then allgather, every chunk a serialized RPC message."""
 
-    def __init__(self, engine: Any, name: str, capacity_bytes: int, members: list[int]):
-        n, r = len(members), members.index(engine.rank)
-        self.n, self.rank, self.capacity = n, r, capacity_bytes
-        if n > 1:
-            me, left, right = members[r], members[(r - 1) % n], members[(r + 1) % n]
-            # Each creation waits for the peer's; alternate the order around the ring so no two wait on each other.
-            if r % 2 == 0:
-                self._tx = engine.dynamic_channel(f"{name}/{me}->{right}", me, right)
-                self._rx = engine.dynamic_channel(f"{name}/{left}->{me}", left, me)
-            else:
-                self._rx = engine.dynamic_channel(f"{name}/{left}->{me}", left, me)
-                self._tx = engine.dynamic_channel(f"{name}/{me}->{right}", me, right)
+    def __init__(self, backend: GrpcBackend, capacity_bytes: int, members: list[int]):
+        n, r = len(members), members.index(backend.rank)
+        self.n, self.position, self.capacity = n, r, capacity_bytes
+        left, right = members[(r - 1) % n], members[(r + 1) % n]
+        self._tx = backend.dynamic_channel(True, right) if n > 1 else None
+        self._rx = backend.dynamic_channel(False, left) if n > 1 else None
+        tx, rx = (self._tx.name, self._rx.name) if self._tx and self._rx else ("", "")
+        self.descriptor = f"ring;rank={backend.rank};tx={tx};rx={rx};capacity={capacity_bytes}"
 
-    def __call__(self, arrays: list[np.ndarray], average: bool = False) -> list[np.ndarray]:
+    def connect(self, left: str, right: str) -> None:
+        for d in (left, right):
+            if int(_field(d, "capacity")) != self.capacity:
+                raise EngineError(f"allreduce: rank {_field(d, 'rank')} declared another capacity ({d})")
+        assert self._tx is not None and self._rx is not None
+        self._rx.connect(f"channel;name={_field(left, 'tx')}")  # we pull what the left member sends us
+        self._tx.connect(f"channel;name={_field(right, 'rx')}")
+
+    def allreduce(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
         flat = np.concatenate([np.asarray(a).ravel() for a in arrays]) if arrays else np.zeros(0, np.float32)
         if flat.nbytes > self.capacity:
             raise EngineError(f"allreduce of {flat.nbytes} bytes exceeds this ring's capacity of {self.capacity}")
-        n, r = self.n, self.rank
+        n, r = self.n, self.position
         if n > 1:
+            assert self._tx is not None and self._rx is not None
             chunks = np.array_split(flat, n)
             for s in range(n - 1):
-                self._tx.send(chunks[(r - s) % n])
+                c = chunks[(r - s) % n]
+                self._tx.send(c, c.dtype.str, c.shape)
                 k = (r - s - 1) % n
-                chunks[k] = chunks[k] + self._rx.recv()
+                chunks[k] = chunks[k] + self._rx.recv()[0].view(flat.dtype)
             for s in range(n - 1):
-                self._tx.send(chunks[(r + 1 - s) % n])
-                chunks[(r - s) % n] = self._rx.recv()
+                c = chunks[(r + 1 - s) % n]
+                self._tx.send(c, c.dtype.str, c.shape)
+                chunks[(r - s) % n] = self._rx.recv()[0].view(flat.dtype)
             flat = np.concatenate(chunks)
         if average:
             flat = flat / n

@@ -108,34 +108,41 @@ def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> d
     return out
 
 
-def fit_inputs(source: str, batch: int = 8, epochs: int = 2) -> dict:
-    """Same training as fit_model('mlp'), fed as a tf.data.Dataset or a keras.utils.PyDataset."""
+def fit_inputs(source: str, batch: int = 16, epochs: int = 2, samples: int = 96, distributed: bool = True) -> dict:
+    """fit_model('mlp') fed as arrays, a tf.data.Dataset or a keras.utils.PyDataset of global batches
+    (with samples % batch != 0: a partial last batch, split over the workers)."""
+    import contextlib
+
     import keras
     import tensorflow as tf
 
     import rdkeras
 
-    x, y = _data("mlp")
-    strategy = rdkeras.RDMAStrategy()
-    with strategy.scope():
-        model = _model("mlp", seed=100 + strategy.worker_index)
+    x, y = _data("mlp", samples)
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = _model("mlp", seed=100 + (strategy.worker_index if strategy else 0))
         model.compile(
             optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
-    if source == "dataset":
-        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    if source == "arrays":
+        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False)
     else:
+        if source == "dataset":
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        else:
 
-        class Batches(keras.utils.PyDataset):
-            def __len__(self):
-                return len(x) // batch
+            class Batches(keras.utils.PyDataset):
+                def __len__(self):
+                    return -(-len(x) // batch)
 
-            def __getitem__(self, i):
-                return x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+                def __getitem__(self, i):
+                    return x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
 
-        data = Batches()
-    model.fit(data, epochs=epochs, verbose=0, shuffle=False)  # (a PyDataset would shuffle its batch order)
-    strategy.close()
+            data = Batches()
+        model.fit(data, epochs=epochs, verbose=0, shuffle=False)  # (a PyDataset would shuffle its batch order)
+    if strategy:
+        strategy.close()
     return {"weights": [w.tolist() for w in model.get_weights()]}
 
 
@@ -159,7 +166,7 @@ def fit_callbacks(checkpoint_dir: str) -> dict:
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05)
     # A per-rank path, so a non-chief checkpoint would show up as its own file.
     checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, f"rank{rank}.keras"))
-    history = model.fit(x, y, batch_size=8, epochs=30, verbose=0, callbacks=[stop, plateau, checkpoint])
+    history = model.fit(x, y, batch_size=16, epochs=30, verbose=0, callbacks=[stop, plateau, checkpoint])
     strategy.close()
     return {
         "loss": history.history["loss"],
@@ -180,7 +187,7 @@ def fit_with_stats(log_dir: str) -> dict:
     with strategy.scope():
         model = _model("mlp", seed=1)
         model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[TrainingStats(log_dir)])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[TrainingStats(log_dir)])
     traffic = strategy.engine.traffic()
     strategy.close()
     return {"traffic": traffic}

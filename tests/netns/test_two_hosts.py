@@ -122,7 +122,6 @@ def test_the_four_workers_end_bit_identical(two_host_job):
     assert all(r["evaluate"] == first["evaluate"] for r in two_host_job["across"])
 
 
-@pytest.mark.xfail(strict=False, reason="needs global batch from main (batch_size split over workers)")
 def test_two_by_two_fit_equals_one_process(two_host_job):
     from tests.multiproc.keras_workers import fit_model
 
@@ -148,7 +147,7 @@ def test_two_by_two_fit_equals_one_process(two_host_job):
 def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
     """README's `python -m rdkeras.launch --nnodes 2 ... -m rdkeras.train +recipe=fcn5`, one per "host"."""
     small = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]
-    small += ["trainer.verbose=2", "logger=none", "trainer.checkpoint=false"]
+    small += ["trainer.verbose=2", "logger=none", "~callbacks.model_checkpoint"]
     env = _env(tmp_path)
     with netns.hosts(2) as (a, b):
         procs = []

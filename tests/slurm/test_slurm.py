@@ -81,7 +81,6 @@ def test_srun_trains_two_tasks_with_no_rdkeras_variable(slurm, env, tmp_path):
     assert oct(secret.stat().st_mode & 0o777) == "0o600"
 
 
-@pytest.mark.xfail(strict=False, reason="needs global batch from main (batch_size split over workers)")
 def test_srun_two_tasks_equal_one_process(slurm, env, tmp_path, one_process):
     run = tmp_path / "srun"
     done = _srun_train(slurm, env, run)

@@ -109,18 +109,18 @@ def test_sequential_models_can_be_placed():
 
 
 @pytest.mark.parametrize(
-    ("placement", "workers", "message"),
+    ("placement", "stages", "message"),
     [
         ({"conv*": 0, "fc*": 1}, 2, r"pattern\(s\) 'conv\*' match no layer of model 'mlp'; its layers are: fc1"),
-        ({"fc*": 0, "out": 0, "hidden": 0}, 2, r"worker\(s\) 1 would own no layer"),
-        ({"fc1": 0, "fc2": 1, "hidden": 0, "out": 1}, 2, r"cycle between workers 0, 1: fc1 \(worker 0\) -> fc2"),
-        ({"fc*": 2}, 2, r"2 is not a worker index in 0..1"),
+        ({"fc*": 0, "out": 0, "hidden": 0}, 2, r"stage\(s\) 1 would own no layer"),
+        ({"fc1": 0, "fc2": 1, "hidden": 0, "out": 1}, 2, r"cycle between stages 0, 1: fc1 \(stage 0\) -> fc2"),
+        ({"fc*": 2}, 2, r"2 is not a stage index in 0..1"),
         ({}, 2, "placement is empty"),
     ],
 )
-def test_bad_placements_say_what_is_wrong(placement, workers, message):
+def test_bad_placements_say_what_is_wrong(placement, stages, message):
     with pytest.raises(ValueError, match=message):
-        analyze(_mlp(), placement, workers)
+        analyze(_mlp(), placement, stages)
 
 
 def test_subclassed_models_cannot_be_cut():
@@ -132,5 +132,5 @@ def test_subclassed_models_cannot_be_cut():
         def call(self, x):
             return self.d(x)
 
-    with pytest.raises(ValueError, match="subclassed: model parallelism needs a Functional or Sequential"):
+    with pytest.raises(ValueError, match=r"needs a Functional or Sequential model.*Net is subclassed"):
         analyze(Net(), {"*": 0}, 1)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras import keras_internals
 from rdkeras.engine import Engine
 
 _FLAG = 64  # one cache line per flag word
@@ -33,7 +34,11 @@ def _aligned(n: int) -> int:
 
 
 class ParameterServer:
-    """One per distributed optimizer; set up on the first step, identically on every worker."""
+    """One per distributed optimizer; set up on the first step, identically on every worker.
+
+    :meth:`apply` replaces the optimizer's ``apply``; ``owner[i]`` is the rank that updates
+    variable i (empty until the first step).
+    """
 
     def __init__(self, engine: Engine, name: str):
         self.engine, self.name = engine, name
@@ -146,34 +151,41 @@ class ParameterServer:
         # within this step, before the next step's pull overwrites the buffers.
         return [self._view(self.pulled[self.owner[i]], 0, i) for i in range(len(self.owner)) if self.owner[i] != r]
 
+    # -- the optimizer hook ---------------------------------------------------------
 
-def ps_optimizer_class(base: type, ps: ParameterServer) -> type:
-    """The user's optimizer class, with ``apply`` running the parameter-server step."""
+    def apply(self, optimizer: Any, base: Any, grads: list, trainable_variables: Any = None) -> Any:
+        """The parameter-server step in place of ``optimizer.apply``: push, owners update, pull.
 
-    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        `optimizer` is the one that updates the variables (a LossScaleOptimizer's inner one), `base`
+        its own ``apply``.
+        """
         import tensorflow as tf
 
-        variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        variables = (
+            list(trainable_variables)
+            if trainable_variables is not None
+            else keras_internals.tracked_variables(optimizer)
+        )
         grads = [tf.convert_to_tensor(g) for g in grads]
-        if not self.built:  # build on all variables: slots exist everywhere, iterations agree
-            self.build(variables)
-        if ps.n == 1:
-            return base.apply(self, grads, variables)
-        if not ps.owner:  # the owner map is needed while tracing (collective: every worker traces once)
-            ps._setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
-        mine = [i for i in range(len(variables)) if ps.owner[i] == ps.rank]
-        others = [i for i in range(len(variables)) if ps.owner[i] != ps.rank]
+        if not optimizer.built:  # build on all variables: slots exist everywhere, iterations agree
+            optimizer.build(variables)
+        if self.n == 1:
+            return base(grads, variables)
+        if not self.owner:  # the owner map is needed while tracing (collective: every worker traces once)
+            self._setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
+        mine = [i for i in range(len(variables)) if self.owner[i] == self.rank]
+        others = [i for i in range(len(variables)) if self.owner[i] != self.rank]
         averaged = tf.numpy_function(
-            ps.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
+            self.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
         )
         if mine:
             for i, g in zip(mine, averaged, strict=True):
                 g.set_shape(grads[i].shape)
-            base.apply(self, list(averaged), [variables[i] for i in mine])
+            base(list(averaged), [variables[i] for i in mine])
         else:
-            self.iterations.assign_add(1)  # keep the step count in line with the owners
+            optimizer.iterations.assign_add(1)  # keep the step count in line with the owners
         fresh = tf.numpy_function(
-            ps.publish_and_pull,
+            self.publish_and_pull,
             [variables[i].value for i in mine],
             Tout=[tf.as_dtype(variables[i].dtype) for i in others],
             stateful=True,
@@ -183,5 +195,3 @@ def ps_optimizer_class(base: type, ps: ParameterServer) -> type:
             value.set_shape(variables[i].shape)
             variables[i].assign(value)
         return None
-
-    return type(base.__name__, (base,), {"apply": apply, "_rdkeras_base": base})

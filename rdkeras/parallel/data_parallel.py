@@ -1,0 +1,259 @@
+"""Data parallelism: every worker holds the whole model and trains on its part of each global batch.
+
+Attaching to a compiled model (through :mod:`rdkeras.keras_internals`, on the
+objects themselves, never their classes):
+- the optimizer's ``apply`` first averages the gradients across workers (ring
+  allreduce in the engine), or runs the parameter-server step
+  (:mod:`rdkeras.parallel.parameter_server`) -- custom ``train_step`` overrides
+  keep working;
+- ``fit``/``evaluate``/``predict`` split each global batch over the workers
+  (:mod:`rdkeras.parallel.sharding`); at the start of every ``fit`` the chief's
+  weights and optimizer state (a restored backup included) are copied to
+  everyone; epoch and evaluation metrics are averaged (so EarlyStopping and
+  ReduceLROnPlateau decide alike); ``predict`` gathers every worker's rows, so
+  each returns the whole, ordered predictions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rdkeras import keras_internals
+from rdkeras.engine import Engine
+from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
+from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
+
+
+class DataParallel:
+    """Attaches data-parallel training to compiled Keras models.
+
+    Args:
+        engine: The job's engine.
+        mode: "allreduce" (ring allreduce of the gradients) or "ps" (parameter servers sharded over
+            the workers).
+        bucket_bytes: Bytes the ring moves per pass.
+        global_batch: Whether ``batch_size`` is the global batch (default) or per worker.
+    """
+
+    def __init__(
+        self, engine: Engine, mode: str = "allreduce", bucket_bytes: int = 64 << 20, global_batch: bool = True
+    ):
+        self.engine, self.mode = engine, mode
+        self.collectives = Collectives(engine, bucket_bytes)
+        self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
+        self.synced = self.restored = self.fitting = False
+        self.global_batch_size: int | None = None  # of the last fit, when known (TrainingStats)
+        self.models: list[Any] = []
+        self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
+        self._gathered_at: dict[int, int] = {}
+
+    @property
+    def num_workers(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def replicas(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def reporter_rank(self) -> int:
+        return 0
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.engine.rank == 0
+
+    # -- attaching -------------------------------------------------------------------
+
+    def attach(self, model: Any) -> Any:
+        """Makes `model` (compiled) train data-parallel. Idempotent."""
+        if keras_internals.parallel_of(model) is self:
+            return model
+        if keras_internals.parallel_of(model) is not None:
+            raise ValueError(f"model {model.name!r} is already distributed by another RDMAStrategy")
+        if model.optimizer is None:
+            raise ValueError("compile the model (with an optimizer) before distributing it")
+        if model.jit_compile:
+            self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
+        optimizer = model.optimizer
+        if self.mode == "ps":
+            from rdkeras.parallel.parameter_server import ParameterServer
+
+            ps = ParameterServer(self.engine, f"opt{len(self.models)}")
+            self._servers[id(model)] = ps
+            keras_internals.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
+            # Owners update different variables: all must agree whether a mixed-precision step is skipped.
+            keras_internals.agree_on_finite_gradients(optimizer, self._all_finite)
+        else:
+            average = GradientAllreduce(self.collectives)
+            keras_internals.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
+        keras_internals.distribute_model(model, self)
+        self.models.append(model)
+        return model
+
+    def detach_all(self) -> None:
+        """Returns every attached model to plain Keras."""
+        for model in self.models:
+            keras_internals.undistribute(model)
+        self.models.clear()
+
+    def _all_finite(self, local: Any) -> Any:
+        import tensorflow as tf
+
+        def verdict(ok: np.ndarray) -> np.ndarray:
+            (bad,) = self.collectives.allreduce([np.asarray([0.0 if ok else 1.0])], average=False, purpose="finite")
+            return np.asarray(bad[0] == 0.0)
+
+        out = tf.numpy_function(verdict, [local], Tout=tf.bool, stateful=True, name="rdkeras_all_finite")
+        out.set_shape(())
+        return out
+
+    # -- the hooks rdkeras.keras_internals calls ---------------------------------------
+
+    def shard_fit(self, a: dict) -> None:
+        self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
+        shard_fit_arguments(a, self.sharding)
+
+    def shard_evaluate(self, a: dict) -> None:
+        a["x"], a["y"], a["sample_weight"], a["batch_size"] = self.sharding.shard(
+            a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
+        )
+
+    def shard_predict(self, a: dict) -> int | None:
+        # Each worker predicts its part of every batch; predict_step gathers the rows back.
+        a["x"], rows = self.sharding.pad_for_predict(a["x"], a["batch_size"])
+        a["x"], _, _, a["batch_size"] = self.sharding.shard(a["x"], None, None, a["batch_size"])
+        return rows
+
+    def step_overrides(self) -> dict[str, Any]:
+        if self.num_workers == 1:
+            return {}
+        collectives = self.collectives
+
+        def predict_step(model: Any, data: Any) -> Any:
+            import keras
+            import tensorflow as tf
+
+            out = keras_internals.original(model, "predict_step")(data)
+            flat = keras.tree.flatten(out)
+
+            def gather(*parts: np.ndarray) -> list[np.ndarray]:
+                return [collectives.gather_rows(p) for p in parts]
+
+            full = tf.numpy_function(gather, flat, Tout=[t.dtype for t in flat], stateful=True, name="rdkeras_gather")
+            for t, f in zip(flat, full, strict=True):
+                f.set_shape([None, *t.shape[1:]])
+            return keras.tree.pack_sequence_as(out, list(full))
+
+        return {"predict_step": predict_step}
+
+    def check_callbacks(self, callbacks: list) -> None:
+        import keras
+
+        if self.mode != "ps":
+            return
+        for c in callbacks:
+            if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_freq != "epoch":
+                raise ValueError(
+                    f"ModelCheckpoint(save_freq={c.save_freq!r}) with mode='ps': between epoch ends each "
+                    "parameter server holds its own variables' optimizer state only, so a mid-epoch checkpoint "
+                    "would be incomplete; use save_freq='epoch' (or BackupAndRestore(save_freq=N), which "
+                    "gathers the state first)"
+                )
+
+    def sync_state(self, model: Any, restored: bool) -> None:
+        """Gives every worker the chief's weights and optimizer state (and, after a restore, its epoch)."""
+        if self.num_workers > 1:
+            (flags,) = self.collectives.broadcast(
+                [np.asarray([float(restored), keras_internals.initial_epoch(model)], np.float64)]
+            )
+            if flags[0]:
+                keras_internals.set_initial_epoch(model, int(flags[1]))
+            variables = keras_internals.state_variables(model)
+            share_variables(self.collectives, variables, [0] * len(variables))
+        self.synced = True
+
+    def gather_state(self, model: Any) -> None:
+        """PS mode: each optimizer slot from the worker that owns its variable (collective)."""
+        ps = self._servers.get(id(model))
+        if ps is None or not ps.owner or self._gathered_at.get(id(model)) == ps.step:
+            return
+        self._gathered_at[id(model)] = ps.step
+        optimizer = keras_internals.inner_optimizer(model.optimizer)
+        slots = [(v, ps.owner[i]) for v, i in keras_internals.optimizer_slot_references(
+            optimizer, model.trainable_variables) if i is not None]  # fmt: skip
+        share_variables(self.collectives, [v for v, _ in slots], [o for _, o in slots])
+
+    def share_logs(self, logs: dict) -> dict:
+        keys = [k for k, v in logs.items() if np.ndim(v) == 0]
+        means = self.collectives.mean([float(logs[k]) for k in keys])
+        return {**logs, **dict(zip(keys, means, strict=True))}
+
+    # -- the plan ---------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> ExchangePlan | None:
+        """What each step of the last attached model sends (None before a model is attached)."""
+        if not self.models:
+            return None
+        model = self.models[-1]
+        variables = [
+            (v.path, tuple(v.shape), str(v.dtype), int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize)
+            for v in model.trainable_variables
+        ]
+        return ExchangePlan(
+            self.mode, self.num_workers, self.engine.transport, self.global_batch_size, variables,
+            self.collectives.bucket_bytes,
+        )  # fmt: skip
+
+    def plan_text(self) -> str:
+        plan = self.plan
+        return plan.text() if plan is not None else ""
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """The data-parallel plan: the gradients every step exchanges, and how."""
+
+    mode: str  # "allreduce" or "ps"
+    workers: int
+    transport: str
+    global_batch: int | None
+    variables: list[tuple[str, tuple, str, int]]  # (path, shape, dtype, bytes) of each trainable variable
+    bucket_bytes: int
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(v[3] for v in self.variables)
+
+    @property
+    def bytes_per_worker(self) -> int:
+        """Bytes each worker sends (and receives) per step in a ring allreduce."""
+        return 2 * (self.workers - 1) * self.gradient_bytes // self.workers
+
+    def text(self) -> str:
+        """The plan as Markdown (TensorBoard's text tab renders it)."""
+        batch, workers, total = self.global_batch, self.workers, self.gradient_bytes
+        lines = [
+            f"**data parallel**, {workers} workers, transport `{self.transport}`, mode `{self.mode}`"
+            + (f", global batch {batch} ({batch // workers} per worker)" if batch else ""),
+            "",
+        ]
+        if self.mode == "allreduce":
+            passes = max(1, math.ceil(total / self.bucket_bytes))
+            lines.append(
+                f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
+                f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
+            )
+        else:
+            lines.append(
+                f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "
+                f"variable (sharded over the {workers} workers); updated parameters pulled back."
+            )
+        rows = [f"| {path} | {shape} | {dtype} | {nbytes:,} |" for path, shape, dtype, nbytes in self.variables]
+        lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
+        return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""What one pipeline step feeds each stage: the reader's slices, the labels, the loss and metrics.
+
+The reader (stage 0 of a replica) uses the batch Keras hands it: model inputs
+consumed elsewhere go straight to their consumers, labels and sample weights
+straight to the loss worker. Every other stage iterates the same batches only
+to keep Keras's loop in step and to know the batch's row count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rdkeras import keras_internals
+from rdkeras.ops import rdma_recv, rdma_send
+from rdkeras.parallel.sharding import unpack
+
+
+def data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> tuple:
+    """(rows per batch when every batch has them, label specs, sample-weight specs)."""
+    import keras
+    import tensorflow as tf
+
+    def from_arrays(arrays: Any, rows: int | None) -> list | None:
+        if arrays is None:
+            return None
+        specs = []
+        for a in keras.tree.flatten(arrays):
+            a = np.asarray(a)
+            dtype = keras.config.floatx() if a.dtype.kind == "f" else a.dtype.name
+            specs.append(((rows, *a.shape[1:]), dtype))
+        return specs
+
+    def from_tensor_specs(specs: Any) -> list | None:
+        if specs is None:
+            return None
+        return [(tuple(s.shape.as_list()), s.dtype.name) for s in keras.tree.flatten(specs)]
+
+    if isinstance(x, tf.data.Dataset):
+        _, ys, ws = unpack(x.element_spec)
+        out_y, out_w = from_tensor_specs(ys), from_tensor_specs(ws)
+        first = next((s for s in keras.tree.flatten(x.element_spec)), None)
+        rows = first.shape[0] if first is not None and first.shape.rank else None
+        return rows, out_y, out_w
+    if isinstance(x, keras.utils.PyDataset):
+        _, ys, ws = unpack(x[0])
+        return None, from_arrays(ys, None), from_arrays(ws, None)
+    if x is None:
+        return None, None, None
+    batch_size = batch_size or 32
+    samples = len(keras.tree.flatten(x)[0])
+    rows = batch_size if samples % batch_size == 0 or samples < batch_size else None
+    rows = min(rows, samples) if rows is not None else None
+    return rows, from_arrays(y, rows), from_arrays(sample_weight, rows)
+
+
+class Feeds:
+    """One step's data on this worker: the reader's slices, and what the loss worker needs."""
+
+    def __init__(self, model: Any, run: Any, x: Any, y: Any, sw: Any):
+        import keras
+        import tensorflow as tf
+
+        self.model, self.run, self.stage, self.plan = model, run, run.stage, run.plan
+        self.graph = keras_internals.functional_of(model)
+        self.y_struct, self.sw_struct = y, sw
+        reader = self.stage.is_reader
+        self.inputs = [self._split(t) for t in keras_internals.standardize_inputs(self.graph, x)] if reader else []
+        self.labels = [self._split(t) for t in keras.tree.flatten(y)] if reader and y is not None else []
+        self.weights = [self._split(t) for t in keras.tree.flatten(sw)] if reader and sw is not None else []
+        # Every worker iterates the same batches (only the reader's contents are used), so
+        # each knows the batch's row count locally.
+        first = keras.tree.flatten(x)[0]
+        self.rows = tf.cast(tf.shape(first)[0], keras.config.floatx())
+        self._metric_batches: list[tuple] = []
+
+    def after_data(self) -> list[Any]:
+        """What the step's first transfer waits for: this batch. A worker that only receives must not
+        start a blocking receive before its own iterator has yielded, or at the end of a dataset of
+        unknown length it would wait for a step that no worker runs."""
+        return [self.rows]
+
+    def _split(self, t: Any) -> list[Any]:
+        import tensorflow as tf
+
+        m = self.plan.micro_batches
+        if m == 1:
+            return [t]
+        if self.plan.batch_size is not None:
+            return tf.split(t, m, axis=0)
+        n = tf.shape(t)[0]
+        return tf.split(t, tf.stack([(n + m - 1 - i) // m for i in range(m)]), num=m, axis=0)
+
+    def send_data(self, m: int, chain: list[Any]) -> list[Any]:
+        """Reader: micro-batch m's model inputs to the stages that consume them, labels to the loss worker."""
+        import tensorflow as tf
+
+        stage, run = self.stage, self.run
+        if not stage.is_reader:
+            return chain
+        for pos, e in stage.data_edges:
+            t = tf.cast(self.inputs[pos][m], e.dtype)
+            chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
+        for e in stage.label_edges:
+            parts = self.labels if e.kind == "labels" else self.weights
+            t = tf.cast(parts[int(e.producer.split("[")[1].rstrip("]"))][m], e.dtype)
+            chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
+        return chain
+
+    def receive(self, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        received = {}
+        for e in self.stage.received:
+            t = rdma_recv(self.run.fwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}", chain)
+            received[e.name] = t
+            chain = [t]
+        return received, chain
+
+    def model_outputs(self, outs: list[Any], received: dict[str, Any]) -> list[Any]:
+        return [outs[ref] if kind == "local" else received[ref.name] for kind, ref in self.stage.outputs]
+
+    def loss(self, m: int, outs: list[Any], received: dict[str, Any], training: bool) -> Any:
+        """Loss worker: micro-batch m's share of the full batch's loss."""
+        import keras
+        import tensorflow as tf
+
+        flat_pred = self.model_outputs(outs, received)
+        y_pred = keras.tree.pack_sequence_as(keras_internals.outputs_struct(self.graph), flat_pred)
+        if self.stage.is_reader:
+            ys, ws = [p[m] for p in self.labels], [p[m] for p in self.weights]
+        else:
+            ys = [received[e.name] for e in self.stage.label_edges if e.kind == "labels"]
+            ws = [received[e.name] for e in self.stage.label_edges if e.kind == "sample_weight"]
+        y = keras.tree.pack_sequence_as(self.y_struct, ys) if self.y_struct is not None else None
+        sw = keras.tree.pack_sequence_as(self.sw_struct, ws) if self.sw_struct is not None else None
+        self._metric_batches.append((y, y_pred, sw))
+        compile_loss = keras_internals.compiled_loss(self.model)
+        if compile_loss is None:
+            return None
+        loss = compile_loss(y, y_pred, sw)
+        if self.plan.micro_batches == 1:
+            return loss
+        # The full batch's mean = sum over micro-batches of (rows_m / rows) x micro-batch mean.
+        rows_m = tf.cast(tf.shape(keras.tree.flatten(flat_pred)[0])[0], loss.dtype)
+        return loss * rows_m / tf.cast(self.rows, loss.dtype)
+
+    def update_metrics(self, total_loss: Any) -> None:
+        if total_loss is not None:
+            keras_internals.loss_tracker(self.model).update_state(total_loss, sample_weight=self.rows)
+        for y, y_pred, sw in self._metric_batches:
+            self.model.compute_metrics(None, y, y_pred, sample_weight=sw)
+        self._metric_batches.clear()

@@ -1,0 +1,157 @@
+"""The backend interface: what every transport implements, declared once.
+
+A backend is one process's endpoint in a fixed world of ranks: registered
+memory, one-sided access to peers' memory as (key, offset, length), channels
+and a ring allreduce. The native engine (``rdkeras._engine.Engine``: shm, tcp,
+verbs) implements it in C++; the gRPC baseline (``rdkeras.transports.grpc``)
+in Python. ``rdkeras.Engine`` (the face) talks to nothing else, so a new
+backend -- another baseline, another fabric -- is one more implementation of
+these protocols plus one line in ``rdkeras.transports`` (the registry).
+
+Lifecycle: created (listening), ``descriptor`` all-gathered through the
+rendezvous store, ``connect(descriptors, secret)``, used, ``close()``. Every
+blocking call is bounded by the backend's timeout and raises
+``rdkeras.errors.TimeoutError`` / ``PeerError`` naming the peer. Channels and
+rings are created by the face on both ends, swap descriptors through the store
+once, and are used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Buffer = Any  # a buffer-protocol object (numpy array, memoryview, bytes)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What the face hands a backend factory (read from the environment once, by the face)."""
+
+    rank: int
+    world_size: int
+    timeout: float
+    arena_bytes: int
+    advertise_host: str = "127.0.0.1"  # the address peers reach this rank at
+    bind_host: str = "127.0.0.1"  # the address listeners bind (never 0.0.0.0 unless asked)
+
+
+@runtime_checkable
+class StaticChannelEnd(Protocol):
+    """One end of a fixed-size channel (one cut edge, one direction)."""
+
+    @property
+    def descriptor(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def sequence(self) -> int:
+        """Messages sent or received so far."""
+
+    @property
+    def peer(self) -> int: ...
+
+    def connect(self, remote_descriptor: str) -> None: ...
+    def send(self, data: Buffer) -> None:
+        """Sender: the message (exactly `nbytes` bytes) goes into the receiver's slot."""
+
+    def recv(self) -> np.ndarray:
+        """Receiver: the next message as uint8, valid until the next recv()."""
+
+
+@runtime_checkable
+class DynamicChannelEnd(Protocol):
+    """One end of a channel whose tensors' shape and dtype are known only at run time."""
+
+    @property
+    def descriptor(self) -> str: ...
+    @property
+    def sequence(self) -> int: ...
+    @property
+    def peer(self) -> int: ...
+    @property
+    def acked(self) -> int:
+        """Sender: messages whose source the receiver has finished reading."""
+
+    def connect(self, remote_descriptor: str) -> None: ...
+    def send(self, data: Buffer, dtype: str, shape: Sequence[int]) -> int:
+        """Sender: publishes `data`; it must stay unchanged until ``acked`` exceeds the returned number."""
+
+    def wait_acked(self, count: int) -> None: ...
+    def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        """Receiver: (uint8 buffer the array owns, numpy dtype string, shape)."""
+
+
+@runtime_checkable
+class Ring(Protocol):
+    """A ring allreduce among some ranks (in ring order)."""
+
+    @property
+    def descriptor(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+
+    def connect(self, left: str, right: str) -> None:
+        """Takes the descriptors of the left and right members (not called for a ring of one)."""
+
+    def allreduce(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
+        """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One process's endpoint: memory, one-sided operations, channels, rings."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def descriptor(self) -> str:
+        """What peers need to connect to this rank (all-gathered through the store)."""
+
+    def connect(self, descriptors: Sequence[str], secret: str) -> None:
+        """Connects to every peer (``descriptors[r]`` is rank r's); `secret` is the job's transport secret."""
+
+    def close(self) -> None: ...
+
+    # Registered memory.
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of registered memory, 64-byte aligned."""
+
+    def register(self, buffer: Buffer) -> int:
+        """Registers a writable buffer; returns the key peers address it by. Keeps the buffer alive."""
+
+    def deregister(self, key: int) -> None: ...
+
+    # One-sided access to a peer's registered memory.
+    def write(self, peer: int, src: Buffer, key: int, offset: int = 0) -> None: ...
+    def read(self, peer: int, dst: Buffer, key: int, offset: int = 0) -> None: ...
+    def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
+        """An 8-byte store, ordered after every earlier write to `peer`."""
+
+    def flush(self, peer: int) -> None:
+        """Waits until earlier operations to `peer` completed there; raises what it reported."""
+
+    def check_peer(self, peer: int) -> None: ...
+    def wait_flag(self, buffer: Buffer, offset: int, value: int, peer: int) -> None:
+        """Waits until the local 8-byte flag at `offset` is >= value, watching `peer`."""
+
+    # Channels and collectives.
+    def static_channel(self, sender: bool, peer: int, nbytes: int) -> StaticChannelEnd: ...
+    def dynamic_channel(self, sender: bool, peer: int) -> DynamicChannelEnd: ...
+    def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> Ring: ...
+
+    # What happened.
+    def counters(self) -> dict[str, int]:
+        """Registration and pool counters (``registrations``, ``bytes_registered``, ``cache_hits``, ...)."""
+
+    def traffic(self) -> dict[str, float]:
+        """bytes_written, bytes_read, writes, reads, flags, bytes_received, wait_seconds."""
+
+    def count_received(self, nbytes: int) -> None: ...
