@@ -42,7 +42,9 @@ def _model(kind: str, seed: int):
     )
 
 
-def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce") -> dict:
+def fit_model(
+    kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce", global_batch: bool = True
+) -> dict:
     """Trains with SGD; returns final weights and evaluate() results."""
     import keras
 
@@ -50,7 +52,7 @@ def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, 
 
     x, y = _data(kind)
     if distributed:
-        strategy = rdkeras.RDMAStrategy(mode=mode)
+        strategy = rdkeras.RDMAStrategy(mode=mode, global_batch=global_batch)
         rank = strategy.worker_index
         scope = strategy.scope()
     else:

@@ -87,6 +87,8 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
     ]
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=checkpoints)
     out = {"rank": rank, "trained": _state(model), "predict": model.predict(x[:8], verbose=0).tolist()}
+    # 9 rows in global batches of 4: the last batch has 1 row for 2 workers (padded, then cut).
+    out["predict_odd"] = model.predict(x[:9], batch_size=4, verbose=0).tolist()
     if strategy.is_chief:
         model.save(os.path.join(out_dir, "m.keras"))
         model.export(os.path.join(out_dir, "savedmodel"), verbose=False)
@@ -123,6 +125,7 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
         _compile(ref)
         ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         out["reference"] = _state(ref)
+        out["reference_predict_odd"] = ref.predict(x[:9], batch_size=4, verbose=0).tolist()
         ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         out["reference_continued"] = _state(ref)
     return out

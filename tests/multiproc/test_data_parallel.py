@@ -45,6 +45,13 @@ def test_three_workers_match_too(mode):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_per_worker_batches_on_request():
+    # Horovod's convention, asked for explicitly: batch_size is per worker, the global batch N x that.
+    results = _run("fit_model", 2, "shm", kind="mlp", batch=8, global_batch=False)
+    for got, want in zip(results[0].value["weights"], _reference("mlp", 16)["weights"], strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("samples", [96, 104], ids=["whole-batches", "partial-last-batch"])
 @pytest.mark.parametrize("source", ["arrays", "dataset", "pydataset"])
 def test_each_global_batch_is_split_over_the_workers(source, samples):

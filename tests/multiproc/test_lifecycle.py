@@ -39,6 +39,9 @@ def test_saved_files_load_where_rdkeras_is_not_installed(tmp_path, mode, policy)
     # and it is the state one process reaches with the same global batch.
     assert chief["trained"] == other["trained"]
     _same_state(chief["trained"], chief["reference"], tol)
+    # predict splits every batch over the workers and gathers the rows back, in order, on every worker.
+    assert chief["predict_odd"] == other["predict_odd"] and len(chief["predict_odd"]) == 9
+    np.testing.assert_allclose(chief["predict_odd"], chief["reference_predict_odd"], rtol=tol * 10, atol=tol * 10)
     assert chief["loaded_is_distributed"] and other["loaded_is_distributed"]
     assert chief["continued"] == other["continued"]
     _same_state(chief["continued"], chief["reference_continued"], tol)
