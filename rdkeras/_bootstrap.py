@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 from rdkeras.errors import AuthenticationError, PeerError, TimeoutError  # noqa: A004
 
-_MAX_FRAME = 16 << 20
+_MAX_FRAME = 16 << 20  # from an authenticated rank
+_MAX_HELLO = 1024  # before authentication
 
 
 def _send(sock: socket.socket, obj: dict) -> None:
@@ -39,15 +40,27 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> dict:
+def _recv(sock: socket.socket, limit: int = _MAX_FRAME) -> dict:
     (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    if n > _MAX_FRAME:
+    if n > limit:
         raise ConnectionError(f"frame of {n} bytes is too large")
-    return json.loads(_recv_exact(sock, n))
+    obj = json.loads(_recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise ValueError("a store message must be a JSON object")
+    return obj
 
 
 def _mac(token: bytes, *parts: bytes) -> str:
     return hmac.new(token, b"|".join(parts), hashlib.sha256).hexdigest()
+
+
+def transport_key(token: bytes) -> bytes:
+    """The 32-byte key every transport connection proves knowledge of (csrc/engine/handshake.h).
+
+    Derived from the job token with a label of its own, so neither the token nor the
+    store's MACs can stand in for it, and it never leaves the process.
+    """
+    return hmac.new(token, b"rdkeras transport key v1", hashlib.sha256).digest()
 
 
 class _StoreServer:
@@ -76,29 +89,36 @@ class _StoreServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        rank: int | None = None  # set once the client proved it holds the token
         try:
-            conn.settimeout(30)
+            conn.settimeout(10)
             nonce = os.urandom(32)
             _send(conn, {"nonce": nonce.hex()})
-            hello = _recv(conn)
-            rank = str(hello.get("rank"))
-            expect = _mac(self._token, b"client", nonce, rank.encode())
+            hello = _recv(conn, limit=_MAX_HELLO)  # a stranger gets no more than this read
+            claimed = str(hello.get("rank"))
+            expect = _mac(self._token, b"client", nonce, claimed.encode())
             if not hmac.compare_digest(expect, str(hello.get("mac", ""))):
                 _send(conn, {"ok": False, "error": "job token mismatch"})
                 conn.close()
                 return
             client_nonce = bytes.fromhex(hello["nonce"])
-            _send(conn, {"ok": True, "mac": _mac(self._token, b"server", client_nonce, rank.encode())})
+            _send(conn, {"ok": True, "mac": _mac(self._token, b"server", client_nonce, claimed.encode())})
+            rank = int(claimed) if claimed.isdigit() else None
             conn.settimeout(None)
-            self._conns.append(conn)
+            with self._cond:
+                self._conns.append(conn)
             while True:
                 req = _recv(conn)
                 _send(conn, self._handle(req))
         except (ConnectionError, OSError, ValueError, KeyError):
             conn.close()
-            if "rank" in locals() and rank.isdigit():
+            with self._cond:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+                self._cond.notify_all()
+            if rank is not None:  # only an authenticated rank's hang-up means it left
                 with self._cond:  # waits on this rank now fail at once instead of timing out
-                    self._gone.add(int(rank))
+                    self._gone.add(rank)
                     self._cond.notify_all()
 
     def _handle(self, req: dict) -> dict:
@@ -123,15 +143,15 @@ class _StoreServer:
                 if missing:
                     return {"ok": False, "missing": missing, "gone": gone}
                 return {"ok": True, "values": [self._data[k] for k in keys]}
-        if op == "add":
-            with self._cond:
-                value = int(self._data.get(req["key"], "0")) + int(req["amount"])
-                self._data[req["key"]] = str(value)
-                self._cond.notify_all()
-            return {"ok": True, "value": value}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Stops serving, after waiting up to `linger` seconds for the clients to hang up first
+        (one still reading its last reply must not see the store vanish)."""
+        end = time.monotonic() + linger
+        with self._cond:
+            while self._conns and time.monotonic() < end:
+                self._cond.wait(min(0.05, max(end - time.monotonic(), 0)))
         self._closing = True
         self._listener.close()
         for c in self._conns:
@@ -244,9 +264,6 @@ class Store:
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {who} ({missing[0]!r})")
         return [bytes.fromhex(v) for v in reply["values"]]
 
-    def add(self, key: str, amount: int = 1) -> int:
-        return int(self._call({"op": "add", "key": key, "amount": amount})["value"])
-
     def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         self.set(f"{name}/{self.rank}", value)
         ranks = list(range(self.world_size))
@@ -258,4 +275,4 @@ class Store:
     def close(self) -> None:
         self._sock.close()
         if self._server:
-            self._server.close()
+            self._server.close(linger=min(self.timeout, 10.0))

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from rdkeras import transports
-from rdkeras._bootstrap import Store
+from rdkeras._bootstrap import Store, transport_key
 from rdkeras._log import logger
 from rdkeras.errors import EngineError
-from rdkeras.transports.base import Backend, BackendConfig
+from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
@@ -75,6 +75,8 @@ class Engine:
         timeout: Seconds any wait may take before it fails naming the peer
             (``RDKERAS_TIMEOUT``, default 300).
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
+        options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
+            ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
 
     Attributes:
         backend: The transport's :class:`~rdkeras.transports.base.Backend` underneath.
@@ -92,6 +94,7 @@ class Engine:
         token: str | bytes | None = None,
         timeout: float | None = None,
         arena_bytes: int | None = None,
+        options: TransportOptions | None = None,
     ):
         self.rank = int(_env("RDKERAS_RANK", 0) if rank is None else rank)
         self.world_size = int(_env("RDKERAS_WORLD_SIZE", 1) if world_size is None else world_size)
@@ -120,6 +123,7 @@ class Engine:
         if self.world_size > 1 and master_port == 0:
             raise EngineError("no rendezvous port: set RDKERAS_MASTER_PORT (and RDKERAS_MASTER_ADDR)")
         token_bytes = token.encode() if isinstance(token, str) else bytes(token)
+        options = TransportOptions.from_env(os.environ) if options is None else options
 
         self._names: set[str] = set()
         self._closed = False
@@ -130,14 +134,18 @@ class Engine:
             # Listeners bind the address this rank reaches rank 0 from: the job's network, not 0.0.0.0.
             host = self.store.local_host
             config = BackendConfig(
-                self.rank, self.world_size, self.timeout, arena_bytes, advertise_host=host, bind_host=host
+                self.rank,
+                self.world_size,
+                self.timeout,
+                arena_bytes,
+                advertise_host=host,
+                bind_host=host,
+                options=options,
             )
             self.backend: Backend = transports.create(self.transport, config)
             descriptors = self.store.all_gather("endpoints", self.backend.descriptor.encode())
-            if self.rank == 0:
-                self.store.set("transport-secret", secrets.token_hex(32).encode())
-            (secret,) = self.store.get(["transport-secret"], waiting_for=[0])
-            self.backend.connect([d.decode() for d in descriptors], secret.decode())
+            # Peers prove they hold a key derived from the token; no secret is in the store or on the wire.
+            self.backend.connect([d.decode() for d in descriptors], transport_key(token_bytes))
         except BaseException:
             self.store.close()
             raise

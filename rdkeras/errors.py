@@ -1,10 +1,11 @@
-"""The errors rdkeras raises. The engine's classes come from the C++ extension."""
+"""The errors rdkeras raises; they are the C++ extension's classes (Python and C++ raise the same ones)."""
 
-from rdkeras._engine import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
-
-
-class AuthenticationError(EngineError):
-    """A peer could not prove it belongs to this job (wrong job token)."""
-
+from rdkeras._engine import (
+    AuthenticationError,
+    EngineError,
+    PeerError,
+    RemoteAccessError,
+    TimeoutError,  # noqa: A004
+)
 
 __all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError"]

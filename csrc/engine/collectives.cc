@@ -40,10 +40,10 @@ __attribute__((target("avx2"))) void addScaledStream(float* out, const float* a,
 }
 #endif
 
-void addFloat(float* out, const float* a, const float* b, size_t n, float scale) {
+void addFloat(float* out, const float* a, const float* b, size_t n, float scale, size_t nontemporal_from) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2 && n * sizeof(float) >= nonTemporalThreshold()) return addScaledStream(out, a, b, n, scale);
+  if (avx2 && n * sizeof(float) >= nontemporal_from) return addScaledStream(out, a, b, n, scale);
 #endif
   addScaled(out, a, b, n, scale);
 }
@@ -162,7 +162,8 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
     const uint8_t* partial = staged + (lo - recv_begin);
     if (dtype == DType::kFloat32)
       addFloat(reinterpret_cast<float*>(out + lo), reinterpret_cast<const float*>(in),
-               reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale));
+               reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale),
+               engine_->transportOptions().nt_threshold);
     else
       addScaled(reinterpret_cast<double*>(out + lo), reinterpret_cast<const double*>(in),
                 reinterpret_cast<const double*>(partial), (hi - lo) / 8, scale);

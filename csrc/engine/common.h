@@ -27,6 +27,11 @@ class PeerError : public EngineError {
  public:
   using EngineError::EngineError;
 };
+// A peer could not prove it holds the job's key (or refused our proof).
+class AuthenticationError : public EngineError {
+ public:
+  using EngineError::EngineError;
+};
 // A one-sided access named a stale/unknown key or fell outside the region.
 class RemoteAccessError : public EngineError {
  public:

@@ -33,7 +33,7 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
   if (options.transport == "shm")
-    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_);
+    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_, options.transport_options);
   else if (options.transport == "tcp")
     transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
 #ifdef RDKERAS_WITH_VERBS
@@ -50,9 +50,9 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
 
 Engine::~Engine() { close(); }
 
-void Engine::connect(const std::vector<std::string>& descriptors, const std::string& secret) {
+void Engine::connect(const std::vector<std::string>& descriptors, const std::string& key) {
   if (connected_) throw EngineError("engine already connected");
-  transport_->connect(descriptors, secret, deadline());
+  transport_->connect(descriptors, key, deadline());
   connected_ = true;
 }
 

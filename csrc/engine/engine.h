@@ -33,9 +33,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   double timeout() const { return options_.timeout_s; }
   Deadline deadline() const { return Deadline(options_.timeout_s); }
   const std::string& transportName() const { return options_.transport; }
+  const TransportOptions& transportOptions() const { return options_.transport_options; }
 
   std::string localDescriptor() const { return transport_->localDescriptor(); }
-  void connect(const std::vector<std::string>& descriptors, const std::string& secret);
+  void connect(const std::vector<std::string>& descriptors, const std::string& key);
   void close();
   bool connected() const { return connected_; }
 

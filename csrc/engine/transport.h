@@ -32,9 +32,15 @@ namespace rdkeras {
 
 class Arena;
 
+// Everything a transport is configured with, passed in from Python (rdkeras.transports.base
+// .TransportOptions, read from the environment once, at the face): no transport reads getenv.
 struct TransportOptions {
-  std::string advertise_host = "127.0.0.1";  // tcp: address peers connect to
-  std::string bind_host = "127.0.0.1";       // address listeners bind (the job's network)
+  std::string advertise_host = "127.0.0.1";  // tcp, verbs: the address peers connect to
+  std::string bind_host = "127.0.0.1";       // the address listeners bind (the job's network)
+  std::string ib_device;                     // verbs: device name; empty: the first with an active port
+  int ib_port = 0;                           // verbs: port number; 0: the first active one
+  int ib_gid_index = 0;                      // verbs: GID table index
+  size_t nt_threshold = size_t{8} << 20;  // shm copies and ring sums stream from this size (SIZE_MAX: never)
 };
 
 // What went over the wire, as seen by the initiator (for benchmarks and TensorBoard).
@@ -50,9 +56,10 @@ class Transport {
   virtual const char* name() const = 0;
   // Opaque text peers need to connect to this process.
   virtual std::string localDescriptor() const = 0;
-  // Connects to every peer. descriptors[r] is rank r's localDescriptor().
-  // `secret` must match on both ends of each connection.
-  virtual void connect(const std::vector<std::string>& descriptors, const std::string& secret,
+  // Connects to every peer. descriptors[r] is rank r's localDescriptor(). Every
+  // connection proves both ends hold `key`, the job's 32-byte transport key,
+  // through engine/handshake.h; the key itself never crosses the wire.
+  virtual void connect(const std::vector<std::string>& descriptors, const std::string& key,
                        const Deadline& deadline) = 0;
 
   virtual void write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,

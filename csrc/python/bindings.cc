@@ -96,6 +96,7 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<PeerError>(m, "PeerError",
                                     py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)));
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
+  py::register_exception<AuthenticationError>(m, "AuthenticationError", engine_error);
 
   m.def("native_transports", &nativeTransports);
   m.def("verbs_why_not_viable", &verbsWhyNotViable,
@@ -104,24 +105,38 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
-                       double timeout, const std::string& advertise_host, const std::string& bind_host) {
+                       double timeout, const std::string& advertise_host, const std::string& bind_host,
+                       const std::string& ib_device, int ib_port, int ib_gid_index, int64_t nt_threshold) {
              EngineOptions o;
              o.transport = transport;
              o.arena_bytes = arena_bytes;
              o.timeout_s = timeout;
-             o.transport_options.advertise_host = advertise_host;
-             o.transport_options.bind_host = bind_host;
+             TransportOptions& t = o.transport_options;
+             t.advertise_host = advertise_host;
+             t.bind_host = bind_host;
+             t.ib_device = ib_device;
+             t.ib_port = ib_port;
+             t.ib_gid_index = ib_gid_index;
+             t.nt_threshold = nt_threshold > 0 ? static_cast<size_t>(nt_threshold) : SIZE_MAX;  // 0: never
              return std::make_shared<Engine>(rank, world_size, o);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
-           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1")
+           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1",
+           py::arg("ib_device") = "", py::arg("ib_port") = 0, py::arg("ib_gid_index") = 0,
+           py::arg("nt_threshold") = int64_t{8} << 20)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
       .def_property_readonly("timeout", &Engine::timeout)
       .def_property_readonly("descriptor", &Engine::localDescriptor)
-      .def("connect", &Engine::connect, py::arg("descriptors"), py::arg("secret"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "connect",
+          [](Engine& e, const std::vector<std::string>& descriptors, const py::bytes& key) {
+            const std::string k = key;
+            py::gil_scoped_release nogil;
+            e.connect(descriptors, k);
+          },
+          py::arg("descriptors"), py::arg("key"))
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "alloc",
@@ -337,5 +352,4 @@ PYBIND11_MODULE(_engine, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
       "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
-  m.def("nontemporal_threshold", &nonTemporalThreshold);
 }

@@ -5,12 +5,18 @@ tensor_content) through grpcio, the way TensorFlow's gRPC runtime moves them:
 serialized on the sender, copied through RPC-managed buffers, deserialized on
 the receiver. Channels are receiver-pull like TF's RecvTensor. One-sided
 region access becomes Write/Read/Flag RPCs so the conformance tests apply.
-``GrpcBackend`` implements ``rdkeras.transports.base.Backend``, like the native
-engine, so the face and every benchmark treat it as one more transport.
+Every RPC carries ``rank:counter:HMAC(key, ranks | counter | method | header
+fields)`` in its metadata: the key never travels, and a recorded RPC cannot be
+replayed (each counter is accepted once). Payloads are not covered, as on every
+rdkeras transport (see docs/security.md). ``GrpcBackend`` implements
+``rdkeras.transports.base.Backend``, like the native engine, so the face and
+every benchmark treat it as one more transport.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import threading
 import time
@@ -69,6 +75,34 @@ _COUNTER_NAMES = (
 )
 
 
+class _ReplayWindow:
+    """Counters already accepted from one sender: each is accepted once; ones far behind are refused."""
+
+    SPAN = 4096  # RPCs may arrive out of order (several client threads); this many behind is fine
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+        self._floor = 0  # everything at or below was accepted or is too old
+
+    def accept(self, counter: int) -> bool:
+        with self._lock:
+            if counter <= self._floor or counter in self._seen:
+                return False
+            self._seen.add(counter)
+            if len(self._seen) > 2 * self.SPAN:
+                self._floor = sorted(self._seen)[-self.SPAN]
+                self._seen = {c for c in self._seen if c > self._floor}
+            return True
+
+
+def _rpc_mac(key: bytes, sender: int, target: int, counter: int, method: str, req: Any) -> str:
+    fields = (
+        f"{sender}>{target}|{counter}|{method}|{req.key}|{req.offset}|{req.length}|{req.value}|{req.channel}|{req.seq}"
+    )
+    return hmac.new(key, fields.encode(), hashlib.sha256).hexdigest()
+
+
 class _Mailbox:
     """Messages this rank's channels sent, held until their receivers pull them (RecvTensor)."""
 
@@ -110,7 +144,9 @@ class GrpcBackend:
         self._traffic: dict[str, float] = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
         self._traffic.update(bytes_received=0, wait_seconds=0.0)
         self.mailbox = _Mailbox()
-        self._secret = ""
+        self._key = b""
+        self._counter = itertools.count(1)
+        self._windows = [_ReplayWindow() for _ in range(self.world_size)]
         self._stubs: dict[int, dict[str, Any]] = {}
         self._grpc_channels: list[grpc.Channel] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
@@ -129,8 +165,8 @@ class GrpcBackend:
         self._server.start()
         self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    def connect(self, descriptors: Sequence[str], secret: str) -> None:
-        self._secret = secret
+    def connect(self, descriptors: Sequence[str], key: bytes) -> None:
+        self._key = bytes(key)
         for r, desc in enumerate(descriptors):
             if r == self.rank:
                 continue
@@ -157,10 +193,10 @@ class GrpcBackend:
         """One RPC to `peer`, its failures mapped to the engine's errors."""
         if peer not in self._stubs:
             raise EngineError(f"grpc: no connection to rank {peer}")
+        counter = next(self._counter)
+        auth = f"{self.rank}:{counter}:{_rpc_mac(self._key, self.rank, peer, counter, name, msg)}"
         try:
-            return self._stubs[peer][name](
-                msg, timeout=timeout or self.timeout, metadata=(("rdkeras-secret", self._secret),)
-            )
+            return self._stubs[peer][name](msg, timeout=timeout or self.timeout, metadata=(("rdkeras-auth", auth),))
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -262,13 +298,21 @@ class GrpcBackend:
 
     # -- server side -------------------------------------------------------------
 
-    def _authorized(self, context: Any) -> bool:
-        if dict(context.invocation_metadata()).get("rdkeras-secret") != self._secret:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong job secret")
-        return True
+    def _authorize(self, method: str, req: Any, context: Any) -> None:
+        """Aborts the RPC unless its metadata proves a rank of this job sent it, and sent it once."""
+        try:
+            rank_text, counter_text, mac = str(dict(context.invocation_metadata()).get("rdkeras-auth", "")).split(":")
+            rank, counter = int(rank_text), int(counter_text)
+            ok = 0 <= rank < self.world_size and rank != self.rank
+            ok = ok and hmac.compare_digest(mac, _rpc_mac(self._key, rank, self.rank, counter, method, req))
+            ok = ok and self._windows[rank].accept(counter)
+        except ValueError:
+            ok = False
+        if not ok:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not an RPC of this job (or a replayed one)")
 
-    def _region(self, op: str, req: Any, length: int, context: Any) -> np.ndarray:
-        self._authorized(context)
+    def _region(self, op: str, method: str, req: Any, length: int, context: Any) -> np.ndarray:
+        self._authorize(method, req, context)
         region = self._regions.get(req.key)
         if region is None:
             context.abort(  # raises
@@ -286,27 +330,27 @@ class GrpcBackend:
         return region
 
     def _rpc_write(self, req: Any, context: Any) -> Any:
-        region = self._region("write", req, len(req.tensor_content), context)
+        region = self._region("write", "Write", req, len(req.tensor_content), context)
         region[req.offset : req.offset + len(req.tensor_content)] = np.frombuffer(req.tensor_content, np.uint8)
         return TensorMessage()
 
     def _rpc_read(self, req: Any, context: Any) -> Any:
-        region = self._region("read", req, req.length, context)
+        region = self._region("read", "Read", req, req.length, context)
         return TensorMessage(tensor_content=region[req.offset : req.offset + req.length].tobytes())
 
     def _rpc_flag(self, req: Any, context: Any) -> Any:
         if req.offset % 8:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"flag offset {req.offset} is not 8-byte aligned")
-        region = self._region("writeFlag", req, 8, context)
+        region = self._region("writeFlag", "Flag", req, 8, context)
         region[req.offset : req.offset + 8].view(np.uint64)[0] = req.value
         return TensorMessage()
 
     def _rpc_ping(self, req: Any, context: Any) -> Any:
-        self._authorized(context)
+        self._authorize("Ping", req, context)
         return TensorMessage()
 
     def _rpc_recvtensor(self, req: Any, context: Any) -> Any:
-        self._authorized(context)
+        self._authorize("RecvTensor", req, context)
         msg = self.mailbox.take(req.channel, req.seq, time.monotonic() + self.timeout, context.is_active)
         if msg is None:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {req.channel}#{req.seq}")

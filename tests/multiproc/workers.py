@@ -291,3 +291,19 @@ def subgroup_rings() -> dict:
         except ValueError as e:
             refused = str(e)
         return {"out": [o.tolist() for o in out], "refused": refused}
+
+
+def store_holds_no_secret() -> dict:
+    """Rank 0 looks through everything the rendezvous store holds after set-up for the token and the
+    transport key, raw or in hex (it may read its own store's table: this is the check)."""
+    from rdkeras._bootstrap import transport_key
+
+    with rdkeras.Engine() as eng:
+        eng.static_channel("x", 0, 1, (4,), "float32")
+        eng.barrier("set-up done")
+        if eng.rank != 0:
+            return {}
+        token = os.environ["RDKERAS_JOB_TOKEN"].encode()
+        needles = [token, transport_key(token), transport_key(token).hex().encode()]
+        values = [bytes.fromhex(v) for v in eng.store._server._data.values()]
+        return {"values": len(values), "found": [i for i, n in enumerate(needles) if any(n in v for v in values)]}

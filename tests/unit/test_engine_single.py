@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -148,3 +150,20 @@ def test_the_face_has_no_transport_branch():
     source = inspect.getsource(rdkeras.engine)
     for name in ("grpc", "shm", "tcp", "verbs"):
         assert f'== "{name}"' not in source and f"== '{name}'" not in source, name
+
+
+def test_transport_options_come_from_the_environment_once_at_the_face():
+    from rdkeras.transports import TransportOptions
+
+    env = {"RDKERAS_IB_DEVICE": "mlx5_1", "RDKERAS_IB_PORT": "2", "RDKERAS_IB_GID_INDEX": "3"}
+    o = TransportOptions.from_env(env | {"RDKERAS_NT_THRESHOLD": "0"})
+    assert (o.ib_device, o.ib_port, o.ib_gid_index, o.nt_threshold) == ("mlx5_1", 2, 3, 0)
+    assert TransportOptions.from_env({}).nt_threshold == 8 << 20
+    with pytest.raises(ValueError, match="RDKERAS_IB_PORT='x' is not an integer"):
+        TransportOptions.from_env({"RDKERAS_IB_PORT": "x"})
+    with pytest.raises(ValueError, match="RDKERAS_NT_THRESHOLD=-1 must not be negative"):
+        TransportOptions.from_env({"RDKERAS_NT_THRESHOLD": "-1"})
+    # ... and nothing in the C++ engine reads the environment itself.
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    readers = [str(p) for p in csrc.rglob("*.cc") if "getenv" in p.read_text()]
+    assert readers == [], readers

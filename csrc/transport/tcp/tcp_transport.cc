@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "engine/handshake.h"
 #include "engine/socket_util.h"
 
 namespace rdkeras {
@@ -37,17 +38,9 @@ struct Header {
   uint64_t length;
 };
 
-constexpr uint32_t kHelloMagic = 0x54435031;  // "TCP1"
-constexpr int kRoleInitiator = 0;             // the connector sends requests on this socket
-constexpr int kRoleTarget = 1;                // the acceptor sends requests on this socket
-
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int32_t role;
-  uint32_t secret_len;
-  char secret[128];
-};
+// The handshake's channel number says which way requests flow on a socket.
+constexpr uint32_t kRoleInitiator = 0;  // the connector sends requests on this socket
+constexpr uint32_t kRoleTarget = 1;     // the acceptor sends requests on this socket
 
 // Background threads reply with this deadline; a dead initiator ends them sooner (EPIPE).
 constexpr double kReplyTimeoutS = 600;
@@ -62,25 +55,7 @@ void tuneSocket(int fd) {
 
 TcpTransport::TcpTransport(int rank, int world_size, Arena& arena, const TransportOptions& options)
     : rank_(rank), world_size_(world_size), arena_(arena), options_(options) {
-  struct addrinfo hints = {};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  struct addrinfo* res = nullptr;
-  if (int rc = getaddrinfo(options_.bind_host.c_str(), "0", &hints, &res); rc != 0)
-    throw EngineError(strCat("tcp: bad bind address ", options_.bind_host, ": ", gai_strerror(rc)));
-  listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (listen_fd_ < 0 || bind(listen_fd_, res->ai_addr, res->ai_addrlen) != 0 ||
-      listen(listen_fd_, 128) != 0) {
-    freeaddrinfo(res);
-    throwErrno(strCat("tcp: listen on ", options_.bind_host));
-  }
-  freeaddrinfo(res);
-  struct sockaddr_storage addr;
-  socklen_t len = sizeof(addr);
-  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  listen_fd_ = listenTcp(options_.bind_host, &port_);
   for (int r = 0; r < world_size; ++r) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -90,61 +65,42 @@ std::string TcpTransport::localDescriptor() const {
   return strCat("tcp;host=", options_.advertise_host, ";port=", port_);
 }
 
-void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
+void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& key,
                            const Deadline& deadline) {
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("tcp: need one descriptor per rank");
-  if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
+  const HandshakeIdentity id{Link::kTcp, rank_, world_size_, key};
   // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
   for (int r = 0; r < rank_; ++r) {
-    for (int role : {kRoleInitiator, kRoleTarget}) {
-      const int fd = connectTcp(field(descriptors[r], "host"), field(descriptors[r], "port"), deadline, r);
-      tuneSocket(fd);
-      Hello hello = {kHelloMagic, rank_, role, static_cast<uint32_t>(secret.size()), {}};
-      std::memcpy(hello.secret, secret.data(), secret.size());
-      struct iovec iov = {&hello, sizeof(hello)};
-      Hello reply;
-      try {
-        sendAll(fd, &iov, 1, deadline, strCat("rank ", r));
-        recvAll(fd, &reply, sizeof(reply), deadline, strCat("rank ", r));
-      } catch (const PeerError&) {
-        close(fd);
-        throw PeerError(strCat("tcp: rank ", r, " refused the connection (wrong job secret?)"));
-      } catch (...) {
-        close(fd);
-        throw;
-      }
-      if (reply.magic != kHelloMagic || reply.rank != r) {
-        close(fd);
-        throw EngineError(strCat("tcp: unexpected answer from rank ", r, "'s address"));
-      }
+    const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
+    for (uint32_t role : {kRoleInitiator, kRoleTarget}) {
+      const int fd = connectAuthenticated(
+          [&] {
+            const int fd = connectTcp(host, port, deadline, r);
+            tuneSocket(fd);
+            return fd;
+          },
+          id, r, role, deadline);
       (role == kRoleInitiator ? peers_[r]->out_fd : peers_[r]->in_fd) = fd;
     }
   }
-  acceptPeers(
-      listen_fd_, deadline, "tcp",
+  auto slot = [&](int rank, uint32_t role) -> int& {
+    return role == kRoleInitiator ? peers_[rank]->in_fd : peers_[rank]->out_fd;
+  };
+  acceptAuthenticated(
+      listen_fd_, id, deadline,
       [&] {
         std::vector<int> left;
         for (int r = rank_ + 1; r < world_size_; ++r)
           if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) left.push_back(r);
         return left;
       },
-      [&](int fd) {
+      [&](int rank, uint32_t role) {
+        return rank > rank_ && (role == kRoleInitiator || role == kRoleTarget) && slot(rank, role) < 0;
+      },
+      [&](int fd, int rank, uint32_t role, int) {
         tuneSocket(fd);
-        Hello hello;
-        recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
-        const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
-                        std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                        hello.rank < world_size_ &&
-                        (hello.role == kRoleInitiator || hello.role == kRoleTarget);
-        if (!ok) return false;
-        int& slot = hello.role == kRoleInitiator ? peers_[hello.rank]->in_fd : peers_[hello.rank]->out_fd;
-        if (slot >= 0) return false;  // a duplicate
-        Hello reply = {kHelloMagic, rank_, hello.role, 0, {}};
-        struct iovec iov = {&reply, sizeof(reply)};
-        sendAll(fd, &iov, 1, deadline, strCat("rank ", hello.rank));
-        slot = fd;
-        return true;
+        slot(rank, role) = fd;
       });
   close(listen_fd_);
   listen_fd_ = -1;
