@@ -8,4 +8,12 @@ from rdkeras._engine import (
     TimeoutError,  # noqa: A004
 )
 
-__all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError"]
+
+def peer_error(rank: int | None, message: str) -> PeerError:
+    """A PeerError whose ``.rank`` names the rank that failed (None where unknown)."""
+    err = PeerError(message)
+    err.rank = rank
+    return err
+
+
+__all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError", "peer_error"]

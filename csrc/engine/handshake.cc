@@ -245,11 +245,13 @@ int connectAuthenticated(const std::function<int()>& dial, const HandshakeIdenti
   checkKey(me);
   const std::string peer = strCat("rank ", server_rank);
   for (int attempt = 0;; ++attempt) {
+    if (me.watch) me.watch();
     if (attempt > 0) {
       if (deadline.expired())
-        throw PeerError(strCat(linkName(me.link), ": ", peer,
-                               " kept closing the connection during the handshake (gave up after ", attempt,
-                               " tries)"));
+        throw PeerError(
+            strCat(linkName(me.link), ": ", peer,
+                   " kept closing the connection during the handshake (gave up after ", attempt, " tries)"),
+            server_rank);
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20 * attempt, 500)));
     }
     const int fd = dial();
@@ -280,7 +282,7 @@ int connectAuthenticated(const std::function<int()>& dial, const HandshakeIdenti
     if (!decode(buf, sizeof(buf), &challenge))
       fail(EngineError(strCat(linkName(me.link), ": the process at ", peer,
                               "'s address does not speak rdkeras's handshake")));
-    if (challenge.status != kOk) fail(PeerError(refusal(challenge.status, me, server_rank, channel)));
+    if (challenge.status != kOk) fail(EngineError(refusal(challenge.status, me, server_rank, channel)));
     const Digest expect = serverMac(me.key, hello_bytes.data(), challenge.nonce);
     if (!equalConstantTime(expect.data(), challenge.mac.data(), expect.size()))
       fail(AuthenticationError(
@@ -302,8 +304,8 @@ int connectAuthenticated(const std::function<int()>& dial, const HandshakeIdenti
     uint32_t status;
     if (!decodeWelcome(welcome, sizeof(welcome), &status) || status != kOk) {
       if (got_fd >= 0) close(got_fd);
-      fail(PeerError(refusal(decodeWelcome(welcome, sizeof(welcome), &status) ? status : kMalformed, me,
-                             server_rank, channel)));
+      fail(EngineError(refusal(decodeWelcome(welcome, sizeof(welcome), &status) ? status : kMalformed, me,
+                               server_rank, channel)));
     }
     if (received_fd) *received_fd = got_fd;
     setBlocking(fd);
@@ -387,7 +389,12 @@ void acceptAuthenticated(
     return false;
   };
 
+  auto next_watch = Clock::now();
   for (std::vector<int> left = pending(); !left.empty(); left = pending()) {
+    if (me.watch && Clock::now() >= next_watch) {
+      me.watch();
+      next_watch = Clock::now() + std::chrono::milliseconds(100);
+    }
     if (deadline.expired()) {
       std::string names;
       for (int r : left) names += strCat(names.empty() ? "" : ", ", r);

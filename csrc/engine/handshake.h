@@ -43,7 +43,8 @@ struct HandshakeIdentity {
   Link link;
   int rank;
   int world_size;
-  std::string key;  // the job's transport key (kKeyBytes)
+  std::string key;                   // the job's transport key (kKeyBytes)
+  std::function<void()> watch = {};  // called about every 100 ms while waiting; throws to give up
 };
 
 namespace handshake {

@@ -124,7 +124,7 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
   }
   freeaddrinfo(res);
   if (fd < 0)
-    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
+    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why), peer);
   // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,10 @@ class Transport {
   virtual void flush(int peer, const Deadline& deadline) = 0;
   // Throws PeerError if `peer` is known to be gone.
   virtual void checkPeer(int peer) = 0;
+  // Called about every 100 ms while connect() waits for peers; it throws to give up
+  // (the engine's face checks whether the job already failed: a peer that died before
+  // it connected would otherwise be waited for until the deadline).
+  void setSetupWatch(std::function<void()> watch) { setup_watch_ = std::move(watch); }
   // Whether the source of a write must lie in registered memory (verbs: yes).
   virtual bool needsLocalRegistration() const { return false; }
   // Closes connections and stops background threads. Idempotent.
@@ -89,6 +94,7 @@ class Transport {
     stats_.reads.fetch_add(1, std::memory_order_relaxed);
   }
   void countFlag() { stats_.flags.fetch_add(1, std::memory_order_relaxed); }
+  std::function<void()> setup_watch_;
 
  private:
   TransportStats stats_;
@@ -102,6 +108,9 @@ void checkBounds(const char* op, int peer, uint64_t key, uint64_t region_length,
 [[noreturn]] void throwUnknownKey(const char* op, int peer, uint64_t key);
 
 // Descriptors are "name;k=v;k=v" text: readable in logs, no versioned binary.
+// Both throw EngineError (naming the key) on a missing field or, for fieldNumber,
+// anything but a decimal number no larger than `max`.
 std::string field(const std::string& descriptor, const std::string& key);
+uint64_t fieldNumber(const std::string& descriptor, const std::string& key, uint64_t max = UINT64_MAX);
 
 }  // namespace rdkeras

@@ -18,7 +18,7 @@ once, and are used by one thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -147,9 +147,10 @@ class Backend(Protocol):
     def descriptor(self) -> str:
         """What peers need to connect to this rank (all-gathered through the store)."""
 
-    def connect(self, descriptors: Sequence[str], key: bytes) -> None:
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
         """Connects to every peer (``descriptors[r]`` is rank r's). Peers prove to each other that they
-        hold `key`, the job's 32-byte transport key, without sending it (docs/security.md)."""
+        hold `key`, the job's 32-byte transport key, without sending it (docs/security.md). `watch`
+        runs about every 100 ms while waiting for peers and raises to give up (a peer failed)."""
 
     def close(self) -> None: ...
 
@@ -180,7 +181,18 @@ class Backend(Protocol):
     def dynamic_channel(self, sender: bool, peer: int) -> DynamicChannelEnd: ...
     def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> Ring: ...
 
-    # What happened.
+    # Failures and what happened.
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        """(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None.
+
+        The first rank to see a peer fail tells every other rank before it raises, so every
+        survivor's PeerError names the rank that failed (``PeerError.rank``), not a neighbour.
+        """
+
+    def report_failure(self, rank: int, why: str) -> None:
+        """The face learned (from the store) that `rank` failed: latch it and tell every other rank."""
+
     def counters(self) -> dict[str, int]:
         """Registration and pool counters (``registrations``, ``bytes_registered``, ``cache_hits``, ...)."""
 

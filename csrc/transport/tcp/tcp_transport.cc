@@ -42,6 +42,8 @@ struct Header {
 constexpr uint32_t kRoleInitiator = 0;  // the connector sends requests on this socket
 constexpr uint32_t kRoleTarget = 1;     // the acceptor sends requests on this socket
 
+// A target's error report is one short message; anything longer is a protocol error.
+constexpr uint64_t kMaxErrorBytes = 4096;
 // Background threads reply with this deadline; a dead initiator ends them sooner (EPIPE).
 constexpr double kReplyTimeoutS = 600;
 
@@ -69,7 +71,7 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
                            const Deadline& deadline) {
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("tcp: need one descriptor per rank");
-  const HandshakeIdentity id{Link::kTcp, rank_, world_size_, key};
+  const HandshakeIdentity id{Link::kTcp, rank_, world_size_, key, setup_watch_};
   // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
   for (int r = 0; r < rank_; ++r) {
     const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
@@ -128,7 +130,7 @@ void TcpTransport::checkPeer(int peer) {
   Peer& p = *peers_[peer];
   if (p.dead.load()) {
     std::lock_guard<std::mutex> lock(p.mu);
-    throw PeerError(strCat("rank ", peer, ": ", p.dead_reason));
+    throw PeerError(strCat("rank ", peer, ": ", p.dead_reason), peer);
   }
 }
 
@@ -161,6 +163,7 @@ void TcpTransport::sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key,
     sendAll(p.out_fd, iov, payload_len ? 2 : 1, deadline, strCat("rank ", peer));
   } catch (const PeerError&) {
     markDead(peer, "connection lost (process exited?)");
+    checkPeer(peer);  // throws, naming the rank
     throw;
   }
 }
@@ -214,7 +217,7 @@ void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
   }
   forget();
   if (pending->state.load() == 2) {
-    if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error));
+    if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error), peer);
     throw RemoteAccessError(pending->error);
   }
   countRead(length);
@@ -305,6 +308,7 @@ void TcpTransport::serveLoop(int peer) {
 void TcpTransport::replyLoop(int peer) {
   Peer& p = *peers_[peer];
   const int fd = p.out_fd;
+  std::string why = "closed the connection (process exited?)";
   Header h;
   while (recvAll(fd, &h, sizeof(h))) {
     if (h.op == kFenceAck) {
@@ -320,32 +324,40 @@ void TcpTransport::replyLoop(int peer) {
         pending->busy = true;  // markDead must not settle it while we write into dst
       }
     }
+    // Settles the read (if any) so that the caller's wait ends, whatever happens next.
+    auto settle = [&](bool ok, const std::string& error) {
+      if (!pending) return;
+      std::lock_guard<std::mutex> lock(p.mu);
+      if (!ok) pending->error = error;
+      pending->busy = false;
+      pending->state.store(ok ? 1 : 2, std::memory_order_release);
+    };
     if (h.op == kReadResp) {
-      if (!pending || pending->length != h.length) break;  // protocol error
+      if (!pending || pending->length != h.length) {
+        why = strCat("answered a read it was not asked for (", h.length, " bytes): protocol error");
+        settle(false, why);
+        break;
+      }
       const bool ok = recvAll(fd, pending->dst, h.length);
-      {
+      settle(ok, "connection lost during a read");
+      if (!ok) break;
+    } else if (h.op == kError && h.length <= kMaxErrorBytes) {
+      std::string msg(h.length, '\0');
+      const bool ok = recvAll(fd, msg.data(), msg.size());
+      if (pending) {
+        settle(false, ok ? msg : "connection lost during an error report");
+      } else if (ok) {
         std::lock_guard<std::mutex> lock(p.mu);
-        if (!ok) pending->error = "connection lost during a read";
-        pending->busy = false;
-        pending->state.store(ok ? 1 : 2, std::memory_order_release);
+        if (p.async_error.empty()) p.async_error = msg;
       }
       if (!ok) break;
-    } else if (h.op == kError) {
-      std::string msg(h.length, '\0');
-      if (!recvAll(fd, msg.data(), msg.size())) break;
-      std::lock_guard<std::mutex> lock(p.mu);
-      if (pending) {
-        pending->error = msg;
-        pending->busy = false;
-        pending->state.store(2, std::memory_order_release);
-      } else if (p.async_error.empty()) {
-        p.async_error = msg;
-      }
     } else {
+      why = strCat("sent a malformed reply (op ", h.op, ", ", h.length, " bytes): protocol error");
+      settle(false, why);
       break;
     }
   }
-  if (!closing_.load()) markDead(peer, "closed the connection (process exited?)");
+  if (!closing_.load()) markDead(peer, why);
 }
 
 void TcpTransport::shutdown() {

@@ -27,8 +27,13 @@ std::string hex(const uint8_t* p, size_t n) {
 }
 
 void unhex(const std::string& s, uint8_t* out, size_t n) {
+  auto digit = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw EngineError("verbs: malformed GID in a descriptor");
+  };
   if (s.size() != 2 * n) throw EngineError("verbs: malformed GID in a descriptor");
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(std::stoul(s.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(digit(s[2 * i]) << 4 | digit(s[2 * i + 1]));
 }
 
 }  // namespace
@@ -162,20 +167,20 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
     if (r == rank_) continue;
     const std::string& d = descriptors[r];
     Peer& p = peers_[r];
-    p.arena_base = std::stoull(field(d, "base"));
-    p.header_rkey = std::stoull(field(d, "hdr_rkey"));
+    p.arena_base = fieldNumber(d, "base");
+    p.header_rkey = fieldNumber(d, "hdr_rkey", UINT32_MAX);
     struct ibv_qp_attr attr = {};
     attr.qp_state = IBV_QPS_RTR;
     attr.path_mtu = port_attr_.active_mtu;
-    attr.dest_qp_num = std::stoul(field(d, strCat("qpn", rank_)));
-    attr.rq_psn = std::stoul(field(d, strCat("psn", rank_)));
+    attr.dest_qp_num = static_cast<uint32_t>(fieldNumber(d, strCat("qpn", rank_), 0xffffff));
+    attr.rq_psn = static_cast<uint32_t>(fieldNumber(d, strCat("psn", rank_), 0xffffff));
     attr.max_dest_rd_atomic = 16;
     attr.min_rnr_timer = 12;
     attr.ah_attr.is_global = 1;
     unhex(field(d, "gid"), attr.ah_attr.grh.dgid.raw, 16);
     attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
     attr.ah_attr.grh.hop_limit = 64;
-    attr.ah_attr.dlid = static_cast<uint16_t>(std::stoul(field(d, "lid")));
+    attr.ah_attr.dlid = static_cast<uint16_t>(fieldNumber(d, "lid", UINT16_MAX));
     attr.ah_attr.port_num = port_;
     modify(p.qp, attr,
            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
@@ -194,7 +199,7 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
            "RTS");
   }
   // Liveness connections, authenticated: rank r connects to ranks below it, accepts those above.
-  const HandshakeIdentity id{Link::kVerbs, rank_, world_size_, key};
+  const HandshakeIdentity id{Link::kVerbs, rank_, world_size_, key, setup_watch_};
   for (int r = 0; r < rank_; ++r) {
     const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
     peers_[r].sock =
@@ -228,7 +233,7 @@ void VerbsTransport::checkPeer(int peer) {
     struct pollfd pfd = {p.sock, POLLIN | POLLRDHUP, 0};
     if (poll(&pfd, 1, 0) > 0) fail(peer, "exited or closed its connection");
   }
-  if (p.dead) throw PeerError(strCat("rank ", peer, " ", p.why));
+  if (p.dead) throw PeerError(strCat("rank ", peer, " ", p.why), peer);
 }
 
 VerbsTransport::Peer& VerbsTransport::live(int peer) {
@@ -336,7 +341,7 @@ void VerbsTransport::post(int peer, enum ibv_wr_opcode opcode, void* local, uint
       fail(peer, "refused a remote access (" + what + "); the queue pair is no longer usable");
     else
       fail(peer, "is unreachable (" + what + ")");
-    throw PeerError(strCat("rank ", peer, " ", peers_[peer].why));
+    throw PeerError(strCat("rank ", peer, " ", peers_[peer].why), peer);
   }
 }
 
