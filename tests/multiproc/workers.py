@@ -291,3 +291,105 @@ def subgroup_rings() -> dict:
         except ValueError as e:
             refused = str(e)
         return {"out": [o.tolist() for o in out], "refused": refused}
+
+
+def store_holds_no_secret() -> dict:
+    """Rank 0 looks through everything the rendezvous store holds after set-up for the token and the
+    transport key, raw or in hex (it may read its own store's table: this is the check)."""
+    from rdkeras._bootstrap import transport_key
+
+    with rdkeras.Engine() as eng:
+        eng.static_channel("x", 0, 1, (4,), "float32")
+        eng.barrier("set-up done")
+        if eng.rank != 0:
+            return {}
+        token = os.environ["RDKERAS_JOB_TOKEN"].encode()
+        needles = [token, transport_key(token), transport_key(token).hex().encode()]
+        values = [bytes.fromhex(v) for v in eng.store._server._data.values()]
+        return {"values": len(values), "found": [i for i, n in enumerate(needles) if any(n in v for v in values)]}
+
+
+def _error(e: BaseException) -> list:
+    return [type(e).__name__, str(e), getattr(e, "rank", None)]
+
+
+def workload_until_failure(kind: str, seconds: float) -> dict:
+    """Runs one kind of traffic among all ranks until `seconds` pass or something fails.
+
+    channels: static and dynamic channels around the ring (r -> r+1); ring: allreduce of
+    a few MB; ps: the parameter-server step (rdkeras.parallel.ps) on numpy gradients.
+    Returns the error that ended it (type, message, PeerError.rank), if any.
+    """
+    steps = 0
+    try:
+        with rdkeras.Engine() as eng:
+            n, r = eng.world_size, eng.rank
+            if kind == "channels":
+                right, left = (r + 1) % n, (r - 1) % n
+                # Created in an order that cannot deadlock: even ranks send first, odd ones receive first.
+                pairs = [("st", (1 << 16,), "float32"), ("dy", None, None)]
+                ends: dict = {}
+                for name, shape, dtype in pairs:
+                    order = [(r, right), (left, r)] if r % 2 == 0 else [(left, r), (r, right)]
+                    for src, dst in order:
+                        key = f"{name}/{src}->{dst}"
+                        ends[(name, src == r)] = (
+                            eng.static_channel(key, src, dst, shape, dtype)
+                            if shape
+                            else eng.dynamic_channel(key, src, dst)
+                        )
+                x = np.ones(1 << 16, np.float32)
+                y = np.arange(1000 + r, dtype=np.float64)
+
+                def step() -> None:
+                    ends[("st", True)].send(x)
+                    ends[("st", False)].recv()
+                    ends[("dy", True)].send(y)
+                    ends[("dy", False)].recv()
+
+            elif kind == "ring":
+                ring = eng.ring("grads", 8 << 20)
+                grads = [np.full(1 << 19, r, np.float32), np.ones(1000, np.float32)]
+
+                def step() -> None:
+                    ring(grads, average=True)
+
+            elif kind == "ps":
+                from rdkeras.parallel.ps import ParameterServer
+
+                ps = ParameterServer(eng, "ps")
+                shapes = [(256, 64), (64,), (64, 10), (10,)]
+                ps._setup(shapes, [np.float32] * len(shapes))
+                grads = [np.full(s, 1.0, np.float32) for s in shapes]
+
+                def step() -> None:
+                    mine = ps.push_and_reduce(*grads)
+                    ps.publish_and_pull(*mine)
+
+            else:
+                raise ValueError(kind)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                step()
+                steps += 1
+    except EngineError as e:
+        return {"error": _error(e), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+def ring_disagreement(odd_rank: int, how: str) -> dict:
+    """Every rank calls the same ring, except `odd_rank`, whose tensors differ (`how`: size, dtype, split)."""
+    try:
+        with rdkeras.Engine() as eng:
+            ring = eng.ring("r", 1 << 20)
+            arrays = [np.ones(100, np.float32), np.ones(28, np.float32)]
+            if eng.rank == odd_rank:
+                arrays = {
+                    "size": [np.ones(100, np.float32), np.ones(29, np.float32)],
+                    "dtype": [np.ones(100, np.float64), np.ones(28, np.float64)],
+                    "split": [np.ones(28, np.float32), np.ones(100, np.float32)],  # same bytes, other layout
+                }[how]
+            ring(arrays)
+            return {"error": None}
+    except EngineError as e:
+        return {"error": _error(e)}
