@@ -85,6 +85,7 @@ def worker_env(
     )
     if token is not None:
         env["RDKERAS_JOB_TOKEN"] = token
+    env.setdefault("RDKERAS_LOG", "info")  # the launcher is an application: rdkeras's messages are shown
     if not verbose:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up INFO/WARNING lines
     env.update(extra or {})

@@ -35,7 +35,8 @@ def _task(cfg: Any) -> float | None:
         _job_errors.append(e)
         from hydra.core.hydra_config import HydraConfig
 
-        if HydraConfig.get().mode.name == "MULTIRUN":
+        mode = HydraConfig.get().mode
+        if mode is not None and mode.name == "MULTIRUN":
             print(f"{PROG}: job {HydraConfig.get().job.num} failed: {_describe(e)}", file=sys.stderr, flush=True)
             # The job must fail where it runs, so launcher plugins (submitit: another process, another
             # node) report it; Hydra's sweeper raises it again in this process once all jobs ran.
@@ -117,6 +118,9 @@ def _describe(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rdkeras.train``; returns the exit status (2 for a bad config, with one error line)."""
+    from rdkeras._log import to_stderr
+
+    to_stderr()  # an application: rdkeras's messages are shown
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
