@@ -317,7 +317,7 @@ def workload_until_failure(kind: str, seconds: float) -> dict:
     """Runs one kind of traffic among all ranks until `seconds` pass or something fails.
 
     channels: static and dynamic channels around the ring (r -> r+1); ring: allreduce of
-    a few MB; ps: the parameter-server step (rdkeras.parallel.ps) on numpy gradients.
+    a few MB; ps: the parameter-server step (rdkeras.parallel.parameter_server) on numpy gradients.
     Returns the error that ended it (type, message, PeerError.rank), if any.
     """
     steps = 0
@@ -355,7 +355,7 @@ def workload_until_failure(kind: str, seconds: float) -> dict:
                     ring(grads, average=True)
 
             elif kind == "ps":
-                from rdkeras.parallel.ps import ParameterServer
+                from rdkeras.parallel.parameter_server import ParameterServer
 
                 ps = ParameterServer(eng, "ps")
                 shapes = [(256, 64), (64,), (64, 10), (10,)]
