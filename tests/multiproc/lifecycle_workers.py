@@ -13,6 +13,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np
 
+from tests.multiproc.keras_workers import next_port
+
 SAMPLES, BATCH = 96, 16
 
 
@@ -52,17 +54,6 @@ def _state(model) -> dict:
         "weights": [w.tolist() for w in model.get_weights()],
         "optimizer": [np.asarray(v.numpy()).tolist() for v in model.optimizer.variables],
     }
-
-
-def _next_port(strategy, tag: str) -> None:
-    """Rank 0 picks the rendezvous port of the next strategy in this process and tells the others."""
-    from rdkeras.launch import free_port
-
-    store = strategy.engine.store
-    if strategy.worker_index == 0:
-        store.set(f"next_port/{tag}", str(free_port()).encode())
-    (port,) = store.get([f"next_port/{tag}"], waiting_for=[0])
-    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
 
 
 def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
@@ -218,7 +209,7 @@ def train_with_backup(backup_dir: str, epochs: int = 4, kill_epoch: int = 2, mod
         callbacks=[backup, KillAtEpoch(kill_epoch), Seen()],
     )  # fmt: skip
     resumed = _state(model)
-    _next_port(strategy, "uninterrupted")
+    next_port(strategy, "uninterrupted")
     strategy.close()
 
     strategy = rdkeras.RDMAStrategy(mode=mode)

@@ -52,16 +52,18 @@ def test_per_worker_batches_on_request():
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("samples", [96, 104], ids=["whole-batches", "partial-last-batch"])
-@pytest.mark.parametrize("source", ["arrays", "dataset", "pydataset"])
-def test_each_global_batch_is_split_over_the_workers(source, samples):
-    # 104 = 6 x 16 + 8: the last global batch (8 rows) is split 4 + 4, as one process would use it whole.
-    results = _run("fit_inputs", 2, "shm", source=source, samples=samples)
-    (reference,) = _run("fit_inputs", 1, "shm", source=source, samples=samples, distributed=False)
-    for r in results:
-        for got, want in zip(r.value["weights"], reference.value["weights"], strict=True):
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-    assert results[0].value == results[1].value  # bit-identical on both workers
+def test_each_global_batch_is_split_over_the_workers():
+    # Arrays, a tf.data dataset batched at the global batch and a PyDataset; 104 = 6 x 16 + 8: the last
+    # global batch (8 rows) is split 4 + 4, as one process uses it whole. One launch runs all six cases.
+    cases = [[source, samples] for source in ("arrays", "dataset", "pydataset") for samples in (96, 104)]
+    results = _run("fit_inputs_all", 2, "shm", cases=cases)
+    for source, samples in cases:
+        key = f"{source}/{samples}"
+        for got, want in zip(
+            results[0].value[key]["weights"], results[0].value[key + "/reference"]["weights"], strict=True
+        ):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=key)
+        assert results[0].value[key] == results[1].value[key], f"{key}: the workers differ"
 
 
 def test_callbacks_see_metrics_averaged_over_workers(tmp_path):
