@@ -46,20 +46,42 @@ def fit_model(
     kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce", global_batch: bool = True
 ) -> dict:
     """Trains with SGD; returns final weights and evaluate() results."""
-    import keras
-
     import rdkeras
 
-    x, y = _data(kind)
-    if distributed:
-        strategy = rdkeras.RDMAStrategy(mode=mode, global_batch=global_batch)
-        rank = strategy.worker_index
-        scope = strategy.scope()
-    else:
-        import contextlib
+    strategy = rdkeras.RDMAStrategy(mode=mode, global_batch=global_batch) if distributed else None
+    out = _fit_model_with(strategy, kind, batch, epochs)
+    if strategy:
+        strategy.close()
+    return out
 
-        strategy, rank, scope = None, 0, contextlib.nullcontext()
-    with scope:
+
+def fit_model_many(configs: list, batch: int) -> dict:
+    """fit_model for each (kind, transport, mode) in this one set of processes (TensorFlow imports once), one
+    strategy after another; then rank 0 trains each kind in one plain Keras process (the same global batch)."""
+    import rdkeras
+
+    out, rank = {}, 0
+    for i, (kind, transport, mode) in enumerate(configs):
+        strategy = rdkeras.RDMAStrategy(transport=transport, mode=mode)
+        out["/".join((kind, transport, mode))] = _fit_model_with(strategy, kind, batch)
+        if i + 1 < len(configs):
+            next_port(strategy, f"many{i}")
+        rank = strategy.worker_index
+        strategy.close()
+    if rank == 0:
+        for kind in sorted({c[0] for c in configs}):
+            out[f"{kind}/reference"] = _fit_model_with(None, kind, batch)
+    return out
+
+
+def _fit_model_with(strategy, kind: str, batch: int, epochs: int = 2) -> dict:
+    import contextlib
+
+    import keras
+
+    x, y = _data(kind)
+    rank = strategy.worker_index if strategy else 0
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = _model(kind, seed=100 + rank)  # different on every rank: the chief's must win
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
@@ -68,14 +90,11 @@ def fit_model(
         )
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     results = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
-    out = {
+    return {
         "weights": [w.tolist() for w in model.get_weights()],
         "evaluate": results,
         "transport": strategy.transport if strategy else None,
     }
-    if strategy:
-        strategy.close()
-    return out
 
 
 def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> dict:

@@ -22,27 +22,30 @@ def _reference(kind: str, batch: int):
     return r.value
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "ps"])
-@pytest.mark.parametrize("kind", ["mlp", "cnn"])
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_fit_matches_single_process_with_global_batch(kind, transport, mode):
-    results = _run("fit_model", 2, transport, kind=kind, batch=16, mode=mode)
-    reference = _reference(kind, 16)
-    assert results[0].value["transport"] == transport
-    for r in results:
-        for got, want in zip(r.value["weights"], reference["weights"], strict=True):
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-    # Every worker ends with bit-identical weights and reports the same evaluation.
-    assert all(r.value["weights"] == results[0].value["weights"] for r in results)
-    assert all(r.value["evaluate"] == results[0].value["evaluate"] for r in results)
+def test_fit_matches_single_process_with_global_batch():
+    # MLP and CNN, over shm and tcp, ring allreduce and parameter servers: 2 workers with global batch 16 end
+    # with the weights one process reaches with batch 16. One launch runs the eight configurations.
+    configs = [[k, t, m] for k in ("mlp", "cnn") for t in ("shm", "tcp") for m in ("allreduce", "ps")]
+    results = _run("fit_model_many", 2, "shm", configs=configs, batch=16)
+    for kind, transport, mode in configs:
+        key = f"{kind}/{transport}/{mode}"
+        runs = [r.value[key] for r in results]
+        assert runs[0]["transport"] == transport
+        for got, want in zip(runs[0]["weights"], results[0].value[f"{kind}/reference"]["weights"], strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=key)
+        # Every worker ends with bit-identical weights and reports the same evaluation.
+        assert runs[1]["weights"] == runs[0]["weights"] and runs[1]["evaluate"] == runs[0]["evaluate"], key
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "ps"])
-def test_three_workers_match_too(mode):
-    results = _run("fit_model", 3, "shm", kind="mlp", batch=24, mode=mode)
-    reference = _reference("mlp", 24)
-    for got, want in zip(results[2].value["weights"], reference["weights"], strict=True):
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+def test_three_workers_match_too():
+    configs = [["mlp", "shm", "allreduce"], ["mlp", "shm", "ps"]]
+    results = _run("fit_model_many", 3, "shm", configs=configs, batch=24)
+    for key in ("mlp/shm/allreduce", "mlp/shm/ps"):
+        for got, want in zip(
+            results[2].value[key]["weights"], results[0].value["mlp/reference"]["weights"], strict=True
+        ):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=key)
+        assert results[0].value[key] == results[1].value[key] == results[2].value[key]
 
 
 def test_per_worker_batches_on_request():
