@@ -56,7 +56,17 @@ def _state(model) -> dict:
     }
 
 
-def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
+def save_all(out_dir: str, mode: str, policies: list) -> dict:
+    """save_everything once per dtype policy, into out_dir/POLICY, in this one pair of processes."""
+    out = {}
+    for i, policy in enumerate(policies):
+        folder = os.path.join(out_dir, policy)
+        os.makedirs(folder, exist_ok=True)
+        out[policy] = save_everything(folder, mode, policy, next_tag=f"policy{i}" if i + 1 < len(policies) else None)
+    return out
+
+
+def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: str | None = None) -> dict:
     """2 workers train with ModelCheckpoint (.keras and .weights.h5); the chief saves .keras, a
     SavedModel and the JSON config; a model loaded inside scope trains distributed again; a model
     compiled outside scope refuses to fit; close() leaves plain Keras objects."""
@@ -104,6 +114,8 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
     except RuntimeError as e:
         out["outside_error"] = str(e)
 
+    if next_tag:
+        next_port(strategy, next_tag)
     strategy.close()
     out["after_close"] = {
         "model_overrides": sorted(k for k in model.__dict__ if k in ("fit", "evaluate", "predict", "save")),
@@ -153,17 +165,26 @@ def load_without_rdkeras(out_dir: str, policy: str = "float32") -> dict:
     return result
 
 
-def load_in_fresh_process(out_dir: str, policy: str) -> dict:
+def load_all_without_rdkeras(out_dir: str, policies: list) -> dict:
+    return {policy: load_without_rdkeras(os.path.join(out_dir, policy), policy) for policy in policies}
+
+
+def load_in_fresh_process(out_dir: str, policies: list) -> dict:
+    """load_without_rdkeras for each policy's folder, in a new process that never imports rdkeras."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[3]);"
-        "from tests.multiproc.lifecycle_workers import load_without_rdkeras;"
-        "print('@@' + json.dumps(load_without_rdkeras(sys.argv[1], sys.argv[2])))"
+        "from tests.multiproc.lifecycle_workers import load_all_without_rdkeras;"
+        "print('@@' + json.dumps(load_all_without_rdkeras(sys.argv[1], json.loads(sys.argv[2]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
     env["PYTHONPATH"] = ""  # the test package only, through sys.path; never rdkeras's launcher env
     proc = subprocess.run(
-        [sys.executable, "-c", code, out_dir, policy, root], capture_output=True, text=True, env=env, timeout=240
+        [sys.executable, "-c", code, out_dir, json.dumps(policies), root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
