@@ -18,7 +18,6 @@ transport and nothing else.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import secrets
 import weakref
@@ -168,8 +167,7 @@ class Engine:
                 self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
             self.store.close()
             raise
-        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
-        atexit.register(self._at_exit)
+        _OPEN.add(self)
 
     def _choose_transport(self) -> str:
         """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);
@@ -346,7 +344,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
+        _OPEN.discard(self)
         try:
             if failure := self.backend.failure:
                 self.store.abort(failure[0], failure[2])
@@ -373,11 +371,14 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return n
 
 
-def _close_at_exit(ref: weakref.ReferenceType) -> None:
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet
+
+
+@atexit.register
+def _close_at_exit() -> None:
     """At interpreter exit (also after an uncaught exception): an engine left open is closed, so
     its rank says goodbye, or reports the failure it saw, instead of just vanishing."""
-    engine = ref()
-    if engine is not None:
+    for engine in list(_OPEN):
         engine.close()
 
 
