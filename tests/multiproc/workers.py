@@ -480,3 +480,14 @@ def engine_cycles(cycles: int) -> dict:
     from rdkeras import engine as engine_module
 
     return {"before": before, "after": after, "open_engines": len(engine_module._OPEN)}
+
+
+def connect_and_count_threads(timeout_s: float) -> dict:
+    """Joins the job and says how many threads this process runs (rank 0 hosts the store)."""
+    import threading
+
+    try:
+        with rdkeras.Engine(timeout=timeout_s):
+            return {"error": None, "threads": threading.active_count()}
+    except EngineError as e:
+        return {"error": [type(e).__name__, str(e)], "threads": threading.active_count()}
