@@ -80,6 +80,9 @@ class Engine:
         options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
             ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
 
+    The rendezvous store is hosted by rank 0, or by a launcher where ``RDKERAS_STORE=launcher``
+    (the launcher then reports workers that die, so a death during start-up is named at once).
+
     Attributes:
         backend: The transport's :class:`~rdkeras.transports.base.Backend` underneath.
         store: The rendezvous store (setup-time key-value exchange between ranks).
