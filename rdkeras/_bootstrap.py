@@ -37,6 +37,7 @@ _MAX_HELLO = 1024  # before authentication
 _HANDSHAKE_S = 10.0
 _MAX_STRANGERS = 128
 LAUNCHER = "launcher"  # the rank name a launcher authenticates with (it may report failures)
+CLOSING_BARRIER = "barrier/close/"  # once every rank set its key here, the store takes no new connections
 
 
 def _frame(obj: dict) -> bytes:
@@ -151,6 +152,8 @@ class StoreServer:
         """Stops serving, after waiting up to `linger` seconds for the ranks to hang up first
         (one still reading its last reply must not see the store vanish)."""
         end = time.monotonic() + linger
+        with self._lock:  # no new connections: the next job on this port must not reach this store
+            self._stop_listening()
         while self.clients() and time.monotonic() < end:
             time.sleep(0.02)
         self._closing = True
@@ -158,6 +161,7 @@ class StoreServer:
         self._thread.join(timeout=5)
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()  # type: ignore[union-attr]
+        self._wake_r.close()
         self._selector.close()
         self._wake_w.close()
 
@@ -179,6 +183,11 @@ class StoreServer:
             with self._lock:
                 self._expire(time.monotonic())
                 self._answer_waiters(time.monotonic())
+
+    def _stop_listening(self) -> None:
+        if self._listener.fileno() >= 0:
+            self._selector.unregister(self._listener)
+            self._listener.close()
 
     def _accept(self) -> None:
         while True:
@@ -264,8 +273,12 @@ class StoreServer:
     def _request(self, conn: _Conn, req: dict) -> None:
         op = req.get("op")
         if op == "set":
-            self._data[str(req["key"])] = str(req["value"])
+            key = str(req["key"])
+            self._data[key] = str(req["value"])
             self._send(conn, {"ok": True})
+            if key.startswith(CLOSING_BARRIER) and self._listener.fileno() >= 0:
+                if all(f"{CLOSING_BARRIER}{r}" in self._data for r in range(self._world)):
+                    self._stop_listening()  # the job is leaving: the next one on this port must not land here
         elif op == "get":
             keys = [str(k) for k in req["keys"]]
             setters = dict(zip(keys, req.get("from") or [None] * len(keys), strict=True))

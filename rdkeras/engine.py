@@ -18,7 +18,6 @@ transport and nothing else.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import weakref
 from collections import deque
@@ -78,6 +77,9 @@ class Engine:
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
         options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
             ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
+
+    The rendezvous store is hosted by rank 0, or by a launcher where ``RDKERAS_STORE=launcher``
+    (the launcher then reports workers that die, so a death during start-up is named at once).
 
     Attributes:
         backend: The transport's :class:`~rdkeras.transports.base.Backend` underneath.
@@ -160,8 +162,7 @@ class Engine:
                 self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
             self.store.close()
             raise
-        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
-        atexit.register(self._at_exit)
+        _OPEN.add(self)
 
     def _choose_transport(self) -> str:
         """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);
@@ -338,7 +339,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
+        _OPEN.discard(self)
         try:
             if failure := self.backend.failure:
                 self.store.abort(failure[0], failure[2])
@@ -365,11 +366,14 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return n
 
 
-def _close_at_exit(ref: weakref.ReferenceType) -> None:
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet
+
+
+@atexit.register
+def _close_at_exit() -> None:
     """At interpreter exit (also after an uncaught exception): an engine left open is closed, so
     its rank says goodbye, or reports the failure it saw, instead of just vanishing."""
-    engine = ref()
-    if engine is not None:
+    for engine in list(_OPEN):
         engine.close()
 
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <ctime>
 
 namespace rdkeras {
 namespace {
@@ -136,6 +137,20 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
 }
 
 uint64_t DynamicChannel::acked() const { return loadAcquire(local_); }
+
+DynamicChannel::~DynamicChannel() {
+  if (role_ != Role::kSender) return;
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (acked() < seq_ && Clock::now() < until) {
+    try {
+      engine_->transport().checkPeer(peer_);  // a peer that is gone acks nothing more
+    } catch (const std::exception&) {
+      return;
+    }
+    struct timespec ts = {0, 100 * 1000};
+    nanosleep(&ts, nullptr);
+  }
+}
 
 void DynamicChannel::waitAcked(uint64_t count) {
   engine_->waitFlag(local_, count, peer_, "ack of a dynamic channel tensor");

@@ -87,6 +87,9 @@ class DynamicChannel : public ChannelBase {
   static constexpr int kMaxDims = 16;
 
   DynamicChannel(std::shared_ptr<Engine> engine, Role role, int peer);
+  // A sender waits (a few seconds at most) for the receiver's last acks: they are one-sided
+  // writes into this channel's block, which must stay registered until they landed.
+  ~DynamicChannel() override;
 
   // Sender: publishes the tensor; returns its sequence number. `data` must
   // stay valid and unchanged until acked() > that number.

@@ -393,3 +393,101 @@ def ring_disagreement(odd_rank: int, how: str) -> dict:
             return {"error": None}
     except EngineError as e:
         return {"error": _error(e)}
+
+
+def _resources(eng: rdkeras.Engine | None = None) -> dict:
+    """What could leak: resident memory, file descriptors, threads, /dev/shm files, registrations."""
+    import threading
+
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    out = {
+        "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": int(status["Threads"]),
+        "py_threads": threading.active_count(),
+        "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
+    }
+    if eng is not None:
+        c = eng.counters()
+        out.update(
+            registrations=c["registrations"] - c["deregistrations"],
+            pool_bytes_reserved=c["pool_bytes_reserved"],
+            pool_bytes_in_use=c["pool_bytes_in_use"],
+        )
+    return out
+
+
+def soak(steps: int, sample_every: int, warmup: int) -> dict:
+    """Channels (static and dynamic), a ring allreduce and a parameter-server step, every step,
+    for `steps` steps; samples the resources after `warmup` steps and every `sample_every`."""
+    from rdkeras.parallel.ps import ParameterServer
+
+    samples = []
+    with rdkeras.Engine() as eng:
+        n, r = eng.world_size, eng.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        order = [(r, right), (left, r)] if r % 2 == 0 else [(left, r), (r, right)]
+        st, dy = {}, {}
+        for src, dst in order:
+            st[src == r] = eng.static_channel(f"st/{src}->{dst}", src, dst, (256, 256), "float32")
+        for src, dst in order:
+            dy[src == r] = eng.dynamic_channel(f"dy/{src}->{dst}", src, dst)
+        ring = eng.ring("grads", 4 << 20)
+        ps = ParameterServer(eng, "ps")
+        shapes = [(128, 64), (64,), (64, 10)]
+        ps._setup(shapes, [np.float32] * 3)
+        grads = [np.full(s, r + 1.0, np.float32) for s in shapes]
+        x = np.full((256, 256), r, np.float32)
+        checks = 0
+        for step in range(steps):
+            st[True].send(x)
+            got = st[False].recv()
+            checks += int(got[0, 0] == left)
+            y = np.arange(1 + step % 97, dtype=np.float64) * r  # a new shape most steps
+            dy[True].send(y)
+            z = dy[False].recv()
+            checks += int(z.shape == (1 + step % 97,) and (z.size < 2 or z[1] == left))
+            (total,) = ring([np.full(1 << 16, r + 1.0, np.float32)])
+            checks += int(total[0] == n * (n + 1) / 2)
+            ps.publish_and_pull(*ps.push_and_reduce(*grads))
+            if step + 1 == warmup or (step + 1 > warmup and (step + 1) % sample_every == 0):
+                import gc
+
+                gc.collect()
+                samples.append({"step": step + 1, **_resources(eng)})
+        dy[True].flush()
+    return {"samples": samples, "checks": checks, "expected": 3 * steps}
+
+
+def engine_cycles(cycles: int) -> dict:
+    """Creates, uses and closes `cycles` engines in a row in this process (all ranks together)."""
+    import gc
+
+    before = after = None
+    for i in range(cycles + 1):
+        with rdkeras.Engine() as eng:
+            ring = eng.ring(f"r{i}", 1 << 16)
+            ring([np.ones(100, np.float32)])
+            if eng.world_size > 1:
+                ch = eng.static_channel(f"c{i}", 0, 1, (64,), "float32")
+                ch.send(np.ones(64, np.float32)) if eng.rank == 0 else ch.recv()
+        del eng, ring
+        gc.collect()
+        if i == 0:  # the first engine warms up imports, pools and caches
+            before = _resources()
+    after = _resources()
+    from rdkeras import engine as engine_module
+
+    return {"before": before, "after": after, "open_engines": len(engine_module._OPEN)}
+
+
+def connect_and_count_threads(timeout_s: float) -> dict:
+    """Joins the job and says how many threads this process runs (rank 0 hosts the store)."""
+    import threading
+
+    try:
+        with rdkeras.Engine(timeout=timeout_s):
+            return {"error": None, "threads": threading.active_count()}
+    except EngineError as e:
+        return {"error": [type(e).__name__, str(e)], "threads": threading.active_count()}
