@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -64,34 +65,53 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 class _Terminal:
     """Writes several workers' output to one stream: a ``[rank] `` prefix at the start of each
     line and after each carriage return (so a progress bar redraws in place), a newline first
-    when another rank's line is unfinished, TensorFlow start-up banners left out unless verbose."""
+    when another rank's line is unfinished, TensorFlow start-up banners left out unless verbose.
+
+    A line can reach us in pieces (one read ends mid-line); the start of a rank's line is held
+    until its end arrives or ``HOLD_S`` passes, so a banner split over two reads is still seen
+    whole, and a progress bar lags by at most that much."""
+
+    HOLD_S = 0.05
 
     def __init__(self, out: BinaryIO, verbose: bool):
         self.out, self.verbose = out, verbose
         self.lock = threading.Lock()
-        self.owner: int | None = None  # rank whose line is unfinished
-        self.at_start = True  # the cursor is at column 0 (after \n or \r)
+        self.owner: int | None = None  # rank whose line is unfinished on the terminal
+        self.at_start = True  # the terminal's cursor is at column 0 (after \n or \r)
+        self.held: dict[int, bytes] = {}  # per rank: the start of a line whose end has not come
+
+    def holding(self, rank: int) -> bool:
+        return rank in self.held
 
     def write(self, rank: int, data: bytes) -> None:
         with self.lock:
-            parts = re.split(rb"(?<=[\r\n])", data)
-            chunks = []
-            for part in parts:
-                if not part:
-                    continue
-                if not self.verbose and self.at_start and part.endswith(b"\n") and _BANNERS.search(part):
-                    continue
-                if self.owner not in (None, rank):
-                    chunks.append(b"\n")
-                    self.at_start = True
-                if self.at_start and part not in (b"\n", b"\r"):
-                    chunks.append(f"[{rank}] ".encode())
-                chunks.append(part)
-                self.at_start = part.endswith((b"\n", b"\r"))
-                self.owner = None if part.endswith(b"\n") else rank
-            if chunks:
-                self.out.write(b"".join(chunks))
-                self.out.flush()
+            self._emit(rank, self.held.pop(rank, b"") + data, hold=True)
+
+    def release(self, rank: int) -> None:
+        """Writes what is held for `rank` (its line's end did not come in time, or it exited)."""
+        with self.lock:
+            if rank in self.held:
+                self._emit(rank, self.held.pop(rank), hold=False)
+
+    def _emit(self, rank: int, data: bytes, hold: bool) -> None:
+        parts = [p for p in re.split(rb"(?<=[\r\n])", data) if p]
+        if hold and parts and not parts[-1].endswith((b"\r", b"\n")) and len(parts[-1]) < 4096:
+            self.held[rank] = parts.pop()  # a line begins here; wait a moment for its end
+        chunks = []
+        for part in parts:
+            if not self.verbose and part.endswith(b"\n") and _BANNERS.search(part):
+                continue
+            if self.owner not in (None, rank):
+                chunks.append(b"\n")
+                self.at_start = True
+            if self.at_start and part not in (b"\n", b"\r"):
+                chunks.append(f"[{rank}] ".encode())
+            chunks.append(part)
+            self.at_start = part.endswith((b"\n", b"\r"))
+            self.owner = None if part.endswith(b"\n") else rank
+        if chunks:
+            self.out.write(b"".join(chunks))
+            self.out.flush()
 
 
 def run_workers(
@@ -125,13 +145,20 @@ def run_workers(
 
     def pump(i: int) -> None:
         fd = procs[i].stdout.fileno()  # type: ignore[union-attr]
-        while data := os.read(fd, 65536):
+        while True:
+            if forward and terminal.holding(ranks[i]) and not select.select([fd], [], [], terminal.HOLD_S)[0]:
+                terminal.release(ranks[i])  # the rest of that line did not come in time
+                continue
+            if not (data := os.read(fd, 65536)):
+                break
             chunks[i].append(data)
             if logs:
                 logs[i].write(data)
                 logs[i].flush()
             if forward:
                 terminal.write(ranks[i], data)
+        if forward:
+            terminal.release(ranks[i])
 
     results = [RankResult(r, None, "") for r in ranks]
 

@@ -86,6 +86,8 @@ def _start_sleepers(tmp_path, *extra: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         env=ENV,
         cwd=REPO,
+        # A shell that ran pytest in the background left SIGINT ignored, which the launcher would inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):

@@ -421,7 +421,7 @@ def _resources(eng: rdkeras.Engine | None = None) -> dict:
 def soak(steps: int, sample_every: int, warmup: int) -> dict:
     """Channels (static and dynamic), a ring allreduce and a parameter-server step, every step,
     for `steps` steps; samples the resources after `warmup` steps and every `sample_every`."""
-    from rdkeras.parallel.ps import ParameterServer
+    from rdkeras.parallel.parameter_server import ParameterServer
 
     samples = []
     with rdkeras.Engine() as eng:
