@@ -2,13 +2,14 @@
 
 from rdkeras.engine import TRANSPORTS, Engine
 from rdkeras.errors import AuthenticationError, EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
-from rdkeras.strategy import RDMAStrategy
+from rdkeras.strategy import DistributedGradientTape, RDMAStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TRANSPORTS",
     "AuthenticationError",
+    "DistributedGradientTape",
     "Engine",
     "EngineError",
     "PeerError",

@@ -1,6 +1,7 @@
 """``rdkeras doctor``: what this machine can do, and why not where it can't.
 
-Versions, which transports are viable here (and why a transport is not),
+Versions, which transports are viable here (and why a transport is not), the
+GPUs TensorFlow sees and which one each local rank would use,
 RDMA devices/ports/GIDs through pyverbs where rdma-core is installed,
 shared-memory and CMA permissions, and what ``transport="auto"`` would pick.
 """
@@ -136,6 +137,32 @@ def check_verbs() -> tuple[Check, list[str]]:
     return Check("verbs", not why, why or f"{count.value} RDMA device(s): RC queue pairs, one-sided WRITE/READ"), lines
 
 
+def gpu_lines(local_world_size: int | None = None) -> list[str]:
+    """The GPUs TensorFlow sees, and which one each local rank would use (rdkeras.devices)."""
+    from rdkeras import devices
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    built = tf.sysconfig.get_build_info()
+    cuda = f"built with CUDA {built['cuda_version']}" if built.get("is_cuda_build") else "a CPU-only build"
+    if not gpus:
+        hint = "" if built.get("is_cuda_build") else "; on a GPU node: pip install 'rdkeras[and-cuda]'"
+        return [f"none visible to TensorFlow ({cuda}{hint}); workers compute on the CPU"]
+    lines = []
+    for i, gpu in enumerate(gpus):
+        details = tf.config.experimental.get_device_details(gpu)
+        lines.append(f"GPU:{i} {details.get('device_name', gpu.name)} (compute {details.get('compute_capability')})")
+    workers = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE") or len(gpus))
+    setting = os.environ.get("RDKERAS_GPU") or "auto"
+    for rank in range(workers):
+        picked = devices.choose(rank, workers, len(gpus), setting)
+        where = ", ".join(f"GPU:{g}" for g in picked) or "CPU"
+        lines.append(f"  with {workers} workers on this node, local rank {rank} uses {where} (RDKERAS_GPU={setting})")
+    return lines
+
+
 def run() -> int:
     from rdkeras import _engine
 
@@ -160,6 +187,9 @@ def run() -> int:
         print("\nRDMA devices:")
         for line in device_lines:
             print(f"  {line}")
+    print("\nGPUs:")
+    for line in gpu_lines():
+        print(f"  {line}")
     print(
         "\ntransport=auto would pick: shm when every worker is on this host, otherwise "
         + ("verbs when every worker can use it, else tcp" if verbs.viable else "tcp")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import transports
+from rdkeras import _engine, cluster, jobtoken, transports
 from rdkeras._bootstrap import Store
 from rdkeras._log import logger
 from rdkeras.errors import EngineError
@@ -48,10 +48,8 @@ def as_buffer(x: Any) -> Any:
 
 
 def host_identity() -> str:
-    """Equal for processes that can share memory: same boot and network namespace."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    """Equal for processes that can reach each other's shm: the engine's own formula (socket_util.h)."""
+    return _engine.host_identity()
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -70,8 +68,9 @@ class Engine:
             has RDMA, else tcp).
         master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
         master_port: Its port (``RDKERAS_MASTER_PORT``).
-        token: The job token all ranks share (``RDKERAS_JOB_TOKEN``); required for
-            more than one rank. The launcher generates one.
+        token: The job token all ranks share (default: ``rdkeras.jobtoken.resolve``:
+            ``RDKERAS_JOB_TOKEN``, ``RDKERAS_JOB_TOKEN_FILE``, or this user's secret file
+            keyed by the job). The local launcher generates one per job.
         timeout: Seconds any wait may take before it fails naming the peer
             (``RDKERAS_TIMEOUT``, default 300).
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
@@ -109,14 +108,8 @@ class Engine:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
         master_addr = str(_env("RDKERAS_MASTER_ADDR", "127.0.0.1") if master_addr is None else master_addr)
         master_port = int(_env("RDKERAS_MASTER_PORT", 0) if master_port is None else master_port)
-        token = _env("RDKERAS_JOB_TOKEN") if token is None else token
-        if token is None:
-            if self.world_size > 1:
-                raise EngineError(
-                    "no job token: set RDKERAS_JOB_TOKEN to the same secret on every rank "
-                    "(python -m rdkeras.launch does this for you)"
-                )
-            token = secrets.token_hex(16)
+        if token is None:  # RDKERAS_JOB_TOKEN, a token file, or this user's secret keyed by the job
+            token = jobtoken.resolve(self.world_size, cluster.job_key())
         if self.world_size > 1 and master_port == 0:
             raise EngineError("no rendezvous port: set RDKERAS_MASTER_PORT (and RDKERAS_MASTER_ADDR)")
         token_bytes = token.encode() if isinstance(token, str) else bytes(token)

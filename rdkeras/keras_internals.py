@@ -298,18 +298,17 @@ _fit_guards: list[Callable[[Any], None]] = []
 
 
 def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
-    """Puts ``make(previous)`` on keras.Model as `name`; returns the function that undoes it."""
+    """Replaces method `name` where keras.Model's classes define it (so that checks like Keras's
+    ``self.__class__.compile != Trainer.compile`` still hold) by ``make(previous)``; returns the
+    function that undoes it."""
     import keras
 
-    own = keras.Model.__dict__.get(name)
-    previous = getattr(keras.Model, name)
-    setattr(keras.Model, name, make(previous))
+    owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+    previous = owner.__dict__[name]
+    setattr(owner, name, make(previous))
 
     def undo() -> None:
-        if own is None:
-            delattr(keras.Model, name)
-        else:
-            setattr(keras.Model, name, own)
+        setattr(owner, name, previous)
 
     return undo
 

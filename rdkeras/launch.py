@@ -1,19 +1,28 @@
-"""Local launcher: run a script or a function on N worker processes of this machine.
+"""Launcher: run a script or a function on N worker processes of this machine, or of several.
 
     python -m rdkeras.launch -n 4 train.py --epochs 3
+    python -m rdkeras.launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 4 train.py
     rdkeras.launch(train_fn, num_workers=4)           # from a notebook
 
-It generates the job token, picks a free rendezvous port, sets the RDKERAS_*
-environment of each worker, forwards worker output with a "[rank] " prefix,
-and if any worker fails it stops the others and reports that worker's error.
-Nothing is left running: workers get their own process group, killed on exit.
+It picks a free rendezvous port and a fresh job token (one node), sets each
+worker's ``RDKERAS_*`` variables and ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``,
+forwards worker output byte for byte with a ``[rank] `` prefix (a Keras
+progress bar redraws in place), and if any worker fails it stops the others and
+reports the worker that failed first. Across nodes (torchrun's flag names), each
+node runs this with its ``--node-rank``; the job token then comes from
+:mod:`rdkeras.jobtoken` (``RDKERAS_JOB_TOKEN``, or the user's secret file in the
+shared home directory). Nothing is left running: workers get their own process
+group, killed when the launcher ends, however it ends — on SIGKILL too, through
+the kernel's parent-death signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -24,14 +33,23 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 _RESULT_MARK = "@@rdkeras-result@@"
 # After one worker fails, how long the others get to fail on their own (a dead
 # peer is noticed within milliseconds) before they are killed.
 FAILURE_GRACE_S = 10.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+PR_SET_PDEATHSIG = 1
+# Lines TensorFlow prints while it starts, kept out of the terminal (not the logs) unless verbose.
+_BANNERS = re.compile(
+    rb"absl::InitializeLog\(\)|Unable to register cu(DNN|FFT|BLAS) factory|oneDNN custom operations are on|"
+    rb"This TensorFlow binary is optimized|TF-TRT Warning|computation placer already registered|"
+    rb"Could not find cuda drivers|cuda_executor\.cc.*NUMA node|Created device /job"
+)
 
 
 class LaunchError(RuntimeError):
@@ -58,18 +76,143 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(rank: int, world_size: int, port: int, token: str, extra: dict[str, str] | None = None) -> dict:
+def worker_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    token: str | None,
+    extra: Mapping[str, str] | None = None,
+    *,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    verbose: bool = False,
+) -> dict:
+    """The environment of one worker: this process's, plus its place in the job."""
     env = dict(os.environ)
     env.update(
         RDKERAS_RANK=str(rank),
         RDKERAS_WORLD_SIZE=str(world_size),
-        RDKERAS_MASTER_ADDR="127.0.0.1",
+        RDKERAS_MASTER_ADDR=master_addr,
         RDKERAS_MASTER_PORT=str(port),
-        RDKERAS_JOB_TOKEN=token,
+        LOCAL_RANK=str(rank if local_rank is None else local_rank),
+        LOCAL_WORLD_SIZE=str(world_size if local_world_size is None else local_world_size),
         PYTHONUNBUFFERED="1",
     )
+    if token is not None:
+        env["RDKERAS_JOB_TOKEN"] = token
+    if not verbose:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up INFO/WARNING lines
     env.update(extra or {})
     return env
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where this node's workers sit in the job: what :func:`run_local` needs to start them."""
+
+    per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+
+    def __post_init__(self) -> None:
+        if self.per_node < 1:
+            raise ValueError(f"workers per node must be at least 1, got {self.per_node}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is not in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
+
+    @property
+    def world_size(self) -> int:
+        return self.per_node * self.nnodes
+
+    @property
+    def ranks(self) -> list[int]:
+        return [self.node_rank * self.per_node + i for i in range(self.per_node)]
+
+
+def job_envs(
+    job: Job,
+    extra: Mapping[str, str] | None = None,
+    per_rank: Sequence[Mapping[str, str]] | None = None,
+    *,
+    only_ranks: Sequence[int] | None = None,
+    verbose: bool = False,
+) -> tuple[list[int], list[dict]]:
+    """The ranks this node starts and their environments (one port and token for the job)."""
+    port = job.master_port or free_port()
+    # One node: a fresh secret per job. Several: every node's launcher must agree without talking,
+    # so each worker resolves the token itself (rdkeras.jobtoken), unless the user set one.
+    token = secrets.token_hex(16) if job.nnodes == 1 else None
+    ranks = list(job.ranks if only_ranks is None else only_ranks)
+    envs = []
+    for rank in ranks:
+        more = dict(extra or {})
+        if per_rank is not None:
+            more.update(per_rank[rank])
+        local = rank - job.node_rank * job.per_node
+        envs.append(
+            worker_env(
+                rank,
+                job.world_size,
+                port,
+                token,
+                more,
+                master_addr=job.master_addr,
+                local_rank=local,
+                local_world_size=job.per_node,
+                verbose=verbose,
+            )
+        )
+    return ranks, envs
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A preexec function: the child gets SIGKILL when the launcher dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _Terminal:
+    """Writes several workers' output to one stream: a ``[rank] `` prefix at the start of each
+    line and after each carriage return (so a progress bar redraws in place), a newline first
+    when another rank's line is unfinished, TensorFlow start-up banners left out unless verbose."""
+
+    def __init__(self, out: BinaryIO, verbose: bool):
+        self.out, self.verbose = out, verbose
+        self.lock = threading.Lock()
+        self.owner: int | None = None  # rank whose line is unfinished
+        self.at_start = True  # the cursor is at column 0 (after \n or \r)
+
+    def write(self, rank: int, data: bytes) -> None:
+        with self.lock:
+            parts = re.split(rb"(?<=[\r\n])", data)
+            chunks = []
+            for part in parts:
+                if not part:
+                    continue
+                if not self.verbose and self.at_start and part.endswith(b"\n") and _BANNERS.search(part):
+                    continue
+                if self.owner not in (None, rank):
+                    chunks.append(b"\n")
+                    self.at_start = True
+                if self.at_start and part not in (b"\n", b"\r"):
+                    chunks.append(f"[{rank}] ".encode())
+                chunks.append(part)
+                self.at_start = part.endswith((b"\n", b"\r"))
+                self.owner = None if part.endswith(b"\n") else rank
+            if chunks:
+                self.out.write(b"".join(chunks))
+                self.out.flush()
 
 
 def run_workers(
@@ -80,42 +223,38 @@ def run_workers(
     timeout: float | None = None,
     stop_on_failure: bool = True,
     forward: bool = False,
+    verbose: bool = False,
+    log_dir: str | Path | None = None,
 ) -> list[RankResult]:
     """Runs one process per command; returns when all ended, one failed, or the timeout passed.
 
-    With `forward`, output lines are printed with a "[rank] " prefix as they come.
-    Survivors are killed (their whole process group) before returning.
+    With `forward`, output is written to this process's stdout as it comes, each line
+    prefixed by the rank (see :class:`_Terminal`). With `log_dir`, each rank's output
+    also goes to ``log_dir/worker-RANK.log``. Survivors are killed (their whole process
+    group) before returning, also when this function is interrupted.
     """
     ranks = list(range(len(commands))) if ranks is None else list(ranks)
-    procs = [
-        subprocess.Popen(
-            list(cmd),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            bufsize=1,
-        )
-        for cmd, env in zip(commands, envs, strict=True)
-    ]
-    results = [RankResult(r, None, "") for r in ranks]
-    chunks: list[list[str]] = [[] for _ in procs]
-    lock = threading.Lock()
+    logs = []
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        logs = [open(Path(log_dir) / f"worker-{r}.log", "wb") for r in ranks]
+    preexec = _die_with_parent(os.getpid())
+    procs: list[subprocess.Popen] = []
+    terminal = _Terminal(sys.stdout.buffer if hasattr(sys.stdout, "buffer") else _TextOut(), verbose)
+    chunks: list[list[bytes]] = [[] for _ in commands]
+    readers: list[threading.Thread] = []
 
     def pump(i: int) -> None:
-        for line in procs[i].stdout:  # type: ignore[union-attr]
-            chunks[i].append(line)
-            results[i].tail.append(line)
-            if forward and not line.startswith(_RESULT_MARK):
-                with lock:
-                    sys.stdout.write(f"[{ranks[i]}] {line}")
-                    sys.stdout.flush()
+        fd = procs[i].stdout.fileno()  # type: ignore[union-attr]
+        while data := os.read(fd, 65536):
+            chunks[i].append(data)
+            if logs:
+                logs[i].write(data)
+                logs[i].flush()
+            if forward:
+                terminal.write(ranks[i], data)
 
-    readers = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(procs))]
-    for t in readers:
-        t.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    results = [RankResult(r, None, "") for r in ranks]
 
     def note_exits() -> None:
         now = time.monotonic()
@@ -124,6 +263,22 @@ def run_workers(
                 results[i].ended_at = now
 
     try:
+        for cmd, env in zip(commands, envs, strict=True):
+            procs.append(
+                subprocess.Popen(
+                    list(cmd),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    bufsize=0,
+                    start_new_session=True,
+                    preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
+                )
+            )
+            readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
+            readers[-1].start()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             note_exits()
             failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
@@ -149,19 +304,65 @@ def run_workers(
             t.join(timeout=5)
         for p in procs:
             p.stdout.close()  # type: ignore[union-attr]
+        for f in logs:
+            f.close()
     for i, p in enumerate(procs):
         results[i].returncode = p.returncode
-        results[i].output = "".join(chunks[i])
-        for line in chunks[i]:
+        results[i].output = b"".join(chunks[i]).decode(errors="replace")
+        lines = results[i].output.splitlines(keepends=True)
+        results[i].tail.extend(lines[-40:])
+        for line in lines:
             if line.startswith(_RESULT_MARK):
                 results[i].value = json.loads(line[len(_RESULT_MARK) :])
     return results
+
+
+class _TextOut:
+    """stdout without a byte buffer (a notebook's stream): bytes decoded as they come."""
+
+    def write(self, data: bytes) -> None:
+        sys.stdout.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def run_local(
+    command: Sequence[str],
+    job: Job,
+    *,
+    env: Mapping[str, str] | None = None,
+    per_rank_env: Sequence[Mapping[str, str]] | None = None,
+    only_ranks: Sequence[int] | None = None,
+    timeout: float | None = None,
+    stop_on_failure: bool = True,
+    forward: bool = False,
+    verbose: bool = False,
+    log_dir: str | Path | None = None,
+) -> list[RankResult]:
+    """The one local-launch sequence: this node's ranks of `job`, each running `command`."""
+    ranks, envs = job_envs(job, env, per_rank_env, only_ranks=only_ranks, verbose=verbose)
+    return run_workers(
+        [list(command)] * len(ranks),
+        envs,
+        ranks=ranks,
+        timeout=timeout,
+        stop_on_failure=stop_on_failure,
+        forward=forward,
+        verbose=verbose,
+        log_dir=log_dir,
+    )
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:
     """The worker that failed first (the others usually failed because of it)."""
     failed = [r for r in results if r.returncode not in (0, None)]
     return min(failed, key=lambda r: r.ended_at) if failed else None
+
+
+def failed_rank(results: list[RankResult]) -> RankResult | None:
+    """The worker to blame: the first that failed, else one still running at the timeout, else None."""
+    return first_failure(results) or next((r for r in results if r.returncode is None), None)
 
 
 def spawn_call(
@@ -186,15 +387,15 @@ def spawn_call(
         "value = fn(**json.loads(sys.argv[1]))\n"
         f"print({_RESULT_MARK!r} + json.dumps(value), flush=True)\n"
     )
-    port, token = free_port(), secrets.token_hex(16)
-    ranks = list(range(world_size)) if only_ranks is None else only_ranks
-    envs = []
-    for rank in ranks:
-        extra = dict(env or {})
-        extra.update((per_rank_env or [{}] * world_size)[rank])
-        envs.append(worker_env(rank, world_size, port, token, extra))
-    commands = [[sys.executable, "-c", code, json.dumps(kwargs or {})] for _ in ranks]
-    return run_workers(commands, envs, ranks=ranks, timeout=timeout, stop_on_failure=stop_on_failure)
+    return run_local(
+        [sys.executable, "-c", code, json.dumps(kwargs or {})],
+        Job(world_size),
+        env=env,
+        per_rank_env=per_rank_env,
+        only_ranks=only_ranks,
+        timeout=timeout,
+        stop_on_failure=stop_on_failure,
+    )
 
 
 def launch(
@@ -233,12 +434,9 @@ def launch(
         extra = dict(env or {})
         if transport:
             extra["RDKERAS_TRANSPORT"] = transport
-        port, token = free_port(), secrets.token_hex(16)
-        envs = [worker_env(r, num_workers, port, token, extra) for r in range(num_workers)]
-        results = run_workers(
-            [[sys.executable, "-c", code, payload, tmp]] * num_workers, envs, timeout=timeout, forward=True
-        )
-        bad = first_failure(results) or next((r for r in results if r.returncode is None), None)
+        job = Job(num_workers)
+        results = run_local([sys.executable, "-c", code, payload, tmp], job, env=extra, timeout=timeout, forward=True)
+        bad = failed_rank(results)
         if bad is not None:
             raise LaunchError(_failure_message(bad), results)
         values = []
@@ -260,24 +458,74 @@ def _failure_message(r: RankResult) -> str:
     return f"worker rank {r.rank} failed first ({how}); its last output:\n{tail}"
 
 
+class _Stopped(BaseException):
+    """The launcher got a termination signal; its workers are stopped on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rdkeras.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes to start")
-    parser.add_argument("--transport", help="sets RDKERAS_TRANSPORT for every worker (shm, tcp, grpc, auto)")
+    parser.add_argument(
+        "-n", "--nproc-per-node", "--num-workers", dest="per_node", type=int, required=True, help="workers on this node"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where rank 0 listens")
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"rank 0's rendezvous port (default: a free one on one node, {DEFAULT_MASTER_PORT} on several)",
+    )
+    parser.add_argument("--transport", help="sets RDKERAS_TRANSPORT for every worker (shm, tcp, verbs, grpc, auto)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped")
-    parser.add_argument("script", help="the Python script to run (or -m module)")
+    parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")
+    parser.add_argument("script", help="the Python script to run, or -m MODULE")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    a = parser.parse_args(argv)
-    if a.num_workers < 1:
-        parser.error(f"-n must be at least 1, got {a.num_workers}")
-    cmd = [sys.executable, *(["-m", a.args[0], *a.args[1:]] if a.script == "-m" else [a.script, *a.args])]
-    if a.script != "-m" and not os.path.exists(a.script):
-        parser.error(f"no such script: {a.script}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # "-m MODULE ARGS" as python has it: everything after the module is the module's.
+    with_values = {a for action in parser._actions if action.nargs is None and action.option_strings
+                   for a in action.option_strings}  # fmt: skip
+    i = 0
+    while i < len(argv) and argv[i] != "-m" and argv[i].startswith("-"):
+        i += 2 if argv[i] in with_values else 1
+    module = argv[i + 1 : i + 2] if i < len(argv) and argv[i] == "-m" else None
+    if module == []:
+        parser.error("-m needs a module name")
+    a = parser.parse_args([*(t for t in argv[:i] if t != "--"), "--", "-m", *argv[i + 2 :]] if module else argv)
+    if module:
+        cmd = [sys.executable, "-m", module[0], *a.args]
+    else:
+        cmd = [sys.executable, a.script, *a.args]
+        if not os.path.exists(a.script):
+            parser.error(f"no such script: {a.script}")
+    port = a.master_port or (DEFAULT_MASTER_PORT if a.nnodes > 1 else None)
+    try:
+        job = Job(a.per_node, a.nnodes, a.node_rank, a.master_addr, port)
+    except ValueError as e:
+        parser.error(str(e))
     extra = {"RDKERAS_TRANSPORT": a.transport} if a.transport else {}
-    port, token = free_port(), secrets.token_hex(16)
-    envs = [worker_env(r, a.num_workers, port, token, extra) for r in range(a.num_workers)]
-    results = run_workers([cmd] * a.num_workers, envs, timeout=a.timeout, forward=True)
-    bad = first_failure(results) or next((r for r in results if r.returncode is None), None)
+    handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        results = run_local(cmd, job, env=extra, timeout=a.timeout, forward=True, verbose=a.verbose, log_dir=a.log_dir)
+    except _Stopped as e:
+        print(f"rdkeras.launch: stopped by signal {e.signum}; workers killed", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("rdkeras.launch: interrupted; workers killed", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    bad = failed_rank(results)
     if bad is not None:
         print(f"rdkeras.launch: {_failure_message(bad)}", file=sys.stderr)
         for r in results:

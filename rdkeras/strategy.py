@@ -132,10 +132,7 @@ class RDMAStrategy:
     @property
     def cluster_resolver(self) -> Any:
         """TensorFlow's ClusterResolver for this job (task_type, task_id, cluster_spec, num_accelerators)."""
-        resolver = getattr(self.cluster, "resolver", None)
-        if callable(resolver):
-            return resolver()
-        return _simple_resolver(self.cluster)
+        return self.cluster.cluster_resolver()
 
     # -- models -------------------------------------------------------------------------
 
@@ -287,20 +284,3 @@ class DistributedGradientTape:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
-
-
-def _simple_resolver(c: Any) -> Any:
-    """A SimpleClusterResolver for jobs not described by TF_CONFIG."""
-    import tensorflow as tf
-
-    if c.source == "TF_CONFIG":
-        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    workers = [f"{c.master_addr}:{c.master_port}"] + [f"worker-{r}" for r in range(1, c.world_size)]
-    gpus = len(tf.config.list_physical_devices("GPU"))
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": workers}),
-        task_type="worker",
-        task_id=c.rank,
-        num_accelerators={"GPU": gpus} if gpus else None,
-        rpc_layer="rdkeras",
-    )

@@ -164,9 +164,12 @@ std::string hostIdentity() {
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string boot_id;
   std::getline(boot, boot_id);
-  char netns[128] = {0};
-  const ssize_t n = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
-  return strCat(boot_id, "/", n > 0 ? std::string(netns, n) : std::string("?"));
+  auto ns = [](const char* path) {
+    char link[128] = {0};
+    const ssize_t n = readlink(path, link, sizeof(link) - 1);
+    return n > 0 ? std::string(link, n) : std::string("?");
+  };
+  return strCat(boot_id, "/", ns("/proc/self/ns/net"), "/", ns("/proc/self/ns/pid"));
 }
 
 }  // namespace rdkeras

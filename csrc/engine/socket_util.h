@@ -32,7 +32,11 @@ void acceptPeers(int listen_fd, const Deadline& deadline, const char* transport,
 // A blocking TCP connection to host:port made before the deadline; PeerError names `peer` otherwise.
 int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer);
 std::string randomHex(size_t bytes);
-// An identifier equal for processes that share a host and network namespace.
+// "Same host" for rdkeras: equal for processes that can reach each other's shm, i.e. that share
+// the kernel (boot_id), the network namespace (shm peers meet on an abstract unix socket, which
+// belongs to it) and the PID namespace (CMA addresses the peer by pid). Two containers or network
+// namespaces on one machine share boot_id but differ here. The one formula: Python's
+// rdkeras.engine.host_identity() calls this.
 std::string hostIdentity();
 
 }  // namespace rdkeras

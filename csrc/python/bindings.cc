@@ -13,6 +13,7 @@
 #include "engine/collectives.h"
 #include "engine/copy.h"
 #include "engine/engine.h"
+#include "engine/socket_util.h"
 
 namespace py = pybind11;
 using namespace rdkeras;
@@ -98,6 +99,7 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
 
   m.def("native_transports", &nativeTransports);
+  m.def("host_identity", &hostIdentity, "Equal for processes that can reach each other's shm (see socket_util.h).");
   m.def("verbs_why_not_viable", &verbsWhyNotViable,
         "Empty when transport='verbs' can run here, else why not.");
   m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");

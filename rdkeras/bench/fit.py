@@ -39,7 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=32, help="vgg16 input size (224 in the paper)")
     p.add_argument("--width", type=float, default=0.25, help="vgg16 channel multiplier (1.0 in the paper)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="per-worker batch (the seed's convention); fit gets the global batch, this x workers (model "
+        "parallel: the pipeline's batch)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--full", action="store_true", help="the paper's sizes (FCN-5 26752-2048x3-26752, 118 M params)")
     p.add_argument("--transports", default="shm,tcp,grpc")
@@ -82,7 +88,8 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
             self.t1 = time.perf_counter()  # the last one wins; epoch-end work stays outside
 
     clock = Clock()
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
+    # batch_size is the global batch: `batch` rows per worker, as in the seed's figures.
+    model.fit(x, y, batch_size=batch * workers, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
     rate = steps / (clock.t1 - clock.t0)
     params = model.count_params()
     transport = strategy.transport if strategy else "none"
@@ -130,8 +137,8 @@ def model_parallel_rank(
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
     result = {"rate": steps / (clock.t1 - clock.t0), "params": model.count_params()}
     if strategy:
-        edge = strategy._parallel.current("train").plan.edges[0]
-        result["edge"] = f"{edge.producer} {edge.shape} {edge.mode}"
+        edge = strategy.plan.edges[0]
+        result["edge"] = f"{edge.producer} {edge.shape} {edge.transfer}"
         result["edge_bytes"] = edge.bytes_per_step
         strategy.close()
     return result
@@ -201,7 +208,7 @@ def run_model_parallel(args: argparse.Namespace) -> int:
                 rows.append({**r, "transport": t, "split": split, "micro": micro})
     print(
         f"\nmodel-parallel model.fit: VGG-16 {args.image_size}x{args.image_size}, width x{args.width} "
-        f"({alone['params'] / 1e6:.1f} M params), batch {args.batch_size}, 2 workers pinned to one core each"
+        f"({alone['params'] / 1e6:.1f} M params), pipeline batch {args.batch_size}, 2 workers pinned to one core each"
     )
     print(
         f"{'configuration':<48} {'cut edge (per micro-batch)':<34} {'batches/s':>9} {'x 1 process':>11} {'x grpc':>7}"
@@ -274,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
     params = rows[0]["params"]
     print(
         f"\nmodel.fit throughput: FCN-5 {width}-{hidden}x3-{width} ({params / 1e6:.1f} M params, "
-        f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size}, 1 core per worker"
+        f"{params * 4 / 1e6:.0f} MB of gradients per step), per-worker batch {args.batch_size} "
+        f"(global {args.batch_size * n}), 1 core per worker"
     )
     print(f"{'configuration':<32} {'batches/s per worker':>21} {'x 1 worker':>11} {'x independent':>14} {'x grpc':>7}")
     for r in rows:

@@ -266,7 +266,8 @@ class GradientAllreduce:
     def _reduce(self, *arrays: np.ndarray) -> list[np.ndarray]:
         # The inputs are views of TensorFlow's buffers; the outputs are 64-byte
         # aligned views of registered memory, which TensorFlow aliases.
-        return self.collectives.allreduce(list(arrays), average=self.average)
+        reduced = self.collectives.allreduce(list(arrays), average=self.average)
+        return [r.reshape(a.shape) for r, a in zip(reduced, arrays, strict=True)]  # views (0-d stays 0-d)
 
     def _overlapped(self, wire: list[Any]) -> list[Any]:
         import tensorflow as tf
@@ -302,4 +303,5 @@ class GradientAllreduce:
 
     def _reduce_bucket(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         # A ring per bucket: its outputs stay valid until that bucket's next-but-one exchange.
-        return self.collectives.allreduce(arrays, average=self.average, purpose=f"grads{bucket}")
+        reduced = self.collectives.allreduce(arrays, average=self.average, purpose=f"grads{bucket}")
+        return [r.reshape(a.shape) for r, a in zip(reduced, arrays, strict=True)]

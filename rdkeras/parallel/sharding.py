@@ -191,7 +191,7 @@ class Sharding:
 
             return tf.nest.map_structure(cut, structure)
 
-        return ds.map(part, deterministic=True)
+        return ds.map(part)
 
     def _deal_dataset(self, ds: Any) -> Any:
         """Per-replica batches (global_batch=False): replica r takes batches r, r+n, ... (equal counts)."""

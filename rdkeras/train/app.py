@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
+from rdkeras import cluster
 from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, validate
 
 PROG = "rdkeras.train"
@@ -15,14 +15,6 @@ RESOLVED_CONFIG = "resolved_config.yaml"
 # A worker that stops on a bad config prints this prefix and exits with this code.
 ERROR_PREFIX = f"{PROG}: error: "
 CONFIG_EXIT = 2
-
-
-def in_cluster_env() -> bool:
-    """Whether the environment already makes this process one worker of a job."""
-    env = os.environ
-    return bool(
-        env.get("RDKERAS_WORLD_SIZE") or env.get("TF_CONFIG") or (env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"))
-    )
 
 
 # Errors of the jobs run by this process (one, or one per --multirun job), kept here rather than
@@ -43,6 +35,9 @@ def _task(cfg: Any) -> None:
 
         if HydraConfig.get().mode.name == "MULTIRUN":
             print(f"{PROG}: job {HydraConfig.get().job.num} failed: {_describe(e)}", file=sys.stderr, flush=True)
+            # The job must fail where it runs, so launcher plugins (submitit: another process, another
+            # node) report it; Hydra's sweeper raises it again in this process once all jobs ran.
+            raise
 
 
 def _run_job(cfg: Any) -> None:
@@ -54,7 +49,7 @@ def _run_job(cfg: Any) -> None:
     # The config with every interpolation resolved: what the workers (and a reader, later) see.
     resolved = output_dir / RESOLVED_CONFIG
     OmegaConf.save(cfg, resolved, resolve=True)
-    if cfg.cluster.kind == "local" and not in_cluster_env():
+    if cfg.cluster.kind == "local" and not cluster.in_job():
         spawn_local(resolved, output_dir, cfg.cluster.num_workers, cfg.cluster.timeout)
     else:
         from rdkeras.train import worker
@@ -63,29 +58,27 @@ def _run_job(cfg: Any) -> None:
 
 
 def spawn_local(config_path: Path, output_dir: Path, num_workers: int, timeout: float | None) -> None:
-    """Runs the workers on this machine through the launcher; their output is forwarded with a [rank] prefix."""
-    from rdkeras.launch import first_failure, free_port, run_workers, worker_env
+    """Runs the workers on this machine through the launcher; their output is forwarded with a [rank] prefix
+    and written to ``worker-RANK.log`` in the output folder."""
+    from rdkeras.launch import Job, _failure_message, failed_rank, run_local
 
-    port, token = free_port(), secrets.token_hex(16)
-    envs = [worker_env(r, num_workers, port, token) for r in range(num_workers)]
     for stale in output_dir.glob("error-*.txt"):
         stale.unlink()
     command = [sys.executable, "-m", "rdkeras.train.worker", str(config_path), str(output_dir)]
     print(f"{PROG}: {num_workers} local workers, output in {output_dir}", flush=True)
-    results = run_workers([command] * num_workers, envs, timeout=timeout, forward=True)
+    results = run_local(command, Job(num_workers), timeout=timeout, forward=True, log_dir=output_dir)
     errors = {}
     for r in results:
         error_file = output_dir / f"error-{r.rank}.txt"
         errors[r.rank] = error_file.read_text() if error_file.exists() else ""
         error_file.unlink(missing_ok=True)
-        (output_dir / f"worker-{r.rank}.log").write_text(r.output + errors[r.rank])
-    bad = first_failure(results) or next((r for r in results if r.returncode is None), None)
+        with open(output_dir / f"worker-{r.rank}.log", "a") as log:
+            log.write(errors[r.rank])
+    bad = failed_rank(results)
     if bad is None:
         return
     if bad.returncode == CONFIG_EXIT and errors[bad.rank].startswith(ERROR_PREFIX):
         raise ConfigError(errors[bad.rank][len(ERROR_PREFIX) :].strip())
-    from rdkeras.launch import _failure_message
-
     raise WorkerError(_failure_message(bad) + f"\n(full logs: {output_dir}/worker-*.log)")
 
 
@@ -135,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_EXIT
     except WorkerError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if not type(e).__module__.startswith("submitit"):
+            raise
+        # A job the cluster lost (killed, timed out, node failure): submitit says which and where its log is.
+        print(f"{PROG}: a job failed on the cluster: {' '.join(str(e).split())[:2000]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -6,9 +6,10 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
+from rdkeras.engine import TRANSPORTS
+
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger")
-_TRANSPORTS = ("auto", "shm", "tcp", "verbs", "grpc")
 
 
 class ConfigError(ValueError):
@@ -81,8 +82,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"cluster.kind must be 'local' or 'env', got {kind!r}")
     if kind == "local":
         _positive(cfg.cluster.num_workers, "cluster.num_workers")
-    if cfg.transport.name not in _TRANSPORTS:
-        raise ConfigError(f"transport.name must be one of {', '.join(_TRANSPORTS)}; got {cfg.transport.name!r}")
+    if cfg.transport.name not in TRANSPORTS:
+        raise ConfigError(f"transport.name must be one of {', '.join(TRANSPORTS)}; got {cfg.transport.name!r}")
     parallel = cfg.parallel
     if parallel.kind not in ("data", "model", "hybrid"):
         raise ConfigError(f"parallel.kind must be data, model or hybrid; got {parallel.kind!r}")

@@ -114,12 +114,15 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
     import tensorflow as tf
 
     from rdkeras import cluster as cluster_lib
+    from rdkeras import devices
     from rdkeras.callbacks import TrainingStats
+    from rdkeras.train import summary
 
     place = cluster_lib.resolve()
+    device = devices.use_local_gpu(place.local_rank, place.local_world_size)  # before TensorFlow picks its own
     threads = cfg.trainer.threads
-    if threads is None and place.source == "rdkeras":  # the launcher's workers share this host's cores
-        threads = max(1, (os.cpu_count() or 1) // place.world_size)
+    if threads is None and place.local_world_size > 1:  # the workers of one node share its cores
+        threads = max(1, (os.cpu_count() or 1) // place.local_world_size)
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -174,6 +177,9 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
                 )
             )
 
+        timer = summary.step_timer()
+        callbacks.append(timer)
+        traffic_before = summary.measure(strategy)
         fit_started = time.perf_counter()
         history = model.fit(
             data.x,
@@ -188,6 +194,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             shuffle=True,
         )
         fit_seconds = time.perf_counter() - fit_started
+        traffic_after = summary.measure(strategy)
         results = {
             "model": model.name,
             "parameters": int(model.count_params()),
@@ -198,15 +205,21 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             "epochs": cfg.trainer.epochs,
             "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
             "fit_seconds": fit_seconds,
+            "steps": len(history.epoch) * (cfg.trainer.steps_per_epoch or history.params.get("steps") or 0),
+            "batch_size": cfg.trainer.batch_size,
+            "device": device.describe(),
+            **dict(zip(("steady_steps", "steady_seconds"), timer.steady(), strict=True)),
             "total_seconds": time.perf_counter() - started,
         }
         final = {k: vs[-1] for k, vs in results["history"].items() if vs}
         results["final"] = final
+        results["summary"] = summary.text(results, traffic_before, traffic_after, synthetic="samples" in cfg.data)
         if chief:
             (output_dir / "results.json").write_text(json.dumps(results, indent=1))
             plot_curves(results["history"], output_dir / "curves.png", f"{model.name}, {strategy.num_workers} workers")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in final.items())
             print(f"done in {fit_seconds:.1f} s: {shown}; results in {output_dir / 'results.json'}", flush=True)
+            print(results["summary"], flush=True)
         return results
     finally:
         strategy.close()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 
 import rdkeras
 from tests.conftest import TESTS_DIR
@@ -74,3 +76,106 @@ def _allreduce_rank() -> list[float]:
 def test_launch_runs_a_function_on_workers_like_a_notebook():
     results = rdkeras.launch(_allreduce_rank, num_workers=2, env={"PYTHONPATH": str(REPO)}, timeout=120)
     assert results == [[3.0] * 4, [3.0] * 4]
+
+
+def _start_sleepers(tmp_path, *extra: str) -> subprocess.Popen:
+    worker = str(TESTS_DIR / "multiproc" / "sleepy_worker.py")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdkeras.launch", "-n", "2", *extra, worker, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+        time.sleep(0.05)
+    return proc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killing_the_launcher_takes_its_workers_with_it(tmp_path, sig):
+    proc = _start_sleepers(tmp_path)
+    pids = [int((tmp_path / f"rank-{r}").read_text().split()[0]) for r in (0, 1)]
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(sig)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), f"workers still running after {sig.name} of the launcher"
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 128 + sig
+
+
+def test_workers_get_local_ranks_and_the_chiefs_progress_bar_redraws_in_place(tmp_path):
+    proc = _start_sleepers(tmp_path, "--log-dir", str(tmp_path / "logs"))
+    places = [tuple(map(int, (tmp_path / f"rank-{r}").read_text().split()[1:])) for r in (0, 1)]
+    assert places == [(0, 2, 2), (1, 2, 2)]  # LOCAL_RANK, LOCAL_WORLD_SIZE, world
+    deadline = time.monotonic() + 30
+    log = tmp_path / "logs" / "worker-0.log"
+    while b"step 2/3\n" not in (log.read_bytes() if log.exists() else b"") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    # Bytes forwarded as written: each redraw returns to column 0 and starts again with the prefix.
+    assert b"\r[0] step 0/3" in out and b"\r[0] step 1/3" in out and b"\r[0] step 2/3\n" in out, out
+    assert b"[0] step 1/3\n" not in out  # no carriage return turned into a newline
+    assert log.read_bytes().count(b"\r") == 3  # the log holds the worker's own bytes, unprefixed
+
+
+def test_tensorflow_start_up_lines_are_quiet_unless_verbose(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(
+        "import sys\n"
+        "sys.stderr.write('WARNING: All log messages before absl::InitializeLog() is called\\n')\n"
+        "print('real output')\n"
+    )
+    for verbose, shown in (([], False), (["--verbose"], True)):
+        done = _launch("-n", "2", *verbose, "--log-dir", str(tmp_path / "logs"), str(script), timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "[1] real output" in done.stdout
+        assert ("absl::InitializeLog" in done.stdout) == shown, done.stdout
+        assert "absl::InitializeLog" in (tmp_path / "logs" / "worker-1.log").read_text()  # the log keeps it
+
+
+def test_two_launchers_make_one_job_across_nodes(tmp_path):
+    """--nnodes 2 on one machine: the token comes from the user's secret file, no variable set."""
+    from rdkeras.launch import free_port
+
+    port = str(free_port())
+    env = {k: v for k, v in ENV.items() if k != "RDKERAS_JOB_TOKEN"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    script = str(TESTS_DIR / "multiproc" / "ring_sum.py")
+    launcher = [sys.executable, "-m", "rdkeras.launch", "--master-addr", "127.0.0.1"]
+    procs = [
+        subprocess.Popen(
+            [*launcher, "--nnodes", "2", "--node-rank", str(node), "--master-port", port, "-n", "2", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for node in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    sums = sorted(re.findall(r"^\[(\d)\] rank \d local \d of 4: sum (\S+)", outs[0] + outs[1], re.M))
+    assert sums == [("0", "10.0"), ("1", "10.0"), ("2", "10.0"), ("3", "10.0")], outs
+    assert (tmp_path / "config" / "rdkeras" / "job-token").exists()
+
+
+def test_a_module_runs_with_dash_m_as_python_has_it():
+    done = _launch("-n", "2", "--timeout", "120", "-m", "tests.multiproc.ring_sum", timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(re.findall(r"^\[(\d)\] rank \d local \d of 2: sum 3\.0$", done.stdout, re.M)) == ["0", "1"]

@@ -1,0 +1,131 @@
+"""The job token: the secret every rank of a job proves it knows at rendezvous.
+
+Where it comes from, first match wins:
+
+1. ``RDKERAS_JOB_TOKEN``: the token itself (``python -m rdkeras.launch`` sets a
+   fresh random one per job; a Kubernetes Secret can be exposed this way).
+2. ``RDKERAS_JOB_TOKEN_FILE``: a file holding it (a Kubernetes Secret mounted
+   as a volume).
+3. The user's secret file, ``$XDG_CONFIG_HOME/rdkeras/job-token`` (by default
+   ``~/.config/rdkeras/job-token``), created on first use: 32 random bytes, mode
+   0600 in a 0700 folder, written to a temporary name and linked into place, so
+   two ranks creating it at once (also over NFS) end with one file. Cluster
+   nodes share the home directory, so every rank of a SLURM, TF_CONFIG or
+   torchrun job finds the same secret with no manual step. A file that another
+   user could read or write, or that this user does not own, is refused.
+
+From the user's secret, each job gets its own token, an HMAC of the job's
+identity (:func:`rdkeras.cluster.job_key`: the SLURM job and step, the
+TF_CONFIG cluster, the torchrun run or rendezvous address): two jobs of the
+same user cannot join each other, and nobody without the file can compute it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from rdkeras.errors import EngineError
+
+ENV_TOKEN = "RDKERAS_JOB_TOKEN"
+ENV_TOKEN_FILE = "RDKERAS_JOB_TOKEN_FILE"
+SECRET_BYTES = 32
+
+
+class TokenError(EngineError):
+    """No usable job token; the message says what to do."""
+
+
+def secret_path(env: Mapping[str, str] | None = None) -> Path:
+    """The per-user secret file: ``$XDG_CONFIG_HOME/rdkeras/job-token`` or ``~/.config/rdkeras/job-token``."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "rdkeras" / "job-token"
+
+
+def _read_private(path: Path, what: str) -> bytes:
+    """The contents of `path`, which must belong to this user and be closed to everyone else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise TokenError(f"cannot read the {what} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise TokenError(f"the {what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise TokenError(
+                f"the {what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): anyone who can "
+                f"read it can join your jobs. Run `chmod 600 {path}` (or delete it to get a new one)"
+            )
+        data = b""
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    finally:
+        os.close(fd)
+    data = data.strip()
+    if not data:
+        raise TokenError(f"the {what} {path} is empty: delete it and rdkeras makes a new one")
+    return data
+
+
+def _create_secret(path: Path) -> None:
+    """Writes a fresh secret to `path` unless it exists; safe against concurrent creators."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(SECRET_BYTES).encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic, and fails if another rank got there first: theirs wins
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+def user_secret(env: Mapping[str, str] | None = None) -> bytes:
+    """This user's secret, created on first use (see the module docstring)."""
+    path = secret_path(env)
+    if not os.path.lexists(path):
+        try:
+            _create_secret(path)
+        except OSError as e:
+            raise TokenError(
+                f"no job token: cannot create {path} ({e.strerror}); set {ENV_TOKEN} (or {ENV_TOKEN_FILE}) "
+                "to the same secret on every rank"
+            ) from None
+    return _read_private(path, "job-token file")
+
+
+def resolve(world_size: int, job_key: str | None, env: Mapping[str, str] | None = None) -> bytes:
+    """The token for this job's rendezvous.
+
+    Args:
+        world_size: Ranks in the job; a one-rank job needs no shared secret and gets a random one.
+        job_key: What identifies this job on every rank (:func:`rdkeras.cluster.job_key`), or None
+            where the environment names no job (then only an explicit token will do).
+        env: The environment to read (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    if env.get(ENV_TOKEN):
+        return env[ENV_TOKEN].encode()
+    if env.get(ENV_TOKEN_FILE):
+        return _read_private(Path(env[ENV_TOKEN_FILE]), f"{ENV_TOKEN_FILE} file")
+    if world_size <= 1:
+        return secrets.token_hex(16).encode()
+    if job_key is None:
+        raise TokenError(
+            f"no job token: set {ENV_TOKEN} to the same secret on every rank, or launch through "
+            "python -m rdkeras.launch, SLURM, TF_CONFIG or torchrun (they identify the job)"
+        )
+    digest = hmac.new(user_secret(env), b"rdkeras-job|" + job_key.encode(), hashlib.sha256)
+    return digest.hexdigest().encode()

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks that need a machine set up in a special way (network namespaces)."""

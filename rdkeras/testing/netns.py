@@ -1,0 +1,136 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair (tests and benchmarks).
+
+    from rdkeras.testing import netns
+
+    why = netns.why_not()                 # None where namespaces can be made (root, iproute2)
+    with netns.hosts(2, rate="1gbit", delay="100us") as (a, b):
+        subprocess.run(a.command(["python", "-m", "rdkeras.launch", ...]))
+        a.addr, b.addr                    # each host's address on the link
+
+Each host is a namespace with ``lo`` and one end of a veth pair, addressed from
+a private /24 chosen per process. ``rate`` (a ``tc tbf`` limit) and ``delay``
+(``tc netem``) shape both ends. Processes in the namespaces share the file
+system and ``boot_id`` but not abstract unix sockets, as two containers on one
+machine do. Everything is removed on the way out, also when the body raises;
+:func:`cleanup_stale` removes what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+PREFIX = "rdk"  # every namespace and link this module makes starts with it
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or shaping step failed; the message holds the command and its error."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the namespace
+    addr: str  # its address on the veth link
+    device: str  # its end of the veth pair
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside this host's namespace."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def why_not() -> str | None:
+    """Why two namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not shutil.which("ip"):
+        return "iproute2's ip command is not installed (apt-get install iproute2)"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except NetnsError as e:
+        return f"cannot create a network namespace: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+def cleanup_stale() -> list[str]:
+    """Deletes namespaces this module made in processes that no longer run; returns their names."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    removed = []
+    for line in done.stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        pid = name[len(PREFIX) :].split("x")[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            removed.append(name)
+    return removed
+
+
+def _shape(host: Host, rate: str | None, delay: str | None) -> None:
+    try:
+        _add_qdiscs(host, rate, delay)
+    except NetnsError as e:
+        what = "tc netem (delay) needs the kernel's sch_netem" if delay else "tc tbf (rate) needs sch_tbf"
+        raise NetnsError(f"cannot shape {host.device}: {what}: {e}") from None
+
+
+def _add_qdiscs(host: Host, rate: str | None, delay: str | None) -> None:
+    if rate and delay:
+        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "handle", "1:", "netem",
+            "delay", delay)  # fmt: skip
+        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "parent", "1:", "handle", "2:",
+            "tbf", "rate", rate, "burst", "256kb", "latency", "10ms")  # fmt: skip
+    elif rate:
+        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", rate,
+            "burst", "256kb", "latency", "10ms")  # fmt: skip
+    elif delay:
+        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "netem", "delay", delay)
+
+
+@contextlib.contextmanager
+def hosts(count: int = 2, *, rate: str | None = None, delay: str | None = None) -> Iterator[list[Host]]:
+    """Two namespaces joined by a veth pair, removed on the way out.
+
+    Args:
+        count: Hosts to make (2: the two ends of one veth pair).
+        rate: Bandwidth cap on each end, in tc's units ("1gbit", "100mbit"); None: unshaped.
+        delay: Added one-way latency on each end ("100us", "1ms"); None: none.
+    """
+    if count != 2:
+        raise ValueError(f"a veth pair joins exactly 2 hosts, not {count}")
+    why = why_not()
+    if why:
+        raise NetnsError(why)
+    tag = f"{os.getpid()}x{os.urandom(2).hex()}"
+    subnet = f"10.{200 + os.getpid() % 50}.{int.from_bytes(os.urandom(1), 'big')}"
+    made = [Host(f"{PREFIX}{tag}{side}", f"{subnet}.{i + 1}", f"{PREFIX}{tag[-4:]}{side}") for i, side in
+            enumerate("ab")]  # fmt: skip
+    try:
+        for h in made:
+            _ip("netns", "add", h.name)
+        _ip("link", "add", made[0].device, "type", "veth", "peer", "name", made[1].device)
+        for h in made:
+            _ip("link", "set", h.device, "netns", h.name)
+            _ip("netns", "exec", h.name, "ip", "addr", "add", f"{h.addr}/24", "dev", h.device)
+            _ip("netns", "exec", h.name, "ip", "link", "set", h.device, "up")
+            _ip("netns", "exec", h.name, "ip", "link", "set", "lo", "up")
+            _shape(h, rate, delay)
+        yield made
+    finally:
+        # The link first (a namespace is freed lazily, and its veth end with it), wherever each end is now.
+        for h in made:
+            for argv in (["ip", "-n", h.name, "link", "del", h.device], ["ip", "link", "del", h.device]):
+                subprocess.run(argv, capture_output=True, timeout=30)
+        for h in made:
+            subprocess.run(["ip", "netns", "del", h.name], capture_output=True, timeout=30)

@@ -1,0 +1,310 @@
+"""A Keras user's lifecycle around fit, run inside each rank: save and load, resume, custom loops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np
+
+SAMPLES, BATCH = 96, 16
+
+
+def _data(samples: int = SAMPLES):
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((samples, 10)).astype("float32"), rng.integers(0, 4, samples)
+
+
+def _model(seed: int):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((10,)),
+            keras.layers.Dense(16, activation="tanh", name="hidden"),
+            keras.layers.Dense(4, name="logits"),
+        ],
+        name="net",
+    )
+
+
+def _compile(model) -> None:
+    import keras
+
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
+
+
+def _state(model) -> dict:
+    """Weights and optimizer variables (in the optimizer's order: names carry per-process counters), as lists."""
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "optimizer": [np.asarray(v.numpy()).tolist() for v in model.optimizer.variables],
+    }
+
+
+def _next_port(strategy, tag: str) -> None:
+    """Rank 0 picks the rendezvous port of the next strategy in this process and tells the others."""
+    from rdkeras.launch import free_port
+
+    store = strategy.engine.store
+    if strategy.worker_index == 0:
+        store.set(f"next_port/{tag}", str(free_port()).encode())
+    (port,) = store.get([f"next_port/{tag}"], waiting_for=[0])
+    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
+
+
+def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
+    """2 workers train with ModelCheckpoint (.keras and .weights.h5); the chief saves .keras, a
+    SavedModel and the JSON config; a model loaded inside scope trains distributed again; a model
+    compiled outside scope refuses to fit; close() leaves plain Keras objects."""
+    import keras
+
+    import rdkeras
+    from rdkeras import keras_internals
+
+    keras.mixed_precision.set_global_policy(policy)
+    x, y = _data()
+    strategy = rdkeras.RDMAStrategy(mode=mode)
+    rank = strategy.worker_index
+    with strategy.scope():
+        model = _model(seed=10 + rank)  # different on every worker: the chief's must win
+        _compile(model)
+    checkpoints = [
+        keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ck.keras")),
+        keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ck.weights.h5"), save_weights_only=True),
+    ]
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=checkpoints)
+    out = {"rank": rank, "trained": _state(model), "predict": model.predict(x[:8], verbose=0).tolist()}
+    if strategy.is_chief:
+        model.save(os.path.join(out_dir, "m.keras"))
+        model.export(os.path.join(out_dir, "savedmodel"), verbose=False)
+        with open(os.path.join(out_dir, "model.json"), "w") as f:
+            f.write(model.to_json())
+        out["config_module"] = model.get_config().get("module", type(model).__module__)
+    strategy.engine.barrier("saved")
+
+    # Loaded inside the scope, it trains distributed again (load_model compiles it).
+    with strategy.scope():
+        loaded = keras.models.load_model(os.path.join(out_dir, "m.keras"))
+    out["loaded_is_distributed"] = keras_internals.parallel_of(loaded) is not None
+    loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["continued"] = _state(loaded)
+
+    # A model compiled outside the scope would train one copy per worker: refused.
+    outside = _model(seed=3)
+    _compile(outside)
+    try:
+        outside.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        out["outside_error"] = None
+    except RuntimeError as e:
+        out["outside_error"] = str(e)
+
+    strategy.close()
+    out["after_close"] = {
+        "model_overrides": sorted(k for k in model.__dict__ if k in ("fit", "evaluate", "predict", "save")),
+        "optimizer_overrides": "apply" in model.optimizer.__dict__,
+        "class": f"{type(model).__module__}.{type(model).__name__}",
+        "optimizer_class": f"{type(model.optimizer).__module__}.{type(model.optimizer).__name__}",
+    }
+    if rank == 0:  # the same two trainings in one plain Keras process (the global batch is the same)
+        ref = _model(seed=10)
+        _compile(ref)
+        ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        out["reference"] = _state(ref)
+        ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        out["reference_continued"] = _state(ref)
+    return out
+
+
+def load_without_rdkeras(out_dir: str, policy: str = "float32") -> dict:
+    """Runs in a fresh process that never imports rdkeras: loads every file, then trains on."""
+    import keras
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy(policy)
+    x, y = _data()
+    result = {}
+    for name in ("m.keras", "ck.keras"):
+        model = keras.models.load_model(os.path.join(out_dir, name))
+        result[name] = _state(model)
+        result[name + "/class"] = f"{type(model).__module__}.{type(model).__name__}"
+        if name == "m.keras":
+            result["predict"] = model.predict(x[:8], verbose=0).tolist()
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            result["continued"] = _state(model)
+    fresh = _model(seed=0)
+    _compile(fresh)
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(os.path.join(out_dir, "ck.weights.h5"))
+    result["ck.weights.h5"] = _state(fresh)
+    served = tf.saved_model.load(os.path.join(out_dir, "savedmodel"))
+    result["savedmodel_predict"] = np.asarray(served.serve(x[:8])).tolist()
+    with open(os.path.join(out_dir, "model.json")) as f:
+        text = f.read()
+    result["json_mentions_rdkeras"] = "rdkeras" in text
+    result["from_json"] = type(keras.models.model_from_json(text)).__name__
+    result["rdkeras_imported"] = "rdkeras" in sys.modules
+    return result
+
+
+def load_in_fresh_process(out_dir: str, policy: str) -> dict:
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[3]);"
+        "from tests.multiproc.lifecycle_workers import load_without_rdkeras;"
+        "print('@@' + json.dumps(load_without_rdkeras(sys.argv[1], sys.argv[2])))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
+    env["PYTHONPATH"] = ""  # the test package only, through sys.path; never rdkeras's launcher env
+    proc = subprocess.run(
+        [sys.executable, "-c", code, out_dir, policy, root], capture_output=True, text=True, env=env, timeout=240
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][2:])
+
+
+class KillAtEpoch:
+    """A callback that SIGKILLs this process when epoch `epoch` begins, if env RDKERAS_TEST_KILL is this rank."""
+
+    def __new__(cls, epoch: int):
+        import keras
+
+        class Kill(keras.callbacks.Callback):
+            def on_epoch_begin(self, e, logs=None):
+                if e == epoch and os.environ.get("RDKERAS_TEST_KILL") == os.environ.get("RDKERAS_RANK"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        return Kill()
+
+
+def train_with_backup(backup_dir: str, epochs: int = 4, kill_epoch: int = 2, mode: str = "allreduce") -> dict:
+    """fit with BackupAndRestore; one rank may be killed at `kill_epoch` (env RDKERAS_TEST_KILL). After a
+    relaunch the job resumes; then, in the same processes, an uninterrupted run for comparison."""
+    import keras
+
+    import rdkeras
+
+    x, y = _data()
+    strategy = rdkeras.RDMAStrategy(mode=mode)
+    rank = strategy.worker_index
+    with strategy.scope():
+        model = _model(seed=20 + rank)
+        _compile(model)
+    backup = keras.callbacks.BackupAndRestore(backup_dir)
+    epochs_run = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_epoch_begin(self, e, logs=None):
+            epochs_run.append(e)
+
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[backup, KillAtEpoch(kill_epoch), Seen()],
+    )  # fmt: skip
+    resumed = _state(model)
+    _next_port(strategy, "uninterrupted")
+    strategy.close()
+
+    strategy = rdkeras.RDMAStrategy(mode=mode)
+    with strategy.scope():
+        model = _model(seed=20 + rank)
+        _compile(model)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    uninterrupted = _state(model)
+    strategy.close()
+    return {
+        "epochs_run": epochs_run,
+        "loss": history.history["loss"],
+        "resumed": resumed,
+        "uninterrupted": uninterrupted,
+        "backup_left": os.path.exists(backup_dir) and bool(os.listdir(backup_dir)),
+    }
+
+
+def custom_loop(distributed: bool = True, steps: int = 6) -> dict:
+    """A hand-written training loop: the dataset split with experimental_distribute_dataset, gradients
+    averaged by DistributedGradientTape, the chief's initial variables broadcast."""
+    import keras
+    import tensorflow as tf
+
+    import rdkeras
+
+    x, y = _data()
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    rank = strategy.worker_index if strategy else 0
+    model = _model(seed=30 + rank)
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)  # global batches
+    if strategy:
+        strategy.broadcast_variables(model.weights)
+        ds = strategy.experimental_distribute_dataset(ds)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        tape_ = rdkeras.DistributedGradientTape(tape, strategy) if strategy else tape
+        grads = tape_.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return strategy.reduce("MEAN", loss) if strategy else loss
+
+    losses = []
+    for xb, yb in itertools_take(ds, steps):
+        losses.append(float(step(xb, yb)))
+    out = {"weights": [w.tolist() for w in model.get_weights()], "losses": losses}
+    if strategy:
+        strategy.close()
+    else:
+        out["reference"] = True
+    return out
+
+
+def itertools_take(ds, n):
+    for i, item in enumerate(ds):
+        if i >= n:
+            return
+        yield item
+
+
+def tf_tutorial(per_worker_batch: int = 16, steps: int = 8) -> dict:
+    """TensorFlow's multi-worker Keras tutorial with MultiWorkerMirroredStrategy replaced by RDMAStrategy:
+    the cluster from TF_CONFIG alone, the dataset batched at per_worker_batch * num_workers."""
+    import tensorflow as tf
+
+    import rdkeras
+
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    num_workers = len(tf_config["cluster"]["worker"])
+    strategy = rdkeras.RDMAStrategy()  # was: tf.distribute.MultiWorkerMirroredStrategy()
+    global_batch_size = per_worker_batch * num_workers
+    x, y = _data(2048)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=1).repeat().batch(global_batch_size)
+    with strategy.scope():
+        model = _model(seed=1)
+        _compile(model)
+    history = model.fit(dataset, epochs=3, steps_per_epoch=steps, verbose=0)
+    resolver = strategy.cluster_resolver
+    out = {
+        "loss": history.history["loss"],
+        "weights": [w.tolist() for w in model.get_weights()],
+        "replicas": strategy.num_replicas_in_sync,
+        "task": [resolver.task_type, resolver.task_id],
+        "env": sorted(k for k in os.environ if k.startswith("RDKERAS_")),
+    }
+    strategy.close()
+    return out

@@ -1,0 +1,171 @@
+"""Two "hosts" (network namespaces on a veth pair): the multi-node launcher, transport=auto, same-host identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rdkeras.testing import netns
+from tests.conftest import TESTS_DIR
+from tests.readme_commands import command
+
+REPO = TESTS_DIR.parent
+WHY = netns.why_not()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}")
+GLOBAL_BATCH = 16
+LAUNCH = [sys.executable, "-m", "rdkeras.launch"]
+WORKER = str(TESTS_DIR / "netns" / "fit_worker.py")
+
+
+def _env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
+    env.update(
+        PYTHONPATH=str(REPO),
+        TF_CPP_MIN_LOG_LEVEL="3",
+        RDKERAS_TIMEOUT="120",
+        XDG_CONFIG_HOME=str(tmp_path / "config"),  # the job token: one per-user secret both "hosts" read
+    )
+    return env
+
+
+def _launch_on(host: netns.Host, node_rank: int, master: netns.Host, out, env) -> subprocess.Popen:
+    return subprocess.Popen(
+        host.command(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node_rank),
+                "--master-addr",
+                master.addr,
+                "--master-port",
+                "29511",
+                "-n",
+                "2",
+                WORKER,
+                str(out),
+                str(GLOBAL_BATCH),
+            ]
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_host_job(tmp_path_factory):
+    """A 2x2 data-parallel fit (2 nodes x 2 workers), plus a 2-worker job inside one namespace."""
+    tmp = tmp_path_factory.mktemp("netns")
+    env = _env(tmp)
+    across, within = tmp / "across", tmp / "within"
+    across.mkdir()
+    within.mkdir()
+    with netns.hosts(2) as (a, b):
+        procs = [_launch_on(a, 0, a, across, env), _launch_on(b, 1, a, across, env)]
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        inside = subprocess.run(
+            b.command([*LAUNCH, "-n", "2", WORKER, str(within), str(GLOBAL_BATCH)]),
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=400,
+        )
+        assert inside.returncode == 0, inside.stdout[-3000:]
+        identities = [
+            subprocess.run(
+                h.command([sys.executable, "-c", "from rdkeras.engine import host_identity; print(host_identity())"]),
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            ).stdout.strip()
+            for h in (a, b)
+        ]
+    assert not any(name.startswith(netns.PREFIX) for name in _netns_names()), "namespaces left behind"
+    load = lambda d, n: [json.loads((d / f"rank-{r}.json").read_text()) for r in range(n)]  # noqa: E731
+    return {"across": load(across, 4), "within": load(within, 2), "logs": outs, "identities": identities}
+
+
+def _netns_names() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+
+
+def test_auto_picks_tcp_between_hosts_and_shm_within_one(two_host_job):
+    assert {r["transport"] for r in two_host_job["across"]} == {"tcp"}
+    assert {r["transport"] for r in two_host_job["within"]} == {"shm"}
+    assert "transport=auto chose tcp: 2 hosts" in two_host_job["logs"][0]
+
+
+def test_namespaces_are_different_hosts_though_they_share_boot_id(two_host_job):
+    a, b = two_host_job["identities"]
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    assert a.startswith(boot) and b.startswith(boot) and a != b
+
+
+def test_the_four_workers_end_bit_identical(two_host_job):
+    first = two_host_job["across"][0]
+    assert all(r["weights"] == first["weights"] for r in two_host_job["across"])
+    assert all(r["evaluate"] == first["evaluate"] for r in two_host_job["across"])
+
+
+def test_two_by_two_fit_equals_one_process(two_host_job):
+    from tests.multiproc.keras_workers import fit_model
+
+    reference = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import json; from {fit_model.__module__} import fit_model; "
+            f"print(json.dumps(fit_model('mlp', {GLOBAL_BATCH}, distributed=False)))",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    want = json.loads(reference.stdout.strip().splitlines()[-1])["weights"]
+    for r in two_host_job["across"] + two_host_job["within"]:
+        for got, ref in zip(r["weights"], want, strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
+    """README's `python -m rdkeras.launch --nnodes 2 ... -m rdkeras.train +recipe=fcn5`, one per "host"."""
+    small = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]
+    small += ["trainer.verbose=2", "logger=none", "trainer.checkpoint=false"]
+    env = _env(tmp_path)
+    with netns.hosts(2) as (a, b):
+        procs = []
+        for node, host in enumerate((a, b)):
+            argv = command("python", "rdkeras.launch", overrides=[*small, f"hydra.run.dir={tmp_path}/node{node}"])
+            for flag, value in (("--node-rank", str(node)), ("--master-addr", a.addr), ("--master-port", "29512")):
+                argv[argv.index(flag) + 1] = value
+            procs.append(
+                subprocess.Popen(
+                    host.command(argv),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                    cwd=tmp_path,
+                )
+            )
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    results = json.loads((tmp_path / "node0" / "results.json").read_text())
+    assert results["workers"] == 4 and results["transport"] == "tcp"
+    assert "[0] summary: fcn5 on 4 worker(s)" in outs[0]

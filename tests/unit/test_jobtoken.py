@@ -1,0 +1,94 @@
+"""The job token: explicit variables win; otherwise a private per-user secret, keyed by the job."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+
+import pytest
+
+from rdkeras import jobtoken
+
+
+@pytest.fixture
+def home(tmp_path):
+    """An environment whose config folder is empty (XDG_CONFIG_HOME points into tmp)."""
+    return {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+
+
+def test_the_variable_wins(home):
+    assert jobtoken.resolve(4, "slurm|1|0", {**home, "RDKERAS_JOB_TOKEN": "abc"}) == b"abc"
+    assert not jobtoken.secret_path(home).exists()
+
+
+def test_a_token_file_as_a_kubernetes_secret(home, tmp_path):
+    secret = tmp_path / "mounted-token"
+    secret.write_text("from-a-secret\n")
+    secret.chmod(0o600)
+    assert jobtoken.resolve(2, None, {**home, "RDKERAS_JOB_TOKEN_FILE": str(secret)}) == b"from-a-secret"
+    secret.chmod(0o644)
+    with pytest.raises(jobtoken.TokenError, match=r"open to other users \(mode 0644\).*chmod 600"):
+        jobtoken.resolve(2, None, {**home, "RDKERAS_JOB_TOKEN_FILE": str(secret)})
+
+
+def test_the_user_secret_is_created_private_on_first_use(home):
+    token = jobtoken.resolve(2, "slurm|c|42|0", home)
+    path = jobtoken.secret_path(home)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert len(path.read_text().strip()) == 2 * jobtoken.SECRET_BYTES
+    assert [p.name for p in path.parent.iterdir()] == ["job-token"]  # no temporary file left
+    # Every rank of the job computes the same token; another job, or another user's secret, does not.
+    assert jobtoken.resolve(2, "slurm|c|42|0", home) == token
+    assert jobtoken.resolve(2, "slurm|c|43|0", home) != token
+    assert path.read_text().strip().encode() not in token  # the secret itself never is the token
+
+
+def test_another_users_secret_gives_another_token(home, tmp_path):
+    other = {"XDG_CONFIG_HOME": str(tmp_path / "other")}
+    assert jobtoken.resolve(2, "job", home) != jobtoken.resolve(2, "job", other)
+
+
+def test_a_readable_secret_file_is_refused_with_what_to_do(home):
+    jobtoken.resolve(2, "job", home)
+    path = jobtoken.secret_path(home)
+    path.chmod(0o640)
+    with pytest.raises(jobtoken.TokenError, match=rf"{path} is open to other users \(mode 0640\).*chmod 600 {path}"):
+        jobtoken.resolve(2, "job", home)
+
+
+def test_a_symlinked_secret_is_refused(home, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("x" * 64)
+    target.chmod(0o600)
+    path = jobtoken.secret_path(home)
+    path.parent.mkdir(parents=True)
+    path.symlink_to(target)
+    with pytest.raises(jobtoken.TokenError, match="cannot read the job-token file"):
+        jobtoken.resolve(2, "job", home)
+
+
+def test_one_rank_needs_no_secret_and_no_job_means_a_clear_error(home):
+    assert len(jobtoken.resolve(1, None, home)) == 32
+    with pytest.raises(jobtoken.TokenError, match="no job token: set RDKERAS_JOB_TOKEN"):
+        jobtoken.resolve(2, None, home)
+    assert not jobtoken.secret_path(home).exists()
+
+
+def _race(env: dict, queue) -> None:
+    queue.put(jobtoken.resolve(8, "race", env))
+
+
+def test_ranks_creating_the_secret_at_once_agree(home):
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(home, queue)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    tokens = {queue.get(timeout=60) for _ in procs}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(tokens) == 1
+    assert len(os.listdir(jobtoken.secret_path(home).parent)) == 1

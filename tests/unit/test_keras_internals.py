@@ -1,0 +1,138 @@
+"""The Keras coupling (rdkeras/keras_internals.py): hooks present, clear errors, atomic saves, callbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import keras
+import pytest
+
+from rdkeras import keras_internals
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _probes() -> dict:
+    seq = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    seq.compile(optimizer="sgd", loss="mse")
+    seq.optimizer.build(seq.trainable_variables)
+    inputs = keras.Input((2,))
+    functional = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    return {
+        "keras.Model": seq,
+        "keras.Sequential": seq,
+        "keras.src.models.functional.Functional": functional,
+        "keras.KerasTensor": inputs,
+        "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore(tempfile.gettempdir()),
+        "keras.optimizers.LossScaleOptimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        "keras.optimizers.Optimizer": seq.optimizer,
+    }
+
+
+def test_the_installed_keras_has_every_hook_rdkeras_uses():
+    assert keras_internals.missing_hooks(_probes()) == []
+    keras_internals.check()
+
+
+def test_a_keras_without_a_hook_is_named_with_the_tested_range(monkeypatch):
+    from keras.src.trainers.trainer import Trainer
+
+    monkeypatch.delattr(Trainer, "_get_metrics_result_or_logs")
+    with pytest.raises(RuntimeError, match=r"lacks what rdkeras relies on: keras.Model._get_metrics_result_or_logs"):
+        keras_internals.check()
+    with pytest.raises(RuntimeError, match=r"pip install 'keras>="):
+        keras_internals.check()
+
+
+def test_another_keras_backend_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND is 'jax': set KERAS_BACKEND=tensorflow"):
+        keras_internals.check()
+
+
+class _Parallel:
+    def __init__(self, reporter: bool):
+        self.is_reporter = reporter
+
+
+def test_chief_only_callbacks_are_recognised_by_type():
+    class MyCheckpoint(keras.callbacks.ModelCheckpoint):
+        pass
+
+    class MyBoard(keras.callbacks.TensorBoard):
+        pass
+
+    stop = keras.callbacks.EarlyStopping()
+    backup = keras.callbacks.BackupAndRestore(tempfile.mkdtemp())
+    given = [MyCheckpoint("x.keras"), MyBoard(), keras.callbacks.CSVLogger("log.csv"), stop, backup]
+    kept, verbose = keras_internals.worker_callbacks(_Parallel(reporter=False), given, "auto")
+    assert kept == [stop, backup] and verbose == 0  # BackupAndRestore runs everywhere (it gathers state)
+    kept, verbose = keras_internals.worker_callbacks(_Parallel(reporter=True), given, "auto")
+    assert kept == given and verbose == "auto"
+    assert "_save_model" in backup.__dict__  # adapted: the reporter writes, atomically
+
+
+def test_instance_overrides_leave_the_class_alone_and_come_off():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    calls = []
+    keras_internals.override(model, "summary", lambda m, *a, **k: calls.append(m))
+    model.summary()
+    assert calls == [model] and "summary" not in type(model).__dict__
+    keras_internals.restore(model)
+    assert "summary" not in model.__dict__
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    for k in [k for k in env if k.startswith("RDKERAS_")]:
+        env.pop(k)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("name", ["model.keras", "model.weights.h5"])
+def test_a_kill_during_a_save_leaves_the_previous_file_loadable(tmp_path, name):
+    # A process saves once, then dies in the middle of the second save (the file is half written).
+    path = tmp_path / name
+    proc = _run(
+        f"""
+        import os, keras, numpy as np, rdkeras
+        from keras.src.saving import saving_lib
+        strategy = rdkeras.RDMAStrategy()  # one worker: saves go through rdkeras's hooks
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+        path = {str(path)!r}
+        save = model.save_weights if path.endswith(".weights.h5") else model.save
+        save(path)
+        np.save(path + ".expected.npy", model.get_weights()[0])
+
+        def dies_half_way(model, filepath, *args, **kwargs):
+            with open(filepath, "wb") as f:
+                f.write(b"PK\\x03\\x04 half a file")
+            os._exit(9)
+
+        saving_lib.save_model = saving_lib.save_weights_only = dies_half_way
+        model.layers[0].kernel.assign(np.zeros((3, 2)))
+        save(path)
+        """
+    )
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    check = _run(
+        f"""
+        import keras, numpy as np
+        path = {str(path)!r}
+        if path.endswith(".keras"):
+            model = keras.models.load_model(path)
+        else:
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.load_weights(path)
+        assert np.array_equal(model.get_weights()[0], np.load(path + ".expected.npy")), "not the first save"
+        """
+    )
+    assert check.returncode == 0, check.stderr[-2000:]
