@@ -7,10 +7,12 @@ silently only because all workers run the same program).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,9 +136,25 @@ def share_variables(collectives: Collectives, variables: Sequence[Any], owners: 
         v.assign(value)
 
 
-OVERLAP_BYTES = 4 << 20
+OVERLAP_BYTES: int | None = None
 """Gradient bucket size with which data parallelism overlaps the exchange with backprop (0: one exchange
-after the whole backward pass). The knob the data-parallel optimizer hook reads when it attaches."""
+after the whole backward pass; None: :func:`overlap_bytes` decides). Read when a model is attached."""
+
+BUCKET_BYTES = 4 << 20  # the bucket size where overlap is on
+
+
+def overlap_bytes(transport: str) -> int:
+    """The bucket size for a model attached now: ``OVERLAP_BYTES`` if set; else 0 (off) where the bytes are
+    moved by this process's own cores while they also compute (shm and rpc+shm with no GPU: the exchange
+    would only take turns with backprop on the same core -- measured 20% slower), else ``BUCKET_BYTES``."""
+    if OVERLAP_BYTES is not None:
+        return OVERLAP_BYTES
+    if transport in ("shm", "rpc+shm"):
+        import tensorflow as tf
+
+        if not tf.config.list_physical_devices("GPU"):
+            return 0
+    return BUCKET_BYTES
 
 
 def reverse_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -175,8 +193,15 @@ class BucketPipeline:
         self._expected: dict[int, int] = {}  # exchange -> the bucket that must come next
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # Per exchange call: [first start, end of the work done before the wait began, wait entered, wait left,
+        # seconds of work] (perf_counter) -- how much communication backprop hid (benchmarks read it).
+        self.timeline: collections.deque[list[float]] = collections.deque(maxlen=256)
+        self._current: dict[int, list[float]] = {}
+        _PIPELINES.add(self)
 
     def start(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> None:
+        if bucket == 0:
+            self._current[exchange] = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0]
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"rdkeras-{self._name}", daemon=True)
             self._thread.start()
@@ -194,7 +219,14 @@ class BucketPipeline:
                         f"{self._name}: bucket {bucket} started before bucket {expected}; the workers' exchanges "
                         "would not match (were TensorFlow's automatic control dependencies disabled?)"
                     )
+                began = time.perf_counter()
                 result = self._work(exchange, bucket, arrays)
+                ended = time.perf_counter()
+                marks = self._current.get(exchange)
+                if marks is not None:
+                    marks[4] += ended - began
+                    if not marks[2]:  # the wait has not begun yet: this bucket was hidden behind backprop
+                        marks[1] = ended
             except BaseException as e:  # reported by wait(), in the training step
                 with self._done:
                     self._error = e
@@ -207,6 +239,9 @@ class BucketPipeline:
 
     def wait(self, exchange: int, count: int) -> list[Any]:
         """Every bucket's result, in bucket order; fails after `timeout` seconds without progress."""
+        marks = self._current.get(exchange)
+        if marks is not None:
+            marks[2] = time.perf_counter()
         with self._done:
             done, since = -1, time.monotonic()
             while len(self._results.get(exchange, {})) < count:
@@ -222,7 +257,18 @@ class BucketPipeline:
                 self._done.wait(min(left, 1.0))
             results = self._results.pop(exchange)
             self._expected[exchange] = 0
+        if marks is not None:
+            marks[3] = time.perf_counter()
+            self.timeline.append(marks)
         return [results[b] for b in range(count)]
+
+
+_PIPELINES: weakref.WeakSet[BucketPipeline] = weakref.WeakSet()
+
+
+def pipelines() -> list[BucketPipeline]:
+    """Every live BucketPipeline (benchmarks read their timelines)."""
+    return list(_PIPELINES)
 
 
 class GradientAllreduce:

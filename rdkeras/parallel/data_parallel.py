@@ -94,7 +94,9 @@ class DataParallel:
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             keras_internals.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            average = GradientAllreduce(self.collectives, overlap_bytes=collectives.OVERLAP_BYTES)  # read at attach
+            average = GradientAllreduce(
+                self.collectives, overlap_bytes=collectives.overlap_bytes(self.engine.transport)
+            )
             keras_internals.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
         keras_internals.distribute_model(model, self)
         self.models.append(model)

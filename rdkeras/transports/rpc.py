@@ -135,11 +135,14 @@ class _SendStream:
             raise EngineError(f"rpc: a message header of {len(meta)} bytes exceeds {_META_MAX}")
         total = len(meta) + n
         buf = self._staging(total)
+        t0 = time.perf_counter()
         buf[: len(meta)] = np.frombuffer(meta, np.uint8)
         if n:
             _copy(buf[len(meta) : total], content)  # serialization: the tensor into the RPC buffer
+        t1 = time.perf_counter()
         for start in range(0, total, FRAME_BYTES):
             self._frame(buf[start : min(total, start + FRAME_BYTES)])
+        self.backend.count_time(copy=t1 - t0, wire=time.perf_counter() - t1)
 
     def _frame(self, piece: np.ndarray) -> None:
         inner, n = self.backend.inner, self.sent
@@ -194,14 +197,17 @@ class _RecvStream:
         header = TensorMessage.FromString(frame[at : at + head_len].tobytes())
         at += head_len + field_len
         dest = destination(header, n)
-        filled = 0
+        filled, copying = 0, 0.0
         while True:
             take = min(frame.nbytes - at, n - filled)
             if take and dest is not None:
+                t0 = time.perf_counter()
                 _copy(dest[filled : filled + take], frame[at : at + take])  # merge + deserialize
+                copying += time.perf_counter() - t0
             filled += take
             self._release()
             if filled >= n:
+                self.backend.count_time(copy=copying)
                 return header, dest
             frame, at = self._next_frame(), 0
 
@@ -229,6 +235,7 @@ class RpcBackend:
         self._traffic: dict[str, float] = dict.fromkeys(
             ("bytes_written", "bytes_read", "writes", "reads", "flags", "bytes_received", "wait_seconds"), 0
         )
+        self._traffic.update(copy_seconds=0.0, wire_seconds=0.0)  # where an RPC's time goes (benchmarks)
         peers = [p for p in range(self.world_size) if p != self.rank]
         # Per peer: requests to it and their replies, requests from it and our replies.
         self._requests = {p: _SendStream(self, p) for p in peers}
@@ -305,6 +312,11 @@ class RpcBackend:
 
     def count_wait(self, seconds: float) -> None:
         self._traffic["wait_seconds"] += seconds
+
+    def count_time(self, copy: float = 0.0, wire: float = 0.0) -> None:
+        """Seconds spent (de)serializing (copies) and writing frames (the inner wire, slot waits included)."""
+        self._traffic["copy_seconds"] += copy
+        self._traffic["wire_seconds"] += wire
 
     # -- registered memory -------------------------------------------------------------
 
