@@ -61,8 +61,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "sendrecv_sizes": [1 * MB],
         "latency_sizes": [8],
-        "sendrecv_transports": ["shm", "rpc+shm", "tcp", "rpc+tcp", "grpc"],
-        "models": ["fcn5", "lstm"],
+        "sendrecv_transports": ["shm", "rpc+shm", "grpc"],
+        "models": ["fcn5"],
         "sizes": "tiny",
         "modes": ["allreduce", "ps"],
         "transports": ["shm", "rpc+shm", "grpc"],
@@ -170,7 +170,7 @@ def _sendrecv(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
 
 def _model_cfgs(names: list[str], sizes: str) -> dict[str, dict[str, Any]]:
-    return {n: workloads.model_config(n, workloads.TINY_SIZES[n] if sizes == "tiny" else None) for n in names}
+    return {n: workloads.model_config(n, workloads.TINY_SIZES.get(n) if sizes == "tiny" else None) for n in names}
 
 
 def _runs(names: list[str], cfgs: dict, modes: list[str], batch: int, overlap: int = 0) -> list[dict]:
@@ -231,6 +231,7 @@ def _fit_group(
 
 
 def _throughput(preset: dict, args: Any, names: list[str], workers: int) -> dict[str, Any]:
+    names = ["probe", *names]  # first: the scale model's fixed cost per step (and a warm-up)
     cfgs = _model_cfgs(names, preset["sizes"])
     out: dict[str, Any] = {"workers": workers, "batch": 32, "configs": cfgs, "runs": [], "errors": []}
     local = _fit_group("throughput: Local, 1 process", _runs(names, cfgs, ["local"], 32), 1, None, preset, args)
@@ -247,7 +248,7 @@ def _throughput(preset: dict, args: Any, names: list[str], workers: int) -> dict
 
 
 def _scalability(preset: dict, args: Any, throughput: dict | None) -> dict[str, Any]:
-    names = preset["scalability_models"]
+    names = ["probe", *preset["scalability_models"]]
     cfgs = _model_cfgs(names, preset["sizes"])
     out: dict[str, Any] = {"workers": preset["scalability_workers"], "mode": "ps", "runs": [], "errors": []}
     have = {(r["transport"], r["workers"], r["mode"], r["model"]) for r in (throughput or {}).get("runs", [])}
@@ -378,13 +379,21 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
     cores = results.get("machine", {}).get("cores", os.cpu_count() or 1)
     runs = [r for part in ("throughput", "scalability") for r in (results.get(part) or {}).get("runs", [])]
     compute = {r["model"]: r["step_seconds"] for r in runs if r["transport"] == "none"}
+    # The fixed cost of a distributed step, per (transport, mode, workers): the probe's step minus its local one.
+    fixed = {
+        (r["transport"], r["mode"], r["workers"]): max(0.0, r["step_seconds"] - compute["probe"])
+        for r in runs
+        if r["model"] == "probe" and r["transport"] != "none" and "probe" in compute
+    }
+    cal["fixed_step_seconds"] = {f"{t}/{m}/{n}": v for (t, m, n), v in fixed.items()}
     validation, seen = [], set()
     for r in runs:
         key = (r["model"], r["mode"], r["transport"], r["workers"])
-        if r["transport"] == "none" or r["model"] not in compute or key in seen:
+        if r["transport"] == "none" or r["model"] in ("probe",) or r["model"] not in compute or key in seen:
             continue
         seen.add(key)
-        predicted = scale_model.predict_here(r, compute[r["model"]], cal, cores, collectives.BUCKET_BYTES)
+        overhead = fixed.get((r["transport"], r["mode"], r["workers"]), 0.0)
+        predicted = scale_model.predict_here(r, compute[r["model"]], overhead, cal, cores, collectives.BUCKET_BYTES)
         if predicted is None:
             continue
         validation.append(
@@ -475,9 +484,8 @@ def run(args: argparse.Namespace) -> int:
             if rate == "auto":
                 rate = (results.get("overlap") or {}).get("rate") or "1gbit"
             results["emulated"] = _emulated(preset, args, names, rate)
-        results["published_models"] = _published_models(
-            sorted({r["model"] for r in (results.get("throughput") or {}).get("runs", [])}) or names
-        )
+        measured = {r["model"] for r in (results.get("throughput") or {}).get("runs", [])} & set(PUBLISHED)
+        results["published_models"] = _published_models(sorted(measured) or names)
         results["seconds"] = time.time() - started
     results["scale_model"] = analyze(results)
     _save(results, out)

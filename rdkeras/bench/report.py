@@ -117,16 +117,7 @@ def plot_sendrecv(sr: dict, path: Path) -> None:
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel("message size (MB)")
     ax.set_ylabel("time per transfer (ms)")
-    ax.set_title("Send/Recv between two processes (seed: Fig. 'Send-Recv Benchmark')")
-    ax.text(
-        0.02,
-        0.97,
-        f"seed: {SEED['sendrecv']}",
-        transform=ax.transAxes,
-        va="top",
-        fontsize=7,
-        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.7"},
-    )
+    ax.set_title(f"Send/Recv between two processes\nseed: {SEED['sendrecv']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     _save(fig, path)
@@ -145,7 +136,7 @@ def _rate(runs: list[dict], model: str, mode: str, transport: str, workers: int 
 
 
 def throughput_table(th: dict) -> tuple[list[str], dict[str, Any]]:
-    runs = th["runs"]
+    runs = [r for r in th["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
     transports = [t for t in ("grpc", "rpc+shm", "shm", "tcp", "rpc+tcp") if any(r["transport"] == t for r in runs)]
     lines = [
@@ -176,9 +167,34 @@ def throughput_table(th: dict) -> tuple[list[str], dict[str, Any]]:
     return lines, facts
 
 
+def breakdown_table(th: dict, models: list[str]) -> list[str]:
+    """Where each step's time went (rank 0, per step): compute alone (Local), and what the transports
+    measured: time blocked on peers, and for RPC its (de)serialization copies and frame writes."""
+    runs = th["runs"]
+    lines = [
+        "| model | mode | transport | step | compute (Local) | blocked on peers | RPC copies | RPC frames "
+        "(wire) | rest (Keras/TF hops, reductions, assignments) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in models:
+        local = next((r["step_seconds"] for r in runs if r["model"] == m and r["transport"] == "none"), None)
+        for r in runs:
+            if r["model"] != m or r["transport"] == "none" or local is None:
+                continue
+            wait = r.get("wait_seconds_per_step", 0.0)
+            copy, wire = r.get("copy_seconds_per_step"), r.get("wire_seconds_per_step")
+            rest = r["step_seconds"] - local - wait - (copy or 0) - (wire or 0)
+            ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "–"  # noqa: E731
+            lines.append(
+                f"| {m} | {r['mode']} | {LABEL.get(r['transport'], r['transport'])} | {ms(r['step_seconds'])} | "
+                f"{ms(local)} | {ms(wait)} | {ms(copy)} | {ms(wire)} | {ms(rest)} |"
+            )
+    return lines
+
+
 def plot_throughput(th: dict, path: Path) -> None:
     plt = _plt()
-    runs = th["runs"]
+    runs = [r for r in th["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
     modes = [x for x in ("ps", "allreduce") if any(r["mode"] == x for r in runs)]
     fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.4), squeeze=False)
@@ -198,12 +214,13 @@ def plot_throughput(th: dict, path: Path) -> None:
                     if g and vals[j]:
                         ax.annotate(f"{vals[j] / g:.1f}×", (xs[j], vals[j]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(models)), models)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
         ax.set_ylabel("mini-batches/s per worker")
         ax.set_title(
             f"{th['workers']} workers, batch 32 per worker, {'parameter servers' if mode == 'ps' else 'allreduce'}",
             fontsize=9,
         )
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Throughput (seed: {SEED['throughput']})", fontsize=8)
     _save(fig, path)
@@ -298,7 +315,7 @@ def plot_convergence(cv: dict, path: Path) -> None:
 
 
 def scalability_table(sc: dict, cores: int) -> tuple[list[str], dict[str, Any]]:
-    runs = sc["runs"]
+    runs = [r for r in sc["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
     lines = [
         "| model | workers | Local (1 process) | rdkeras shm, total | gRPC, total | rdkeras ÷ gRPC | note |",
@@ -325,7 +342,7 @@ def scalability_table(sc: dict, cores: int) -> tuple[list[str], dict[str, Any]]:
 
 def plot_scalability(sc: dict, path: Path) -> None:
     plt = _plt()
-    runs = sc["runs"]
+    runs = [r for r in sc["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 4.2), squeeze=False)
     for ax, m in zip(axes[0], models, strict=False):
@@ -479,11 +496,18 @@ def write(results: dict, out: Path) -> str:
         ]
         for err in th.get("errors", []):
             lines.append(f"- {err}")
+        grads = {r["model"]: r["gradient_bytes"] for r in th["runs"] if r["model"] != "probe"}
+        biggest = max(grads, key=grads.get) if grads else None
+        lines += [
+            "Where the step goes (rank 0; the RPC columns are what `rpc+shm` timed itself; blocked time "
+            "includes the peer's share of the work):",
+            "",
+            *breakdown_table(th, sorted({biggest, "fcn5"} & set(grads))),
+            "",
+        ]
         fc = [v for (m, _mode), v in f["x_grpc"].items() if m == "fcn5" and v]
         if fc:
             targets.append(("fit: FCN-5 ≥ 5× gRPC.TCP (worst mode)", min(fc) >= 5, f"{min(fc):.1f}×"))
-        grads = {r["model"]: r["gradient_bytes"] for r in th["runs"]}
-        biggest = max(grads, key=grads.get) if grads else None
         xr = [v for (m, _mode), v in f["x_rpc"].items() if m == biggest and v]
         if xr:
             targets.append(

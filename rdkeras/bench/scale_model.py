@@ -106,14 +106,18 @@ def comm_seconds(
 
 
 def predict_here(
-    run: dict[str, Any], compute_s: float, calibration: dict[str, Any], cores: int, bucket_bytes: int
+    run: dict[str, Any], compute_s: float, fixed_s: float, calibration: dict[str, Any], cores: int, bucket_bytes: int
 ) -> float | None:
-    """Predicted step seconds of a measured run on this machine (None: its transport was not calibrated)."""
+    """Predicted step seconds of a measured run on this machine (None: its transport was not calibrated).
+
+    `compute_s` is the model's step alone on one core, `fixed_s` the fixed cost of a distributed step of
+    this transport, mode and worker count (measured with a 300-parameter model: it includes any sharing of
+    cores already)."""
     cost = calibration["transports"].get(run["transport"])
     if cost is None:
         return None
     n = run["workers"]
-    buckets = max(1, math.ceil(run["gradient_bytes"] / bucket_bytes)) if run.get("overlap", 0) > 0 else 1
+    buckets = max(1, math.ceil(run["gradient_bytes"] / bucket_bytes)) if run.get("overlap", 0) else 1
     comm = comm_seconds(
         run["mode"],
         n,
@@ -124,7 +128,7 @@ def predict_here(
         cost["b"],
         calibration["memcpy_per_byte"],
     )
-    return max(1.0, n / cores) * (compute_s + comm)
+    return max(1.0, n / cores) * (compute_s + comm) + fixed_s
 
 
 @dataclass

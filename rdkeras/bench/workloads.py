@@ -31,12 +31,27 @@ TINY_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+PROBE = {"_target_": "rdkeras.bench.workloads.probe_model"}
+
+
+def probe_model() -> Any:
+    """A 300-parameter MLP: its distributed step minus its local step is the fixed cost of a distributed step
+    (the exchange's hops through Python and TensorFlow), which the scale model needs."""
+    import keras
+
+    inputs = keras.Input((16,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu", name="fc1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, activation="softmax", name="predictions")(hidden), name="probe")
+
+
 def model_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The recipe's model config (``conf/model/NAME.yaml``) with `overrides` applied."""
     from omegaconf import OmegaConf
 
     from rdkeras.train.config import config_dirs
 
+    if name == "probe":
+        return dict(PROBE)
     path = config_dirs()[0] / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"no model config {path.name}; the seed's models are {', '.join(SEED_MODELS)}")

@@ -167,6 +167,7 @@ class _RecvStream:
         self.key = inner.register(self.block)
         self.ack_key = 0  # the sender's ack word
         self.received = 0
+        self.last_copy_seconds = 0.0
 
     def connect(self, ack_key: int) -> None:
         self.ack_key = ack_key
@@ -208,6 +209,7 @@ class _RecvStream:
             self._release()
             if filled >= n:
                 self.backend.count_time(copy=copying)
+                self.last_copy_seconds = copying  # callers count the rest of the receive as waiting
                 return header, dest
             frame, at = self._next_frame(), 0
 
@@ -344,15 +346,15 @@ class RpcBackend:
         """Sends `request` to `peer`'s server and waits for its reply (whose content lands in `into`)."""
         if peer not in self._requests:
             raise EngineError(f"rpc: no connection to rank {peer}")
-        start = time.monotonic()
         with self._call_locks[peer]:
             self._requests[peer].send(request, content)
 
             def destination(reply: Any, n: int) -> np.ndarray | None:
                 return into[:n] if into is not None and n <= into.nbytes else None
 
+            start = time.monotonic()  # from here on, the server's turn: serving, replying
             reply, _ = self._replies_in[peer].recv(destination)
-        self.count_wait(time.monotonic() - start)
+            self.count_wait(time.monotonic() - start - self._replies_in[peer].last_copy_seconds)
         if reply.dtype == "RemoteAccessError":
             raise RemoteAccessError(reply.channel)
         if reply.dtype:
@@ -504,7 +506,7 @@ class _RpcChannel:
             raise EngineError("recv() called on the sending end of a channel")
         start = time.monotonic()
         header, data = self._rx.recv(destination)
-        self.backend.count_wait(time.monotonic() - start)
+        self.backend.count_wait(time.monotonic() - start - self._rx.last_copy_seconds)
         if header.seq != self.sequence:
             raise EngineError(f"rpc: expected message {self.sequence} from rank {self.peer}, got {header.seq}")
         assert data is not None
@@ -613,7 +615,7 @@ class RpcRing:
             return out.view(np.uint8)
 
         rx.recv(destination)
-        self.backend.count_wait(time.monotonic() - start)
+        self.backend.count_wait(time.monotonic() - start - rx.last_copy_seconds)
         self.backend.count("reads", out.nbytes)
         self.backend.count_received(out.nbytes)
 
