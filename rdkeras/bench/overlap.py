@@ -1,10 +1,12 @@
 """Communication overlapping backprop, on an emulated network where the wire (not the CPU) is the limit.
 
 Two workers in two network namespaces joined by a veth pair capped with ``tc tbf`` (rdkeras.testing.netns),
-transport tcp. The model is an MLP of equal layers (every gradient bucket is ready at a different point of
-the backward pass; the first layer's, the last one backprop produces, is a sixth of the bytes). With
-``rate=auto`` the link is set so that one step's allreduce takes about 0.6 x one step's compute: similar
-sizes, with the communication no longer than the backward pass it can hide behind.
+transport tcp, 2 Gbit/s by default (``rate``): slow enough that the wire, not the kernel's TCP copies on the
+same core as the compute, is the limit. The model is an MLP of equal layers (every gradient bucket is ready at
+a different point of the backward pass; the first layer's, the last one backprop produces, is a sixth of the
+bytes). The workers choose the per-worker batch from their own compute times at two batch sizes so that one
+step's gradient bytes take about 0.6 x one step's compute on the wire: similar sizes, the communication no
+longer than the backward pass it can hide behind.
 
 Measured in the same two processes, one after another: compute alone (the same model without
 distribution), communication alone (the same bucketed ring allreduces without the model), then training
@@ -14,14 +16,16 @@ alternately, twice each (the better of each pair counts).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
 
 import numpy as np
 
-WIDTH, LAYERS, BATCH = 1024, 6, 64  # per-worker batch
-TARGET_COMM_SHARE = 0.6  # rate=auto: communication / compute
+WIDTH, LAYERS, BATCH = 1024, 6, 64  # BATCH and 4 x BATCH: the batch sizes the workers time first
+TARGET_COMM_SHARE = 0.6  # communication / compute, by the choice of the batch
+MAX_RATE = 2e9  # rate="auto": 2 Gbit/s
 
 
 def _model() -> Any:
@@ -56,21 +60,10 @@ def _fit_seconds(model: Any, batch: int, steps: int, warmup: int = 3) -> float:
     return _timed_fit(model, x, y, batch, warmup)["step_seconds"]
 
 
-def compute_rank(steps: int) -> dict:
-    """One process, no communication: the model's step time and gradient bytes (for rate=auto)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from rdkeras.bench.workloads import pin_and_thread
-
-    pin_and_thread(int(os.environ.get("RDKERAS_RANK", 0)), 2)
-    model = _compile(_model())
-    return {
-        "compute_s": _fit_seconds(model, BATCH, steps),
-        "gradient_bytes": int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)),
-    }
-
-
-def overlap_rank(steps: int) -> dict:
-    """Inside each of the two workers (see the module docstring)."""
+def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dict:
+    """Inside each of the two workers (see the module docstring). `batch` 0: the per-worker batch is chosen
+    here, from this process's own compute times at two batch sizes, so that one step's gradient bytes take
+    TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree on the larger choice."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from rdkeras.bench.workloads import next_job, pin_and_thread
 
@@ -80,12 +73,28 @@ def overlap_rank(steps: int) -> dict:
     from rdkeras.parallel import collectives
 
     out: dict[str, Any] = {"rank": rank}
-    out["compute_s"] = _fit_seconds(_compile(_model()), BATCH, steps)
-    for g, mode in enumerate(("allreduce", "ps")):
+    model = _compile(_model())
+    gradient_bytes = int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights))
+    proposal = float(batch)
+    if not batch:
+        t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
+        per_example = max(1e-9, (t[4 * BATCH] - t[BATCH]) / (3 * BATCH))
+        goal = gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE
+        proposal = max(16.0, BATCH + (goal - t[BATCH]) / per_example)
+        out["calibration"] = {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
+    jobs = iter(range(10))
+    strategy = rdkeras.RDMAStrategy()
+    (agreed,) = strategy._parallel.collectives.allreduce([np.array([proposal, -proposal])], average=False)
+    batch = int(math.ceil(max(proposal, -float(agreed[1]) - proposal) / 16) * 16)  # the larger proposal
+    next_job(strategy, next(jobs))
+    strategy.close()
+    out["batch"], out["gradient_bytes"] = batch, gradient_bytes
+    out["compute_s"] = _fit_seconds(model, batch, steps)
+    for mode in ("allreduce", "ps"):
         strategy = rdkeras.RDMAStrategy(mode=mode)
         workers = strategy.num_workers
         if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
-            grads = [np.zeros(w.shape, np.float32) for w in _model().trainable_weights]
+            grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
             coll = strategy._parallel.collectives
             buckets = collectives.reverse_buckets([a.nbytes for a in grads], collectives.BUCKET_BYTES)
             times = []
@@ -102,8 +111,8 @@ def overlap_rank(steps: int) -> dict:
                 collectives.OVERLAP_BYTES = bucket
                 existing = set(map(id, collectives.pipelines()))
                 with strategy.scope():
-                    model = _compile(_model())
-                seconds = _fit_seconds(model, BATCH * workers, steps)
+                    distributed = _compile(_model())
+                seconds = _fit_seconds(distributed, batch * workers, steps)
                 key = f"{mode}_{label}_s"
                 if seconds < out.get(key, float("inf")):
                     out[key] = seconds
@@ -112,8 +121,8 @@ def overlap_rank(steps: int) -> dict:
                         out[f"{mode}_breakdown"] = _breakdown(list(mine[0].timeline)[-steps:])
         collectives.OVERLAP_BYTES = default
         out[f"{mode}_traffic"] = strategy.engine.traffic()
-        if g == 0:
-            next_job(strategy, g)
+        if mode == "allreduce":
+            next_job(strategy, next(jobs))
         strategy.close()
     return out
 
@@ -131,32 +140,28 @@ def _breakdown(timeline: list[list[float]]) -> dict[str, float]:
     }
 
 
+def _bits(rate: str) -> float:
+    """tc's rate units ("1gbit", "500mbit", "100kbit") in bits/s."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(f"rate {rate!r}: use tc's units, e.g. 1gbit or 500mbit")
+
+
 def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> dict[str, Any]:
-    """The overlap figure: the link is calibrated (rate="auto"), then both workers measure everything."""
-    from rdkeras.bench import run_ranks, run_ranks_on_hosts
+    """The overlap figure: two namespaces, a `rate` link (auto: 2 Gbit/s); the workers measure everything."""
+    from rdkeras.bench import run_ranks_on_hosts
     from rdkeras.testing import netns
 
     why = netns.why_not()
     if why:
         return {"skipped": f"no emulated network here: {why}"}
-    out: dict[str, Any] = {
-        "model": f"MLP {WIDTH}x{LAYERS}",
-        "per_worker_batch": BATCH,
-        "workers": 2,
-        "transport": "tcp",
-        "delay": delay,
-    }
+    out: dict[str, Any] = {"model": f"MLP {WIDTH}x{LAYERS}", "workers": 2, "transport": "tcp", "delay": delay}
+    batch = 0  # chosen by the workers from their own compute times
     if rate in (None, "", "auto"):
-        print("[paper] overlap: calibrating the link on one process's compute ...", flush=True)
-        ranks = run_ranks(
-            "paper", "overlap calibration", "rdkeras.bench.overlap:compute_rank", 1, {"steps": steps}, timeout=timeout
-        )
-        if ranks is None:
-            return {"error": "the calibration run failed (its output is above)"}
-        c = ranks[0].value
-        bits = c["gradient_bytes"] * 8 / (TARGET_COMM_SHARE * c["compute_s"])
-        rate = f"{max(10, round(bits / 1e6))}mbit"
-        out["calibration"] = {**c, "target_comm_share": TARGET_COMM_SHARE}
+        rate = f"{round(MAX_RATE / 1e6)}mbit"
+    bits = _bits(rate)
     out["rate"] = rate
     try:
         with netns.hosts(2, rate=rate, delay=delay) as hosts:
@@ -166,7 +171,7 @@ def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> 
                 "overlap",
                 "rdkeras.bench.overlap:overlap_rank",
                 2,
-                {"steps": steps},
+                {"steps": steps, "batch": batch, "rate_bits": bits},
                 hosts,
                 env={"RDKERAS_TRANSPORT": "tcp"},
                 timeout=timeout,
@@ -176,6 +181,8 @@ def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> 
     if ranks is None:
         return {**out, "error": "the overlap run failed (its output is above)"}
     values = [r.value for r in ranks]
+    out["per_worker_batch"] = values[0]["batch"]
+    out["calibration"] = values[0].get("calibration")
     merged = {k: max(v[k] for v in values) for k in values[0] if k.endswith("_s")}  # the slower worker's
     out.update(merged, buckets=values[0].get("buckets"), per_rank=values)
     for mode in ("allreduce", "ps"):
