@@ -434,6 +434,7 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # the workers inherit it too
     from rdkeras.bench import report
 
     out = Path(args.out)

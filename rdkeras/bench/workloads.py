@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import itertools
 import os
 import time
 from typing import Any
@@ -133,10 +134,14 @@ def next_job(strategy: Any, i: int) -> None:
 
 
 def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
-    """fit() once over (x, y); the steps after `warmup` are timed, with the engine's traffic over them."""
+    """fit() once over (x, y); the steps after `warmup` are timed, with the engine's traffic over them.
+
+    ``step_seconds`` is the median step (from one batch's end to the next): robust to the bursts of other
+    work on a shared machine, which a mean is not. ``mean_step_seconds`` is the mean.
+    """
     import keras
 
-    marks: dict[str, Any] = {}
+    marks: dict[str, Any] = {"ends": []}
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
@@ -145,12 +150,18 @@ def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any 
                 marks["before"] = engine.traffic() if engine is not None else None
 
         def on_train_batch_end(self, b: int, logs: Any = None) -> None:
-            marks["t1"] = time.perf_counter()  # the last one wins; epoch-end work stays outside
+            if b >= warmup - 1:  # the last one wins; epoch-end work stays outside
+                marks["ends"].append(time.perf_counter())
             marks["steps"] = b + 1 - warmup
 
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
-    seconds = marks["t1"] - marks["t0"]
-    out: dict[str, Any] = {"step_seconds": seconds / marks["steps"], "steps": marks["steps"]}
+    ends = marks["ends"]
+    steps = [b - a for a, b in itertools.pairwise(ends)]
+    out: dict[str, Any] = {
+        "step_seconds": float(np.median(steps)),
+        "mean_step_seconds": (ends[-1] - marks["t0"]) / marks["steps"],
+        "steps": marks["steps"],
+    }
     if engine is not None:
         after = engine.traffic()
         for key in ("bytes_written", "bytes_received", "wait_seconds", "copy_seconds", "wire_seconds"):
