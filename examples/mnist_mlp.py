@@ -14,7 +14,7 @@ import rdkeras
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=2048)
-parser.add_argument("--batch-size", type=int, default=64)
+parser.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the workers")
 args = parser.parse_args()
 
 rng = np.random.default_rng(0)
@@ -28,6 +28,6 @@ with strategy.scope():  # added line 2
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
     )
-history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=2)
+history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=2)  # the same steps on 1 or N workers
 loss, acc = model.evaluate(x, y, batch_size=args.batch_size, verbose=0)
 print(f"final loss={loss:.4f} accuracy={acc:.4f} workers={strategy.num_workers} transport={strategy.transport}")

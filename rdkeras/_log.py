@@ -1,11 +1,28 @@
-"""The package logger: ``rdkeras: message`` on stderr unless the application configures logging."""
+"""The package logger. A library adds no output of its own: the logger has a NullHandler, and
+applications turn it on -- rdkeras's entry points (the launcher's workers, ``python -m
+rdkeras.train``, the benchmarks, ``rdkeras doctor``) with :func:`to_stderr`, anyone else with
+``RDKERAS_LOG=info`` (or ``warning``, ``debug``) or their own ``logging`` configuration."""
+
+from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger("rdkeras")
-if not logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("rdkeras: %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger.addHandler(logging.NullHandler())
+_stderr: logging.Handler | None = None
+
+
+def to_stderr(level: str | int = "INFO") -> None:
+    """Prints rdkeras's messages as ``rdkeras: message`` on stderr from `level` up (once)."""
+    global _stderr
+    if _stderr is None:
+        _stderr = logging.StreamHandler()
+        _stderr.setFormatter(logging.Formatter("rdkeras: %(message)s"))
+        logger.addHandler(_stderr)
+        logger.propagate = False
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+if os.environ.get("RDKERAS_LOG"):
+    to_stderr(os.environ["RDKERAS_LOG"])

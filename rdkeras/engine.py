@@ -17,8 +17,9 @@ transport and nothing else.
 
 from __future__ import annotations
 
+import atexit
 import os
-import secrets
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -26,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from rdkeras import _engine, cluster, jobtoken, transports
-from rdkeras._bootstrap import Store
+from rdkeras._bootstrap import Store, transport_key
 from rdkeras._log import logger
-from rdkeras.errors import EngineError
-from rdkeras.transports.base import Backend, BackendConfig
+from rdkeras.errors import EngineError, PeerError
+from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
@@ -74,6 +75,11 @@ class Engine:
         timeout: Seconds any wait may take before it fails naming the peer
             (``RDKERAS_TIMEOUT``, default 300).
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
+        options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
+            ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
+
+    The rendezvous store is hosted by rank 0, or by a launcher where ``RDKERAS_STORE=launcher``
+    (the launcher then reports workers that die, so a death during start-up is named at once).
 
     Attributes:
         backend: The transport's :class:`~rdkeras.transports.base.Backend` underneath.
@@ -91,6 +97,7 @@ class Engine:
         token: str | bytes | None = None,
         timeout: float | None = None,
         arena_bytes: int | None = None,
+        options: TransportOptions | None = None,
     ):
         self.rank = int(_env("RDKERAS_RANK", 0) if rank is None else rank)
         self.world_size = int(_env("RDKERAS_WORLD_SIZE", 1) if world_size is None else world_size)
@@ -113,27 +120,49 @@ class Engine:
         if self.world_size > 1 and master_port == 0:
             raise EngineError("no rendezvous port: set RDKERAS_MASTER_PORT (and RDKERAS_MASTER_ADDR)")
         token_bytes = token.encode() if isinstance(token, str) else bytes(token)
+        options = TransportOptions.from_env(os.environ) if options is None else options
 
         self._names: set[str] = set()
         self._closed = False
-        self.store = Store(self.rank, self.world_size, master_addr, master_port, token_bytes, self.timeout)
+        # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
+        hosted_by = str(_env("RDKERAS_STORE", "rank0"))
+        if hosted_by not in ("rank0", "launcher"):
+            raise ValueError(f"RDKERAS_STORE={hosted_by!r}: choose rank0 or launcher")
+        self.store = Store(
+            self.rank,
+            self.world_size,
+            master_addr,
+            master_port,
+            token_bytes,
+            self.timeout,
+            serve=None if hosted_by == "rank0" else False,
+        )
         try:
             if self.transport == "auto":
                 self.transport = self._choose_transport()
             # Listeners bind the address this rank reaches rank 0 from: the job's network, not 0.0.0.0.
             host = self.store.local_host
             config = BackendConfig(
-                self.rank, self.world_size, self.timeout, arena_bytes, advertise_host=host, bind_host=host
+                self.rank,
+                self.world_size,
+                self.timeout,
+                arena_bytes,
+                advertise_host=host,
+                bind_host=host,
+                options=options,
             )
             self.backend: Backend = transports.create(self.transport, config)
             descriptors = self.store.all_gather("endpoints", self.backend.descriptor.encode())
-            if self.rank == 0:
-                self.store.set("transport-secret", secrets.token_hex(32).encode())
-            (secret,) = self.store.get(["transport-secret"], waiting_for=[0])
-            self.backend.connect([d.decode() for d in descriptors], secret.decode())
-        except BaseException:
+            # Peers prove they hold a key derived from the token; no secret is in the store or on the wire.
+            # While waiting for peers, the store says whether one of them already failed.
+            self.backend.connect([d.decode() for d in descriptors], transport_key(token_bytes), self.store.check)
+            self.store.on_failure = self.backend.report_failure  # ranks waiting on the transport hear it too
+        except BaseException as e:
+            if isinstance(e, PeerError) and e.rank is not None:
+                self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
             self.store.close()
             raise
+        _OPEN.add(self)
 
     def _choose_transport(self) -> str:
         """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);
@@ -150,8 +179,10 @@ class Engine:
     def empty(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
         """An uninitialized array in registered memory (64-byte aligned)."""
         dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"empty: shape {shape} has a negative dimension")
+        nbytes = _nbytes(shape, dtype)
         return self.backend.alloc(nbytes).view(dtype).reshape(shape)
 
     def register(self, array: Any) -> int:
@@ -160,7 +191,13 @@ class Engine:
         The engine keeps a reference to `array` until :meth:`deregister`, so the memory
         cannot be freed under a peer's write. Read-only buffers are refused.
         """
-        return self.backend.register(as_buffer(array))
+        buf = as_buffer(array)
+        if memoryview(buf).readonly:
+            raise ValueError(
+                "register: the buffer is read-only, and peers write into registered memory "
+                "(pass a writable array, e.g. np.array(x) or np.require(x, requirements='W'))"
+            )
+        return self.backend.register(buf)
 
     def deregister(self, key: int) -> None:
         """Withdraws a registration: the key is stale from now on, everywhere."""
@@ -205,7 +242,15 @@ class Engine:
 
     # -- channels ----------------------------------------------------------------
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise EngineError(f"{what}: the engine is closed")
+
     def _pair(self, kind: str, name: str, src: int, dst: int, make: Any, spec: str) -> Any:
+        self._check_open(f"channel {name!r}")
+        for end in (src, dst):
+            if not 0 <= end < self.world_size:
+                raise ValueError(f"channel {name!r}: rank {end} is not in a world of {self.world_size}")
         if self.rank not in (src, dst) or src == dst:
             raise ValueError(f"channel {name!r} connects ranks {src}->{dst}; this is rank {self.rank}")
         if name in self._names:
@@ -232,7 +277,7 @@ class Engine:
         shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
         if any(s < 0 for s in shape):
             raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
         ch = self._pair(
             "static",
             name,
@@ -264,7 +309,10 @@ class Engine:
         Returns a callable ``ring(arrays, average=False) -> list[np.ndarray]``:
         the outputs are views of registered memory, valid until the next-but-one call.
         """
+        self._check_open(f"ring {name!r}")
         members = list(range(self.world_size)) if members is None else [int(m) for m in members]
+        if capacity_bytes < 0 or bucket_bytes <= 0:
+            raise ValueError(f"ring {name!r}: capacity_bytes must be >= 0 and bucket_bytes > 0")
         if self.rank not in members:
             raise ValueError(f"ring {name!r}: this rank ({self.rank}) is not among its members {members}")
         if name in self._names:
@@ -283,12 +331,20 @@ class Engine:
         self.store.barrier(name)
 
     def close(self) -> None:
-        """Waits (briefly) for the other ranks, then closes connections."""
+        """Waits (briefly) for the other ranks, then closes connections.
+
+        After a failure it waits for nobody: it reports the failed rank to the store (so the
+        ranks waiting there name it too) and closes.
+        """
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
-            self.store.barrier("close", timeout=min(self.timeout, 30.0))
+            if failure := self.backend.failure:
+                self.store.abort(failure[0], failure[2])
+            else:
+                self.store.barrier("close", timeout=min(self.timeout, 30.0))
         except EngineError:
             pass  # a peer is gone; close anyway
         finally:
@@ -300,6 +356,25 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Bytes of an array of `shape` and `dtype`, in Python integers (no silent int64 overflow)."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit (also after an uncaught exception): an engine left open is closed, so
+    its rank says goodbye, or reports the failure it saw, instead of just vanishing."""
+    for engine in list(_OPEN):
+        engine.close()
 
 
 class StaticSender:

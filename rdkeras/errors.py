@@ -1,10 +1,19 @@
-"""The errors rdkeras raises. The engine's classes come from the C++ extension."""
+"""The errors rdkeras raises; they are the C++ extension's classes (Python and C++ raise the same ones)."""
 
-from rdkeras._engine import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras._engine import (
+    AuthenticationError,
+    EngineError,
+    PeerError,
+    RemoteAccessError,
+    TimeoutError,  # noqa: A004
+)
 
 
-class AuthenticationError(EngineError):
-    """A peer could not prove it belongs to this job (wrong job token)."""
+def peer_error(rank: int | None, message: str) -> PeerError:
+    """A PeerError whose ``.rank`` names the rank that failed (None where unknown)."""
+    err = PeerError(message)
+    err.rank = rank
+    return err
 
 
-__all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError"]
+__all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError", "peer_error"]

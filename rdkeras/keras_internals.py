@@ -62,7 +62,7 @@ _HOOKS = (
     ("keras.optimizers.LossScaleOptimizer", "inner_optimizer"),
     ("keras.optimizers.Optimizer", "_trainable_variables"),
 )
-# Attributes that exist only on instances (set in __init__/compile): checked on a small model.
+# Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
     "_compile_loss",
     "_loss_tracker",
@@ -84,7 +84,10 @@ class Parallelism(Protocol):
 
     synced: bool  # whether every worker holds the same model yet (built and shared once)
     restored: bool  # set on the reporter when BackupAndRestore loaded a backup
-    is_reporter: bool  # the worker with the progress bar and chief-only callbacks
+    fitting: bool  # inside fit (state is shared at on_train_begin, not at build)
+
+    @property
+    def is_reporter(self) -> bool: ...  # the worker with the progress bar and chief-only callbacks
 
     def shard_fit(self, a: dict) -> None: ...
     def shard_evaluate(self, a: dict) -> None: ...
@@ -93,7 +96,7 @@ class Parallelism(Protocol):
     def gather_state(self, model: Any) -> None: ...
     def share_logs(self, logs: dict) -> dict: ...
     def step_overrides(self) -> dict[str, Callable[..., Any]]: ...
-    def check_callbacks(self, callbacks: Sequence[Any]) -> None: ...
+    def check_callbacks(self, callbacks: list[Any]) -> None: ...
 
 
 # -- checks -------------------------------------------------------------------------
@@ -116,19 +119,21 @@ def _resolve(path: str) -> Any:
 def missing_hooks(instances: dict[str, Any] | None = None) -> list[str]:
     """The private Keras names rdkeras uses that this Keras lacks.
 
-    Names set only on instances are checked when `instances` (object path -> an instance) gives
-    one; creating instances here would shift Keras's automatic layer names in the user's program.
+    Names set only on instances are checked on `instances` (object path -> an instance) where given;
+    rdkeras itself does not create instances for this, which would shift Keras's automatic layer
+    names in the user's program (the tests do).
     """
     missing = []
     for path, attr in _HOOKS:
         owner = _resolve(path)
-        if attr in _INSTANCE_ATTRS:
-            owner = (instances or {}).get(path, owner if owner is not None else None)
-            if instances is None or path not in instances:
-                if owner is None:
-                    missing.append(f"{path}.{attr}")
-                continue
-        if owner is None or not hasattr(owner, attr):
+        if owner is None:
+            present = False
+        elif attr in _INSTANCE_ATTRS:
+            probe = (instances or {}).get(path)
+            present = probe is None or hasattr(probe, attr)
+        else:
+            present = hasattr(owner, attr)
+        if not present:
             missing.append(f"{path}.{attr}")
     return missing
 
@@ -369,7 +374,7 @@ def distribute_model(model: Any, parallel: Parallelism) -> None:
     object.__setattr__(model, "_rdkeras", parallel)
     model.__dict__["_rdkeras_jit_compile"] = model.jit_compile
     model.jit_compile = False  # the exchanges are tf.numpy_function ops
-    methods = {
+    methods: dict[str, Callable[..., Any]] = {
         "fit": _fit,
         "evaluate": _evaluate,
         "predict": _predict,
@@ -613,7 +618,11 @@ def _write_backup(cb: Any) -> None:
     if cb.double_checkpoint:
         for src, dst in ((weights, Path(cb._prev_weights_path)), (metadata, Path(cb._prev_training_metadata_path))):
             if src.exists():
-                write_atomically(dst, lambda tmp, src=src: shutil.copyfile(src, tmp))
+
+                def copy(tmp: str, src: Path = src) -> None:
+                    shutil.copyfile(src, tmp)
+
+                write_atomically(dst, copy)
     meta = json.dumps({"epoch": cb._current_epoch, "batch": cb._last_batch_seen})
     save_weights = original(cb.model, "save_weights") if parallel_of(cb.model) else cb.model.save_weights
 
@@ -623,7 +632,11 @@ def _write_backup(cb: Any) -> None:
             f.attrs[BACKUP_METADATA_ATTR] = meta
 
     write_atomically(weights, write_weights)
-    write_atomically(metadata, lambda tmp: Path(tmp).write_text(meta))
+
+    def write_metadata(tmp: str) -> None:
+        Path(tmp).write_text(meta)
+
+    write_atomically(metadata, write_metadata)
 
 
 def _load_backup(cb: Any) -> bool:

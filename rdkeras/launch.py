@@ -19,37 +19,31 @@ the kernel's parent-death signal.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import re
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 import types
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-_RESULT_MARK = "@@rdkeras-result@@"
-# After one worker fails, how long the others get to fail on their own (a dead
-# peer is noticed within milliseconds) before they are killed.
-FAILURE_GRACE_S = 10.0
-DEFAULT_MASTER_PORT = 29500  # torchrun's
-PR_SET_PDEATHSIG = 1
-# Lines TensorFlow prints while it starts, kept out of the terminal (not the logs) unless verbose.
-_BANNERS = re.compile(
-    rb"absl::InitializeLog\(\)|Unable to register cu(DNN|FFT|BLAS) factory|oneDNN custom operations are on|"
-    rb"This TensorFlow binary is optimized|TF-TRT Warning|computation placer already registered|"
-    rb"Could not find cuda drivers|cuda_executor\.cc.*NUMA node|Created device /job"
+from rdkeras._workers import (  # noqa: F401 (the launcher's names, re-exported)
+    _RESULT_MARK,
+    FAILURE_GRACE_S,
+    RankResult,
+    _failure_message,
+    _status,
+    failed_rank,
+    first_failure,
+    run_workers,
 )
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 
 class LaunchError(RuntimeError):
@@ -58,16 +52,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, results: list[RankResult]):
         super().__init__(message)
         self.results = results
-
-
-@dataclass
-class RankResult:
-    rank: int
-    returncode: int | None
-    output: str
-    value: Any = None
-    ended_at: float = float("inf")  # when the launcher saw it exit (monotonic)
-    tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
 
 
 def free_port() -> int:
@@ -101,6 +85,7 @@ def worker_env(
     )
     if token is not None:
         env["RDKERAS_JOB_TOKEN"] = token
+    env.setdefault("RDKERAS_LOG", "info")  # the launcher is an application: rdkeras's messages are shown
     if not verbose:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up INFO/WARNING lines
     env.update(extra or {})
@@ -170,163 +155,6 @@ def job_envs(
     return ranks, envs
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A preexec function: the child gets SIGKILL when the launcher dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-class _Terminal:
-    """Writes several workers' output to one stream: a ``[rank] `` prefix at the start of each
-    line and after each carriage return (so a progress bar redraws in place), a newline first
-    when another rank's line is unfinished, TensorFlow start-up banners left out unless verbose."""
-
-    def __init__(self, out: BinaryIO, verbose: bool):
-        self.out, self.verbose = out, verbose
-        self.lock = threading.Lock()
-        self.owner: int | None = None  # rank whose line is unfinished
-        self.at_start = True  # the cursor is at column 0 (after \n or \r)
-
-    def write(self, rank: int, data: bytes) -> None:
-        with self.lock:
-            parts = re.split(rb"(?<=[\r\n])", data)
-            chunks = []
-            for part in parts:
-                if not part:
-                    continue
-                if not self.verbose and self.at_start and part.endswith(b"\n") and _BANNERS.search(part):
-                    continue
-                if self.owner not in (None, rank):
-                    chunks.append(b"\n")
-                    self.at_start = True
-                if self.at_start and part not in (b"\n", b"\r"):
-                    chunks.append(f"[{rank}] ".encode())
-                chunks.append(part)
-                self.at_start = part.endswith((b"\n", b"\r"))
-                self.owner = None if part.endswith(b"\n") else rank
-            if chunks:
-                self.out.write(b"".join(chunks))
-                self.out.flush()
-
-
-def run_workers(
-    commands: Sequence[Sequence[str]],
-    envs: Sequence[dict],
-    *,
-    ranks: Sequence[int] | None = None,
-    timeout: float | None = None,
-    stop_on_failure: bool = True,
-    forward: bool = False,
-    verbose: bool = False,
-    log_dir: str | Path | None = None,
-) -> list[RankResult]:
-    """Runs one process per command; returns when all ended, one failed, or the timeout passed.
-
-    With `forward`, output is written to this process's stdout as it comes, each line
-    prefixed by the rank (see :class:`_Terminal`). With `log_dir`, each rank's output
-    also goes to ``log_dir/worker-RANK.log``. Survivors are killed (their whole process
-    group) before returning, also when this function is interrupted.
-    """
-    ranks = list(range(len(commands))) if ranks is None else list(ranks)
-    logs = []
-    if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        logs = [open(Path(log_dir) / f"worker-{r}.log", "wb") for r in ranks]
-    preexec = _die_with_parent(os.getpid())
-    procs: list[subprocess.Popen] = []
-    terminal = _Terminal(sys.stdout.buffer if hasattr(sys.stdout, "buffer") else _TextOut(), verbose)
-    chunks: list[list[bytes]] = [[] for _ in commands]
-    readers: list[threading.Thread] = []
-
-    def pump(i: int) -> None:
-        fd = procs[i].stdout.fileno()  # type: ignore[union-attr]
-        while data := os.read(fd, 65536):
-            chunks[i].append(data)
-            if logs:
-                logs[i].write(data)
-                logs[i].flush()
-            if forward:
-                terminal.write(ranks[i], data)
-
-    results = [RankResult(r, None, "") for r in ranks]
-
-    def note_exits() -> None:
-        now = time.monotonic()
-        for i, p in enumerate(procs):
-            if p.poll() is not None and results[i].ended_at == float("inf"):
-                results[i].ended_at = now
-
-    try:
-        for cmd, env in zip(commands, envs, strict=True):
-            procs.append(
-                subprocess.Popen(
-                    list(cmd),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    bufsize=0,
-                    start_new_session=True,
-                    preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
-                )
-            )
-            readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
-            readers[-1].start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            note_exits()
-            failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
-            if failed or (deadline is not None and time.monotonic() > deadline):
-                if failed:  # let the others notice the failure and report it themselves
-                    end = time.monotonic() + FAILURE_GRACE_S
-                    while time.monotonic() < end and any(p.poll() is None for p in procs):
-                        note_exits()
-                        time.sleep(0.05)
-                break
-            time.sleep(0.02)
-    finally:
-        note_exits()
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            p.wait()
-        for t in readers:
-            t.join(timeout=5)
-        for p in procs:
-            p.stdout.close()  # type: ignore[union-attr]
-        for f in logs:
-            f.close()
-    for i, p in enumerate(procs):
-        results[i].returncode = p.returncode
-        results[i].output = b"".join(chunks[i]).decode(errors="replace")
-        lines = results[i].output.splitlines(keepends=True)
-        results[i].tail.extend(lines[-40:])
-        for line in lines:
-            if line.startswith(_RESULT_MARK):
-                results[i].value = json.loads(line[len(_RESULT_MARK) :])
-    return results
-
-
-class _TextOut:
-    """stdout without a byte buffer (a notebook's stream): bytes decoded as they come."""
-
-    def write(self, data: bytes) -> None:
-        sys.stdout.write(data.decode(errors="replace"))
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-
 def run_local(
     command: Sequence[str],
     job: Job,
@@ -352,17 +180,6 @@ def run_local(
         verbose=verbose,
         log_dir=log_dir,
     )
-
-
-def first_failure(results: list[RankResult]) -> RankResult | None:
-    """The worker that failed first (the others usually failed because of it)."""
-    failed = [r for r in results if r.returncode not in (0, None)]
-    return min(failed, key=lambda r: r.ended_at) if failed else None
-
-
-def failed_rank(results: list[RankResult]) -> RankResult | None:
-    """The worker to blame: the first that failed, else one still running at the timeout, else None."""
-    return first_failure(results) or next((r for r in results if r.returncode is None), None)
 
 
 def spawn_call(
@@ -444,18 +261,6 @@ def launch(
             with open(os.path.join(tmp, f"result-{r}.pkl"), "rb") as f:
                 values.append(cloudpickle.load(f))
         return values
-
-
-def _status(r: RankResult) -> str:
-    if r.returncode is None:
-        return "timeout"
-    return f"exit code {r.returncode}" if r.returncode >= 0 else f"signal {-r.returncode}"
-
-
-def _failure_message(r: RankResult) -> str:
-    how = _status(r)
-    tail = "".join(r.tail).rstrip() or "(nothing)"
-    return f"worker rank {r.rank} failed first ({how}); its last output:\n{tail}"
 
 
 class _Stopped(BaseException):

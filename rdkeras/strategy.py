@@ -23,8 +23,7 @@ from typing import Any
 from rdkeras import cluster as cluster_lib
 from rdkeras import keras_internals
 from rdkeras.engine import Engine
-
-PARALLELISMS = ("data", "model", "hybrid")
+from rdkeras.parallel import check_settings
 
 
 class RDMAStrategy:
@@ -59,20 +58,14 @@ class RDMAStrategy:
         stages: int | None = None,
         global_batch: bool = True,
     ):
-        if parallelism not in PARALLELISMS:
-            raise ValueError(f"parallelism must be 'data', 'model' or 'hybrid', got {parallelism!r}")
-        if parallelism != "data" and not placement:
-            raise ValueError(
-                f"parallelism={parallelism!r} needs a placement: layer-name patterns -> stages, "
-                "e.g. placement={'conv*': 0, 'dense*': 1}"
-            )
-        if parallelism == "data" and placement:
-            raise ValueError("placement is for parallelism='model' or 'hybrid'; data parallelism places nothing")
-        keras_internals.check()
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
+        mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
+        check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
+        keras_internals.check()
         c = cluster_lib.resolve()
         self.cluster = c
+        check_settings(parallelism, mode, placement, micro_batches, c.world_size)
         self.engine = Engine(
             c.rank,
             c.world_size,
@@ -86,12 +79,11 @@ class RDMAStrategy:
             if parallelism == "data":
                 from rdkeras.parallel.data_parallel import DataParallel
 
-                mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
                 self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, global_batch)
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
 
-                assert placement is not None
+                assert placement is not None  # (check_settings)
                 if parallelism == "hybrid":
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):

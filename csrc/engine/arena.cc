@@ -28,14 +28,15 @@ Arena::Arena(size_t capacity) {
   if (capacity < kHeaderBytes * 2) throw EngineError(strCat("arena capacity ", capacity, " is too small"));
   fd_ = memfd_create("rdkeras-arena", MFD_CLOEXEC);
   if (fd_ < 0) throwErrno("memfd_create");
-  if (ftruncate(fd_, static_cast<off_t>(capacity)) != 0) {
+  if (capacity > (size_t{1} << 46) || ftruncate(fd_, static_cast<off_t>(capacity)) != 0) {
     close(fd_);
-    throwErrno("ftruncate(arena)");
+    throw EngineError(strCat("cannot reserve an arena of ", capacity,
+                             " bytes (set RDKERAS_ARENA_BYTES to what this machine can map, e.g. 16 GiB)"));
   }
   void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd_, 0);
   if (p == MAP_FAILED) {
     close(fd_);
-    throwErrno(strCat("mmap(arena, ", capacity, " bytes)"));
+    throwErrno(strCat("mmap(arena, ", capacity, " bytes; lower RDKERAS_ARENA_BYTES)"));
   }
   base_ = static_cast<uint8_t*>(p);
   capacity_ = capacity;

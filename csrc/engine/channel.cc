@@ -1,7 +1,9 @@
 #include "engine/channel.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
+#include <ctime>
 
 namespace rdkeras {
 namespace {
@@ -33,10 +35,11 @@ std::string ChannelBase::localDescriptor() const {
 
 void ChannelBase::connect(const std::string& remote) {
   const std::string want = role_ == Role::kSender ? "recv" : "send";
-  if (field(remote, "role") != want || std::stoi(field(remote, "rank")) != peer_)
+  if (field(remote, "role") != want || fieldNumber(remote, "rank") != static_cast<uint64_t>(peer_))
     throw EngineError(
         strCat("channel descriptor mismatch: expected the ", want, " end on rank ", peer_, ", got ", remote));
-  remote_key_ = std::stoull(field(remote, "key"));
+  remote_key_ = fieldNumber(remote, "key");
+  if (remote_key_ == 0) throw EngineError("channel descriptor names no region (key 0)");
 }
 
 void ChannelBase::requireConnected(Role role, const char* op) const {
@@ -135,6 +138,20 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
 
 uint64_t DynamicChannel::acked() const { return loadAcquire(local_); }
 
+DynamicChannel::~DynamicChannel() {
+  if (role_ != Role::kSender) return;
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (acked() < seq_ && Clock::now() < until) {
+    try {
+      engine_->transport().checkPeer(peer_);  // a peer that is gone acks nothing more
+    } catch (const std::exception&) {
+      return;
+    }
+    struct timespec ts = {0, 100 * 1000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
 void DynamicChannel::waitAcked(uint64_t count) {
   engine_->waitFlag(local_, count, peer_, "ack of a dynamic channel tensor");
 }
@@ -143,10 +160,9 @@ void* DynamicChannel::recv(TensorMeta* meta) {
   requireConnected(Role::kReceiver, "recv");
   auto* rec = reinterpret_cast<DynamicRecord*>(local_ + (seq_ % 2) * sizeof(DynamicRecord));
   engine_->waitFlag(&rec->flag, seq_ + 1, peer_, "dynamic channel metadata");
-  if (rec->ndim > kMaxDims) throw EngineError("corrupt dynamic channel record");
-  meta->dtype.assign(rec->dtype, strnlen(rec->dtype, sizeof(rec->dtype)));
-  meta->shape.assign(rec->shape, rec->shape + rec->ndim);
-  meta->nbytes = rec->nbytes;
+  std::string why;
+  if (!parseRecord(*rec, meta, &why))
+    throw EngineError(strCat("rank ", peer_, " sent a malformed dynamic-channel record: ", why));
   TensorTracker& tracker = engine_->tracker();
   void* dst = tracker.allocate(rec->nbytes);
   const Deadline deadline = engine_->deadline();
@@ -163,6 +179,51 @@ void* DynamicChannel::recv(TensorMeta* meta) {
   ++seq_;
   engine_->countReceived(rec->nbytes);
   return dst;
+}
+
+bool parseRecord(const DynamicRecord& rec, TensorMeta* meta, std::string* why) {
+  const size_t len = strnlen(rec.dtype, sizeof(rec.dtype));
+  const std::string dtype(rec.dtype, len);
+  auto fail = [&](std::string w) {
+    *why = std::move(w);
+    return false;
+  };
+  if (len == sizeof(rec.dtype)) return fail("its dtype is not terminated");
+  // [<>|=] letter digits [optional "[unit]"]: what numpy's dtype.str looks like.
+  size_t i = 0;
+  if (len < 3 || std::strchr("<>|=", dtype[0]) == nullptr ||
+      !std::isalpha(static_cast<unsigned char>(dtype[1])))
+    return fail(strCat("its dtype '", dtype, "' is not a numpy type string"));
+  uint64_t itemsize = 0;
+  for (i = 2; i < len && std::isdigit(static_cast<unsigned char>(dtype[i])); ++i) {
+    itemsize = itemsize * 10 + (dtype[i] - '0');
+    if (itemsize > (1 << 20)) return fail(strCat("its dtype '", dtype, "' has an absurd item size"));
+  }
+  if (i == 2 || itemsize == 0) return fail(strCat("its dtype '", dtype, "' has no item size"));
+  if (dtype[1] == 'U') itemsize *= 4;  // numpy counts unicode strings in characters of 4 bytes
+  if (i < len) {
+    if (dtype[i] != '[' || dtype[len - 1] != ']') return fail(strCat("its dtype '", dtype, "' is malformed"));
+    for (size_t j = i + 1; j + 1 < len; ++j)
+      if (!std::isalnum(static_cast<unsigned char>(dtype[j])))
+        return fail(strCat("its dtype '", dtype, "' is malformed"));
+  }
+  if (rec.ndim > DynamicChannel::kMaxDims)
+    return fail(strCat("its rank is ", rec.ndim, " (at most ", DynamicChannel::kMaxDims, ")"));
+  uint64_t elements = 1;
+  for (uint32_t d = 0; d < rec.ndim; ++d) {
+    if (rec.shape[d] < 0) return fail(strCat("dimension ", d, " is ", rec.shape[d]));
+    const auto extent = static_cast<uint64_t>(rec.shape[d]);
+    if (extent && elements > UINT64_MAX / extent) return fail("its shape overflows");
+    elements *= extent;
+  }
+  if (elements > UINT64_MAX / itemsize || elements * itemsize != rec.nbytes)
+    return fail(strCat("its shape and dtype make ", elements, " x ", itemsize, " bytes, but it announces ",
+                       rec.nbytes));
+  if (rec.nbytes && rec.src_key == 0) return fail("it names no source region");
+  meta->dtype = dtype;
+  meta->shape.assign(rec.shape, rec.shape + rec.ndim);
+  meta->nbytes = rec.nbytes;
+  return true;
 }
 
 }  // namespace rdkeras

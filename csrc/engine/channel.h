@@ -87,6 +87,9 @@ class DynamicChannel : public ChannelBase {
   static constexpr int kMaxDims = 16;
 
   DynamicChannel(std::shared_ptr<Engine> engine, Role role, int peer);
+  // A sender waits (a few seconds at most) for the receiver's last acks: they are one-sided
+  // writes into this channel's block, which must stay registered until they landed.
+  ~DynamicChannel() override;
 
   // Sender: publishes the tensor; returns its sequence number. `data` must
   // stay valid and unchanged until acked() > that number.
@@ -98,7 +101,7 @@ class DynamicChannel : public ChannelBase {
   void* recv(TensorMeta* meta);
 };
 
-// The receiver-side copy of a metadata slot.
+// The receiver-side copy of a metadata slot (written by the peer: checked before use).
 struct alignas(64) DynamicRecord {
   uint64_t flag;  // n+1 once record n is complete; written last
   char dtype[16];
@@ -109,5 +112,10 @@ struct alignas(64) DynamicRecord {
   uint64_t src_key;
   uint64_t src_offset;
 };
+
+// Reads a record a peer wrote: false (with *why) unless the dtype is a numpy type string
+// ("<f4", "|b1", "<M8[ns]"...), the rank is at most kMaxDims, no dimension is negative and
+// the shape times the item size is exactly nbytes.
+bool parseRecord(const DynamicRecord& rec, TensorMeta* meta, std::string* why);
 
 }  // namespace rdkeras

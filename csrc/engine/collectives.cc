@@ -40,10 +40,10 @@ __attribute__((target("avx2"))) void addScaledStream(float* out, const float* a,
 }
 #endif
 
-void addFloat(float* out, const float* a, const float* b, size_t n, float scale) {
+void addFloat(float* out, const float* a, const float* b, size_t n, float scale, size_t nontemporal_from) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2 && n * sizeof(float) >= nonTemporalThreshold()) return addScaledStream(out, a, b, n, scale);
+  if (avx2 && n * sizeof(float) >= nontemporal_from) return addScaledStream(out, a, b, n, scale);
 #endif
   addScaled(out, a, b, n, scale);
 }
@@ -97,7 +97,7 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
       capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
       bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
-  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offGather() + 64);
+  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offSignature() + 64);
   block_ = registered_->data();
 }
 
@@ -108,20 +108,18 @@ std::string RingAllreduce::localDescriptor() const {
 
 void RingAllreduce::connect(const std::string& left, const std::string& right) {
   for (const auto* d : {&left, &right}) {
-    if (std::stoull(field(*d, "capacity")) != capacity_ || std::stoull(field(*d, "bucket")) != bucket_bytes_)
+    if (fieldNumber(*d, "capacity") != capacity_ || fieldNumber(*d, "bucket") != bucket_bytes_)
       throw EngineError(strCat("allreduce: rank ", field(*d, "rank"), " declared another capacity/bucket (",
                                *d, ") than this rank (", localDescriptor(), ")"));
   }
-  if (std::stoi(field(left, "rank")) != left_ || std::stoi(field(right, "rank")) != right_)
+  if (fieldNumber(left, "rank") != static_cast<uint64_t>(left_) ||
+      fieldNumber(right, "rank") != static_cast<uint64_t>(right_))
     throw EngineError("allreduce: neighbour descriptors from the wrong ranks");
-  left_key_ = std::stoull(field(left, "key"));
-  right_key_ = std::stoull(field(right, "key"));
+  left_key_ = fieldNumber(left, "key");
+  right_key_ = fieldNumber(right, "key");
 }
 
-namespace {
-
-// Where each tensor starts in the output block (64-byte aligned); `total` is the padded size.
-std::vector<size_t> layout(const std::vector<ConstSpan>& inputs, size_t* total) {
+std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total) {
   std::vector<size_t> offsets(inputs.size());
   size_t at = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -132,18 +130,24 @@ std::vector<size_t> layout(const std::vector<ConstSpan>& inputs, size_t* total) 
   return offsets;
 }
 
-}  // namespace
+ChunkRange ringChunk(size_t b0, size_t b1, int n, int c) {
+  const size_t chunk = roundUp((b1 - b0 + n - 1) / n, kAlign);
+  const size_t lo = std::min(b1, b0 + static_cast<size_t>((c % n + n) % n) * chunk);
+  return {lo, std::min(b1, lo + chunk)};
+}
 
 void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
                                       const std::vector<size_t>& offsets, size_t send_begin, size_t send_end,
                                       bool send_from_inputs, size_t recv_begin, size_t recv_end, uint8_t* out,
-                                      DType dtype, double scale) {
+                                      DType dtype, double scale, uint64_t signature) {
   Transport& t = engine_->transport();
   const Deadline deadline = engine_->deadline();
   const uint64_t m = messages_;
   const int slot = m % 2;
   // Send: the right neighbour's slot m%2 is free once it acked message m-2.
   if (m >= 2) engine_->waitFlag(block_ + offAck(), m - 1, right_, "allreduce: ack from the right neighbour");
+  // The call's first message: the right member learns what we reduce (ordered before the flag).
+  if (signature) t.writeFlag(right_, right_key_, offSignature(), signature, deadline);
   if (send_from_inputs) {
     forEachSegment(inputs, offsets, send_begin, send_end, [&](size_t i, size_t lo, size_t hi) {
       t.write(right_, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), right_key_,
@@ -155,6 +159,14 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   t.writeFlag(right_, right_key_, offFlag(slot), m + 1, deadline);
   // Receive the left neighbour's partial sum and add our input to it.
   engine_->waitFlag(block_ + offFlag(slot), m + 1, left_, "allreduce: data from the left neighbour");
+  if (signature && loadAcquire(block_ + offSignature()) != signature) {
+    const std::string why = strCat("allreduce: rank ", left_, " passed other tensors than this rank (rank ",
+                                   engine_->rank(), ": ", inputs.size(), " tensors, ", total_bytes_,
+                                   " bytes of ", dtype == DType::kFloat32 ? "float32" : "float64",
+                                   "); every member must pass the same sizes and dtype, in the same order");
+    engine_->reportOwnFailure(why);
+    throw EngineError(why);
+  }
   engine_->countReceived(recv_end - recv_begin);
   const uint8_t* staged = block_ + offSlot(slot);
   forEachSegment(inputs, offsets, recv_begin, recv_end, [&](size_t i, size_t lo, size_t hi) {
@@ -162,7 +174,8 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
     const uint8_t* partial = staged + (lo - recv_begin);
     if (dtype == DType::kFloat32)
       addFloat(reinterpret_cast<float*>(out + lo), reinterpret_cast<const float*>(in),
-               reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale));
+               reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale),
+               engine_->transportOptions().nt_threshold);
     else
       addScaled(reinterpret_cast<double*>(out + lo), reinterpret_cast<const double*>(in),
                 reinterpret_cast<const double*>(partial), (hi - lo) / 8, scale);
@@ -185,13 +198,24 @@ void RingAllreduce::allgatherStep(uint8_t* out, size_t out_offset_in_region, siz
 
 RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
   size_t total;
-  std::vector<size_t> offsets = layout(inputs, &total);
+  std::vector<size_t> offsets = ringLayout(inputs, &total);
   if (total > capacity_)
     throw EngineError(
         strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
   const size_t elem = dtype == DType::kFloat32 ? 4 : 8;
   for (const auto& in : inputs)
     if (in.bytes % elem) throw EngineError("allreduce: tensor size is not a multiple of its dtype size");
+  total_bytes_ = 0;
+  for (const auto& in : inputs) total_bytes_ += in.bytes;
+  // What every member must agree on: dtype, count and sizes (FNV-1a; never 0).
+  uint64_t signature = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) signature = (signature ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  mix(static_cast<uint64_t>(dtype));
+  mix(inputs.size());
+  for (const auto& in : inputs) mix(in.bytes);
+  signature |= 1;
   const size_t out_region_offset = (calls_++ % 2) * capacity_;
   uint8_t* out = block_ + out_region_offset;
   const int n = world_;
@@ -203,16 +227,16 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
   }
   if (right_key_ == 0) throw EngineError("allreduce: run() before connect()");
   const double inv = average ? 1.0 / n : 1.0;
-  for (size_t b0 = 0; b0 < total; b0 += bucket_bytes_) {
+  // At least one pass, even for nothing: the signature must reach the neighbour every call.
+  for (size_t b0 = 0; b0 == 0 || b0 < total; b0 += bucket_bytes_) {
     const size_t b1 = std::min(total, b0 + bucket_bytes_);
-    const size_t chunk = roundUp((b1 - b0 + n - 1) / n, kAlign);
-    auto lo = [&](int c) { return std::min(b1, b0 + ((c % n + n) % n) * chunk); };
-    auto hi = [&](int c) { return std::min(b1, lo(c) + chunk); };
+    auto lo = [&](int c) { return ringChunk(b0, b1, n, c).lo; };
+    auto hi = [&](int c) { return ringChunk(b0, b1, n, c).hi; };
     // Reduce-scatter: at step s send chunk rank-s, receive chunk rank-s-1.
     for (int s = 0; s < n - 1; ++s) {
       const int send = rank_ - s, recv = rank_ - s - 1;
       reduceScatterStep(inputs, offsets, lo(send), hi(send), s == 0, lo(recv), hi(recv), out, dtype,
-                        s == n - 2 ? inv : 1.0);
+                        s == n - 2 ? inv : 1.0, b0 == 0 && s == 0 ? signature : 0);
     }
     // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
     // writes chunk rank-s straight into our output block.

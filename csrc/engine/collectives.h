@@ -13,7 +13,9 @@
 // concatenated; the outputs are views into one of two registered output
 // blocks (alternating per call, so the previous call's results stay intact),
 // each tensor starting on a 64-byte boundary. Every rank must pass tensors of
-// the same sizes in the same order. One thread at a time.
+// the same sizes in the same order: each call's first message carries a
+// signature of them (dtype, count, sizes), and a rank whose left member's
+// differs raises and tells the others. One thread at a time.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,16 @@ struct ConstSpan {
   const void* data;
   size_t bytes;
 };
+
+// Pure arithmetic of the ring, shared by run() and the unit tests.
+// Where each tensor starts in a ring's output block (64-byte aligned); *total is the padded size.
+std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total);
+// Bytes [lo, hi) of chunk c (taken modulo n) when bucket [b0, b1) is split over n ranks:
+// 64-byte aligned, in order, the last chunks possibly short or empty.
+struct ChunkRange {
+  size_t lo, hi;
+};
+ChunkRange ringChunk(size_t b0, size_t b1, int n, int c);
 
 class RingAllreduce {
  public:
@@ -60,7 +72,7 @@ class RingAllreduce {
  private:
   void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
                          size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
-                         size_t recv_end, uint8_t* out, DType dtype, double scale);
+                         size_t recv_end, uint8_t* out, DType dtype, double scale, uint64_t signature);
   void allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin, size_t send_end);
 
   std::shared_ptr<Engine> engine_;
@@ -75,10 +87,12 @@ class RingAllreduce {
   uint64_t messages_ = 0;  // reduce-scatter messages sent (= received) so far
   uint64_t gathers_ = 0;   // allgather chunks received so far
   uint64_t calls_ = 0;
+  uint64_t total_bytes_ = 0;  // of the current call (for error messages)
   size_t offSlot(int i) const { return 2 * capacity_ + i * slot_bytes_; }
   size_t offFlag(int i) const { return 2 * capacity_ + 2 * slot_bytes_ + i * 64; }
   size_t offAck() const { return offFlag(2); }
   size_t offGather() const { return offFlag(3); }
+  size_t offSignature() const { return offFlag(4); }  // the left member's call signature
 };
 
 }  // namespace rdkeras

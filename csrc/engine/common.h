@@ -22,8 +22,18 @@ class TimeoutError : public EngineError {
  public:
   using EngineError::EngineError;
 };
-// A peer process died or closed its connection; the message names its rank.
+// A peer process died or closed its connection; the message names its rank,
+// and rank() is that rank where the thrower knows it (-1 otherwise).
 class PeerError : public EngineError {
+ public:
+  explicit PeerError(const std::string& what, int rank = -1) : EngineError(what), rank_(rank) {}
+  int rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
+// A peer could not prove it holds the job's key (or refused our proof).
+class AuthenticationError : public EngineError {
  public:
   using EngineError::EngineError;
 };

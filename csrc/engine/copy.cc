@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -35,21 +34,7 @@ void streamSse2(char* dst, const char* src, size_t n) {
 }
 #endif
 
-size_t readThreshold() {
-  const char* env = std::getenv("RDKERAS_NT_THRESHOLD");
-  if (env && *env) {
-    const long long v = std::atoll(env);
-    return v <= 0 ? SIZE_MAX : static_cast<size_t>(v);
-  }
-  return size_t{8} << 20;
-}
-
 }  // namespace
-
-size_t nonTemporalThreshold() {
-  static const size_t threshold = readThreshold();
-  return threshold;
-}
 
 void copyNonTemporal(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
@@ -71,8 +56,8 @@ void copyNonTemporal(void* dst, const void* src, size_t n) {
 #endif
 }
 
-void transferCopy(void* dst, const void* src, size_t n) {
-  if (n >= nonTemporalThreshold())
+void transferCopy(void* dst, const void* src, size_t n, size_t nontemporal_from) {
+  if (n >= nontemporal_from)
     copyNonTemporal(dst, src, n);
   else
     std::memcpy(dst, src, n);

@@ -32,8 +32,9 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   if (!(options.timeout_s > 0)) throw EngineError("timeout must be positive");
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
+  control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
   if (options.transport == "shm")
-    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_);
+    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_, options.transport_options);
   else if (options.transport == "tcp")
     transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
 #ifdef RDKERAS_WITH_VERBS
@@ -50,10 +51,143 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
 
 Engine::~Engine() { close(); }
 
-void Engine::connect(const std::vector<std::string>& descriptors, const std::string& secret) {
+std::string Engine::localDescriptor() const {
+  return strCat(transport_->localDescriptor(), ";abort_key=", control_->key());
+}
+
+void Engine::connect(const std::vector<std::string>& descriptors, const std::string& key,
+                     std::function<void()> watch) {
   if (connected_) throw EngineError("engine already connected");
-  transport_->connect(descriptors, secret, deadline());
+  if (static_cast<int>(descriptors.size()) != world_size_)
+    throw EngineError(strCat("connect: ", descriptors.size(), " descriptors for a world of ", world_size_));
+  abort_keys_.clear();
+  for (const std::string& d : descriptors) abort_keys_.push_back(fieldNumber(d, "abort_key"));
+  transport_->setSetupWatch(std::move(watch));
+  transport_->connect(descriptors, key, deadline());
+  transport_->setSetupWatch({});
   connected_ = true;
+}
+
+namespace {
+
+// An abort record in one 8-byte word: (failed rank + 1) | (reporter + 1) << 32 | cause << 56.
+enum Cause : uint64_t { kLost = 0, kStopped = 1 };
+uint64_t encodeAbort(int failed, int reporter, Cause cause) {
+  return (static_cast<uint64_t>(failed) + 1) | (static_cast<uint64_t>(reporter) + 1) << 32 | cause << 56;
+}
+
+Engine::Failure decodeAbort(uint64_t word) {
+  return {static_cast<int>((word & 0xffffffff) - 1), static_cast<int>(((word >> 32) & 0xffffff) - 1),
+          (word >> 56) == kStopped ? "it stopped on an error of its own (see its log)"
+                                   : "it exited or lost its connections"};
+}
+
+}  // namespace
+
+bool Engine::failure(Failure* out) const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (failure_.rank >= 0) {
+    *out = failure_;
+    return true;
+  }
+  const uint64_t word = loadAcquire(control_->data());  // a peer's record, not latched yet
+  if (word == 0) return false;
+  *out = decodeAbort(word);
+  return true;
+}
+
+Engine::Failure Engine::learn() {
+  uint64_t forward = 0;
+  Failure f;
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank < 0) {
+      const uint64_t word = loadAcquire(control_->data());
+      if (word == 0) return f;  // rank -1: nothing known
+      failure_ = decodeAbort(word);
+      has_failure_.store(true, std::memory_order_release);
+      forward = word;
+    }
+    f = failure_;
+  }
+  // Pass a peer's record on before acting on it: whoever sees this rank leave has heard it first.
+  if (forward) broadcastAbort(forward, f.rank);
+  return f;
+}
+
+namespace {
+
+PeerError describe(const Engine::Failure& f, int me, int lost) {
+  if (f.reporter == me) return PeerError(f.why, f.rank);
+  if (f.reporter == f.rank)
+    return PeerError(strCat("rank ", f.rank, " stopped on an error of its own (see rank ", f.rank, "'s log)"),
+                     f.rank);
+  return PeerError(strCat("rank ", f.rank, " failed: ", f.why, " (seen by rank ", f.reporter, ")",
+                          lost >= 0 && lost != f.rank ? strCat("; this rank then lost rank ", lost) : ""),
+                   f.rank);
+}
+
+}  // namespace
+
+void Engine::checkPeerFailure() {
+  if (!has_failure_.load(std::memory_order_acquire) && loadAcquire(control_->data()) == 0) return;
+  const Failure f = learn();
+  if (f.rank >= 0 && f.rank != rank_) throw describe(f, rank_, -1);
+}
+
+void Engine::checkFailure() {
+  if (!has_failure_.load(std::memory_order_acquire) && loadAcquire(control_->data()) == 0)
+    return;  // one load
+  const Failure f = learn();
+  if (f.rank >= 0) throw describe(f, rank_, -1);
+}
+
+PeerError Engine::rootCause(const PeerError& err, int peer) {
+  const int failed = err.rank() >= 0 ? err.rank() : peer;
+  const Failure known = learn();
+  if (known.rank >= 0) return describe(known, rank_, failed);  // someone saw a failure first: that one
+  if (failed < 0 || failed >= world_size_ || failed == rank_) return err;  // nobody to blame or tell
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank >= 0) return describe(failure_, rank_, failed);  // another thread of ours, just now
+    failure_ = {failed, rank_, err.what()};
+    has_failure_.store(true, std::memory_order_release);
+  }
+  broadcastAbort(encodeAbort(failed, rank_, kLost), failed);
+  return PeerError(err.what(), failed);
+}
+
+void Engine::reportFailure(int failed, const std::string& why) {
+  if (failed < 0 || failed >= world_size_ || failed == rank_) return;
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank >= 0) return;
+    failure_ = {failed, rank_, why};
+    has_failure_.store(true, std::memory_order_release);
+  }
+  broadcastAbort(encodeAbort(failed, rank_, kLost), failed);
+}
+
+void Engine::reportOwnFailure(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank >= 0) return;
+    failure_ = {rank_, rank_, why};
+    has_failure_.store(true, std::memory_order_release);
+  }
+  broadcastAbort(encodeAbort(rank_, rank_, kStopped), rank_);
+}
+
+void Engine::broadcastAbort(uint64_t word, int skip) {
+  // Best effort and bounded: a rank that is gone too fails fast (<= 1 s).
+  if (!connected_ || closed_) return;
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_ || r == skip) continue;
+    try {
+      transport_->writeFlag(r, abort_keys_[r], 0, word, Deadline(1.0));
+    } catch (const std::exception&) {  // that one is unreachable as well; the others still hear
+    }
+  }
 }
 
 void Engine::close() {
@@ -64,6 +198,7 @@ void Engine::close() {
 
 Transport& Engine::transport() {
   if (!connected_ || closed_) throw EngineError(closed_ ? "engine is closed" : "engine is not connected");
+  checkFailure();  // after a failure anywhere, every operation names it
   return *transport_;
 }
 
@@ -76,7 +211,27 @@ void Engine::wait(const std::function<bool()>& ready, int peer, const char* what
   if (ready()) return;
   const Deadline deadline = this->deadline();
   const auto start = Clock::now();
-  const bool ok = pollUntil(ready, deadline, [&] { t.checkPeer(peer); });
+  bool ok;
+  try {
+    ok = pollUntil(ready, deadline, [&] {
+      checkFailure();
+      t.checkPeer(peer);
+      if (world_size_ > 2) {  // one other peer per tick: a death anywhere is seen where it happened
+        const int other = next_watch_.fetch_add(1, std::memory_order_relaxed) % world_size_;
+        if (other != rank_ && other != peer) {
+          try {
+            t.checkPeer(other);
+          } catch (const PeerError& e) {
+            throw PeerError(e.what(), other);
+          }
+        }
+      }
+    });
+  } catch (const PeerError& e) {
+    wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+                       std::memory_order_relaxed);
+    throw rootCause(e, peer);
+  }
   wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
                      std::memory_order_relaxed);
   if (!ok)

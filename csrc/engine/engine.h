@@ -1,11 +1,19 @@
 // Engine: one per process. Owns the arena, the tensor tracker and the
 // transport; channels and Python arrays hold a shared_ptr to it so it outlives
 // every buffer it lent out.
+//
+// Failures name their root cause. While a rank waits it watches the peer it
+// waits for every millisecond and one other peer in turn. The first rank to see
+// a peer fail writes an abort record (who failed, who saw it, how) into every
+// other rank's abort word, one-sidedly, before it raises; every rank checks its
+// own word while waiting and before each operation. So every survivor's error
+// names the rank that died, not the neighbour that exited because of it.
 #pragma once
 
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -33,9 +41,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   double timeout() const { return options_.timeout_s; }
   Deadline deadline() const { return Deadline(options_.timeout_s); }
   const std::string& transportName() const { return options_.transport; }
+  const TransportOptions& transportOptions() const { return options_.transport_options; }
 
-  std::string localDescriptor() const { return transport_->localDescriptor(); }
-  void connect(const std::vector<std::string>& descriptors, const std::string& secret);
+  // The transport's descriptor plus this rank's abort word.
+  std::string localDescriptor() const;
+  // `watch` runs about every 100 ms while set-up waits for peers; it throws to give up.
+  void connect(const std::vector<std::string>& descriptors, const std::string& key,
+               std::function<void()> watch = {});
   void close();
   bool connected() const { return connected_; }
 
@@ -48,6 +60,28 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void waitFlag(const void* flag, uint64_t value, int peer, const char* what);
   // Waits until ready() returns true, with the same checks.
   void wait(const std::function<bool()>& ready, int peer, const char* what);
+
+  // The failure this rank knows of first (its own detection or a peer's record), if any.
+  struct Failure {
+    int rank = -1;      // the rank that failed
+    int reporter = -1;  // the rank that saw it
+    std::string why;
+  };
+  bool failure(Failure* out) const;
+  // `err` (about rank `peer`) happened here: returns the error to raise -- the
+  // failure already known if there is one, else this one, after telling every
+  // other rank (bounded: ~1 s per unreachable peer).
+  PeerError rootCause(const PeerError& err, int peer);
+  // Throws the known failure, if any.
+  void checkFailure();
+  // The same, only if another rank failed (an error of this rank's own stays as it is).
+  void checkPeerFailure();
+  // This rank cannot go on (e.g. its collective call disagrees with a neighbour's): tells
+  // every other rank, so that they stop waiting for it and name it.
+  void reportOwnFailure(const std::string& why);
+  // The face learned (e.g. from the store) that `failed` failed: latches it and tells every
+  // other rank, as if this rank had seen it itself.
+  void reportFailure(int failed, const std::string& why);
   // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
   double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }
   const TransportStats& transportStats() const { return transport_->stats(); }
@@ -65,6 +99,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Transport> transport_;
   bool connected_ = false;
   bool closed_ = false;
+  std::unique_ptr<RegisteredBlock> control_;  // [abort word]: peers write abort records here
+  std::vector<uint64_t> abort_keys_;          // every rank's control block key
+  mutable std::mutex failure_mu_;
+  mutable Failure failure_;  // the first failure known here (latched)
+  mutable std::atomic<bool> has_failure_{false};
+  std::atomic<int> next_watch_{0};  // round-robin over the other peers while waiting
+  void broadcastAbort(uint64_t word, int skip);
+  // The failure known here (rank -1: none), latching -- and passing on -- a peer's record.
+  Failure learn();
   std::atomic<uint64_t> wait_ns_{0};
   std::atomic<uint64_t> bytes_received_{0};
 };

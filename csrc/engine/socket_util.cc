@@ -1,7 +1,9 @@
 #include "engine/socket_util.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -122,30 +124,35 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
   }
   freeaddrinfo(res);
   if (fd < 0)
-    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why));
+    throw PeerError(strCat("tcp: cannot connect to rank ", peer, " at ", host, ":", port, ": ", why), peer);
   // Back to blocking mode: sends pass MSG_DONTWAIT themselves.
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;
 }
 
-void acceptPeers(int listen_fd, const Deadline& deadline, const char* transport,
-                 const std::function<std::vector<int>()>& pending, const std::function<bool(int fd)>& admit) {
-  for (std::vector<int> left = pending(); !left.empty(); left = pending()) {
-    if (!waitReadable(listen_fd, deadline)) {
-      std::string names;
-      for (int r : left) names += strCat(names.empty() ? "" : ", ", r);
-      throw TimeoutError(strCat(transport, ": timed out after ", deadline.seconds(),
-                                " s waiting for rank(s) ", names, " to connect"));
-    }
-    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    bool took = false;
-    try {
-      took = admit(fd);
-    } catch (const EngineError&) {  // it hung up or sent garbage: not one of ours
-    }
-    if (!took) close(fd);
+int listenTcp(const std::string& host, int* port) {
+  struct addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  struct addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), "0", &hints, &res); rc != 0)
+    throw EngineError(strCat("cannot listen on ", host, ": ", gai_strerror(rc)));
+  const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const bool ok = fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, 128) == 0;
+  const int err = errno;
+  freeaddrinfo(res);
+  if (!ok) {
+    if (fd >= 0) close(fd);
+    errno = err;
+    throwErrno(strCat("listen on ", host));
   }
+  struct sockaddr_storage addr;
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return fd;
 }
 
 std::string randomHex(size_t bytes) {

@@ -4,7 +4,6 @@
 #include <sys/uio.h>
 
 #include <cstddef>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,12 +22,9 @@ void recvAll(int fd, void* buf, size_t n, const Deadline& deadline, const std::s
 // Waits until `fd` is readable (e.g. a listening socket has a connection).
 bool waitReadable(int fd, const Deadline& deadline);
 void setSocketBuffers(int fd, int bytes);
-// Accepts connections on `listen_fd` while `pending()` lists ranks still to
-// come. `admit(fd)` reads and checks a peer's hello and returns whether it took
-// the socket; refused sockets (strangers, wrong secrets, duplicates) are closed
-// here. On timeout the error names the ranks `pending()` still lists.
-void acceptPeers(int listen_fd, const Deadline& deadline, const char* transport,
-                 const std::function<std::vector<int>()>& pending, const std::function<bool(int fd)>& admit);
+// A non-blocking listening TCP socket bound to `host` (the job's address, never a wildcard
+// unless asked) on a free port, returned in *port.
+int listenTcp(const std::string& host, int* port);
 // A blocking TCP connection to host:port made before the deadline; PeerError names `peer` otherwise.
 int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer);
 std::string randomHex(size_t bytes);

@@ -20,6 +20,23 @@ void throwUnknownKey(const char* op, int peer, uint64_t key) {
                                  " (stale: deregistered, or never registered)"));
 }
 
+uint64_t fieldNumber(const std::string& descriptor, const std::string& key, uint64_t max) {
+  const std::string text = field(descriptor, key);
+  uint64_t v = 0;
+  bool ok = !text.empty() && text.size() <= 20;
+  for (char c : text) {
+    if (c < '0' || c > '9' || v > (UINT64_MAX - (c - '0')) / 10) {
+      ok = false;
+      break;
+    }
+    v = v * 10 + (c - '0');
+  }
+  if (!ok || v > max)
+    throw EngineError(
+        strCat("malformed descriptor: '", key, "' is '", text.substr(0, 40), "', not a number up to ", max));
+  return v;
+}
+
 std::string field(const std::string& descriptor, const std::string& key) {
   const std::string needle = ";" + key + "=";
   const size_t at = descriptor.find(needle);

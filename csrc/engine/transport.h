@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,15 @@ namespace rdkeras {
 
 class Arena;
 
+// Everything a transport is configured with, passed in from Python (rdkeras.transports.base
+// .TransportOptions, read from the environment once, at the face): no transport reads getenv.
 struct TransportOptions {
-  std::string advertise_host = "127.0.0.1";  // tcp: address peers connect to
-  std::string bind_host = "127.0.0.1";       // address listeners bind (the job's network)
+  std::string advertise_host = "127.0.0.1";  // tcp, verbs: the address peers connect to
+  std::string bind_host = "127.0.0.1";       // the address listeners bind (the job's network)
+  std::string ib_device;                     // verbs: device name; empty: the first with an active port
+  int ib_port = 0;                           // verbs: port number; 0: the first active one
+  int ib_gid_index = 0;                      // verbs: GID table index
+  size_t nt_threshold = size_t{8} << 20;  // shm copies and ring sums stream from this size (SIZE_MAX: never)
 };
 
 // What went over the wire, as seen by the initiator (for benchmarks and TensorBoard).
@@ -50,9 +57,10 @@ class Transport {
   virtual const char* name() const = 0;
   // Opaque text peers need to connect to this process.
   virtual std::string localDescriptor() const = 0;
-  // Connects to every peer. descriptors[r] is rank r's localDescriptor().
-  // `secret` must match on both ends of each connection.
-  virtual void connect(const std::vector<std::string>& descriptors, const std::string& secret,
+  // Connects to every peer. descriptors[r] is rank r's localDescriptor(). Every
+  // connection proves both ends hold `key`, the job's 32-byte transport key,
+  // through engine/handshake.h; the key itself never crosses the wire.
+  virtual void connect(const std::vector<std::string>& descriptors, const std::string& key,
                        const Deadline& deadline) = 0;
 
   virtual void write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
@@ -66,6 +74,10 @@ class Transport {
   virtual void flush(int peer, const Deadline& deadline) = 0;
   // Throws PeerError if `peer` is known to be gone.
   virtual void checkPeer(int peer) = 0;
+  // Called about every 100 ms while connect() waits for peers; it throws to give up
+  // (the engine's face checks whether the job already failed: a peer that died before
+  // it connected would otherwise be waited for until the deadline).
+  void setSetupWatch(std::function<void()> watch) { setup_watch_ = std::move(watch); }
   // Whether the source of a write must lie in registered memory (verbs: yes).
   virtual bool needsLocalRegistration() const { return false; }
   // Closes connections and stops background threads. Idempotent.
@@ -82,6 +94,7 @@ class Transport {
     stats_.reads.fetch_add(1, std::memory_order_relaxed);
   }
   void countFlag() { stats_.flags.fetch_add(1, std::memory_order_relaxed); }
+  std::function<void()> setup_watch_;
 
  private:
   TransportStats stats_;
@@ -95,6 +108,9 @@ void checkBounds(const char* op, int peer, uint64_t key, uint64_t region_length,
 [[noreturn]] void throwUnknownKey(const char* op, int peer, uint64_t key);
 
 // Descriptors are "name;k=v;k=v" text: readable in logs, no versioned binary.
+// Both throw EngineError (naming the key) on a missing field or, for fieldNumber,
+// anything but a decimal number no larger than `max`.
 std::string field(const std::string& descriptor, const std::string& key);
+uint64_t fieldNumber(const std::string& descriptor, const std::string& key, uint64_t max = UINT64_MAX);
 
 }  // namespace rdkeras

@@ -71,6 +71,23 @@ void pin(Engine& e, const py::handle& obj, const Span& s) {
   e.tracker().lookupOrRegister(s.ptr, s.size, keepAlive(obj));
 }
 
+// rdkeras._engine.PeerError, kept for the process's life (translations happen until exit).
+py::object* peer_error = nullptr;
+
+// Runs an operation involving `peer`; a PeerError leaves as the root cause (the rank that
+// failed first, told to every other rank: Engine::rootCause).
+template <typename F>
+auto guarded(Engine& e, int peer, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const PeerError& err) {
+    throw e.rootCause(err, peer);
+  } catch (const EngineError&) {
+    e.checkPeerFailure();  // e.g. a stale key on a peer tearing down after a failure: name the failure
+    throw;
+  }
+}
+
 // A uint8 array over a tracker block; the block returns to the pool when the array dies.
 py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nbytes) {
   struct Holder {
@@ -94,9 +111,25 @@ PYBIND11_MODULE(_engine, m) {
   auto engine_error = py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "TimeoutError",
                                        py::make_tuple(engine_error, py::handle(PyExc_TimeoutError)));
-  py::register_exception<PeerError>(m, "PeerError",
-                                    py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)));
+  // PeerError carries .rank (the rank that failed, where known); a translator sets it.
+  // The class object is kept for the process's life (it must outlive every translation).
+  peer_error = new py::object(py::reinterpret_steal<py::object>(
+      PyErr_NewException("rdkeras._engine.PeerError",
+                         py::make_tuple(engine_error, py::handle(PyExc_ConnectionError)).ptr(), nullptr)));
+  peer_error->attr("rank") = py::none();
+  peer_error->attr("__doc__") = "A peer died or closed its connection; .rank names it where known.";
+  m.attr("PeerError") = *peer_error;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const PeerError& e) {
+      py::object err = (*peer_error)(e.what());
+      if (e.rank() >= 0) err.attr("rank") = e.rank();
+      PyErr_SetObject(peer_error->ptr(), err.ptr());
+    }
+  });
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
+  py::register_exception<AuthenticationError>(m, "AuthenticationError", engine_error);
 
   m.def("native_transports", &nativeTransports);
   m.def("host_identity", &hostIdentity, "Equal for processes that can reach each other's shm (see socket_util.h).");
@@ -106,24 +139,53 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
-                       double timeout, const std::string& advertise_host, const std::string& bind_host) {
+                       double timeout, const std::string& advertise_host, const std::string& bind_host,
+                       const std::string& ib_device, int ib_port, int ib_gid_index, int64_t nt_threshold) {
              EngineOptions o;
              o.transport = transport;
              o.arena_bytes = arena_bytes;
              o.timeout_s = timeout;
-             o.transport_options.advertise_host = advertise_host;
-             o.transport_options.bind_host = bind_host;
+             TransportOptions& t = o.transport_options;
+             t.advertise_host = advertise_host;
+             t.bind_host = bind_host;
+             t.ib_device = ib_device;
+             t.ib_port = ib_port;
+             t.ib_gid_index = ib_gid_index;
+             t.nt_threshold = nt_threshold > 0 ? static_cast<size_t>(nt_threshold) : SIZE_MAX;  // 0: never
              return std::make_shared<Engine>(rank, world_size, o);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
-           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1")
+           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1",
+           py::arg("ib_device") = "", py::arg("ib_port") = 0, py::arg("ib_gid_index") = 0,
+           py::arg("nt_threshold") = int64_t{8} << 20)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
       .def_property_readonly("timeout", &Engine::timeout)
       .def_property_readonly("descriptor", &Engine::localDescriptor)
-      .def("connect", &Engine::connect, py::arg("descriptors"), py::arg("secret"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "connect",
+          [](Engine& e, const std::vector<std::string>& descriptors, const py::bytes& key, py::object watch) {
+            const std::string k = key;
+            std::function<void()> w;
+            if (!watch.is_none())
+              w = [fn = watch.ptr()] {  // a borrowed callable (alive for this call): copies touch no refcount
+                py::gil_scoped_acquire gil;
+                py::handle{fn}();
+              };
+            py::gil_scoped_release nogil;
+            e.connect(descriptors, k, std::move(w));
+          },
+          py::arg("descriptors"), py::arg("key"), py::arg("watch") = py::none(),
+          "Connects to every peer; `watch()` runs about every 100 ms meanwhile and may raise to give up.")
+      .def(
+          "report_failure",
+          [](Engine& e, int rank, const std::string& why) {
+            py::gil_scoped_release nogil;
+            e.reportFailure(rank, why);
+          },
+          py::arg("rank"), py::arg("why"),
+          "The face learned that `rank` failed (e.g. from the store): tell every other rank.")
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "alloc",
@@ -151,7 +213,7 @@ PYBIND11_MODULE(_engine, m) {
             Span s = span(src, false);
             pin(e, src, s);
             py::gil_scoped_release nogil;
-            e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline());
+            guarded(e, peer, [&] { e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline()); });
           },
           py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
       .def(
@@ -160,22 +222,31 @@ PYBIND11_MODULE(_engine, m) {
             Span s = span(dst, true);
             pin(e, dst, s);
             py::gil_scoped_release nogil;
-            e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline());
+            guarded(e, peer, [&] { e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline()); });
           },
           py::arg("peer"), py::arg("dst"), py::arg("key"), py::arg("offset") = 0)
       .def(
           "write_flag",
           [](Engine& e, int peer, uint64_t key, uint64_t offset, uint64_t value) {
             py::gil_scoped_release nogil;
-            e.transport().writeFlag(peer, key, offset, value, e.deadline());
+            guarded(e, peer, [&] { e.transport().writeFlag(peer, key, offset, value, e.deadline()); });
           },
           py::arg("peer"), py::arg("key"), py::arg("offset"), py::arg("value"))
       .def("flush",
            [](Engine& e, int peer) {
              py::gil_scoped_release nogil;
-             e.transport().flush(peer, e.deadline());
+             guarded(e, peer, [&] { e.transport().flush(peer, e.deadline()); });
            })
-      .def("check_peer", [](Engine& e, int peer) { e.transport().checkPeer(peer); })
+      .def("check_peer",
+           [](Engine& e, int peer) { guarded(e, peer, [&] { e.transport().checkPeer(peer); }); })
+      .def_property_readonly(
+          "failure",
+          [](const Engine& e) -> py::object {
+            Engine::Failure f;
+            if (!e.failure(&f)) return py::none();
+            return py::make_tuple(f.rank, f.reporter, f.why);
+          },
+          "(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None.")
       .def(
           "wait_flag",
           [](Engine& e, const py::buffer& b, uint64_t offset, uint64_t value, int peer) {
@@ -236,14 +307,14 @@ PYBIND11_MODULE(_engine, m) {
              Span s = span(data, false);
              pin(*ch.engine(), data, s);
              py::gil_scoped_release nogil;
-             ch.send(s.ptr, s.size);
+             guarded(*ch.engine(), ch.peer(), [&] { ch.send(s.ptr, s.size); });
            })
       .def("recv", [](py::object self) {
         auto& ch = self.cast<StaticChannel&>();
         const void* p;
         {
           py::gil_scoped_release nogil;
-          p = ch.recv();
+          p = guarded(*ch.engine(), ch.peer(), [&] { return ch.recv(); });
         }
         // A view into the slot; the channel (its owner) stays alive with it.
         return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(ch.nbytes())}, {1}, p, self);
@@ -255,7 +326,11 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("peer", &DynamicChannel::peer)
       .def_property_readonly("acked", &DynamicChannel::acked)
       .def("connect", &DynamicChannel::connect)
-      .def("wait_acked", &DynamicChannel::waitAcked, py::call_guard<py::gil_scoped_release>())
+      .def("wait_acked",
+           [](DynamicChannel& ch, uint64_t count) {
+             py::gil_scoped_release nogil;
+             guarded(*ch.engine(), ch.peer(), [&] { ch.waitAcked(count); });
+           })
       .def(
           "send",
           [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype,
@@ -264,7 +339,7 @@ PYBIND11_MODULE(_engine, m) {
             pin(*ch.engine(), data, s);
             TensorMeta meta{dtype, std::move(shape), s.size};
             py::gil_scoped_release nogil;
-            return ch.send(s.ptr, meta);
+            return guarded(*ch.engine(), ch.peer(), [&] { return ch.send(s.ptr, meta); });
           },
           py::arg("data"), py::arg("dtype"), py::arg("shape"))
       .def("recv", [](DynamicChannel& ch) {
@@ -272,7 +347,7 @@ PYBIND11_MODULE(_engine, m) {
         void* p;
         {
           py::gil_scoped_release nogil;
-          p = ch.recv(&meta);
+          p = guarded(*ch.engine(), ch.peer(), [&] { return ch.recv(&meta); });
         }
         return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype,
                               py::tuple(py::cast(meta.shape)));
@@ -305,7 +380,7 @@ PYBIND11_MODULE(_engine, m) {
             RingAllreduce::Result r;
             {
               py::gil_scoped_release nogil;
-              r = ring.run(spans, dtype, average);
+              r = guarded(*ring.engine(), -1, [&] { return ring.run(spans, dtype, average); });
             }
             // Views into the output block, 64-byte aligned: TensorFlow aliases them.
             py::list result;
@@ -339,5 +414,4 @@ PYBIND11_MODULE(_engine, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
       "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
-  m.def("nontemporal_threshold", &nonTemporalThreshold);
 }

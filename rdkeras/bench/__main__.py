@@ -7,6 +7,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rdkeras._log import to_stderr
+
+    to_stderr()  # an application: rdkeras's messages are shown
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     from rdkeras.bench import allreduce, fit, paper, sendrecv

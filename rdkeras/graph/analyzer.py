@@ -57,9 +57,10 @@ class Edge:
     @property
     def bytes_per_transfer(self) -> int | None:
         """Bytes of one forward transfer (None when a dimension is unknown)."""
-        if any(d is None for d in self.shape):
+        dims = [d for d in self.shape if d is not None]
+        if len(dims) < len(self.shape):
             return None
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(dims, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     @property
     def transfer(self) -> str:

@@ -28,8 +28,6 @@ from rdkeras.parallel import collectives
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
 
-MODES = ("allreduce", "ps")
-
 
 class DataParallel:
     """Attaches data-parallel training to compiled Keras models.
@@ -45,8 +43,6 @@ class DataParallel:
     def __init__(
         self, engine: Engine, mode: str = "allreduce", bucket_bytes: int = 64 << 20, global_batch: bool = True
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'allreduce' or 'ps' (the data-parallel gradient exchange), got {mode!r}")
         self.engine, self.mode = engine, mode
         self.collectives = Collectives(engine, bucket_bytes)
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)

@@ -91,17 +91,10 @@ class ModelParallel:
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
     ):
-        if not isinstance(placement, dict) or not placement:
-            raise ValueError(
-                "model parallelism needs a placement: a dict of layer-name patterns to stages, "
-                "e.g. placement={'conv*': 0, 'dense*': 1}"
-            )
         n = engine.world_size
         k = num_stages or n
-        if k < 1 or n % k:
+        if k < 1 or n % k:  # (RDMAStrategy checked the placement itself: rdkeras.parallel.check_settings)
             raise ValueError(f"{n} workers cannot run replicas of a {k}-stage pipeline: world size must be a multiple")
-        if micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.engine, self.placement, self.num_stages = engine, dict(placement), k
         self.micro_batches = int(micro_batches)
         self.replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k

@@ -155,7 +155,7 @@ def _run_stage(
 
     if stage.model is None:
         return []
-    inputs = [feeds.inputs[f.input_index][m] if f.edge is None else received[f.edge.name] for f in stage.feeds]
+    inputs = [received[f.edge.name] if f.edge is not None else feeds.inputs[f.input_index or 0][m] for f in stage.feeds]
     # Micro-batch m computes only once m-1's activations are on their way: with one thread,
     # TensorFlow would otherwise run every micro-batch's forward before the first send, and
     # the next stage could not overlap with this one.

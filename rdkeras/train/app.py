@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,25 +23,28 @@ CONFIG_EXIT = 2
 _job_errors: list[BaseException] = []
 
 
-def _task(cfg: Any) -> None:
+def _task(cfg: Any) -> float | None:
+    """One job; returns ``trainer.objective`` of its final epoch (what Optuna/Ax sweepers optimise)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from rdkeras.data import DataError
 
     try:
-        _run_job(cfg)
+        return _run_job(cfg)
     except (ConfigError, DataError, OmegaConfBaseException, WorkerError) as e:
         _job_errors.append(e)
         from hydra.core.hydra_config import HydraConfig
 
-        if HydraConfig.get().mode.name == "MULTIRUN":
+        mode = HydraConfig.get().mode
+        if mode is not None and mode.name == "MULTIRUN":
             print(f"{PROG}: job {HydraConfig.get().job.num} failed: {_describe(e)}", file=sys.stderr, flush=True)
             # The job must fail where it runs, so launcher plugins (submitit: another process, another
             # node) report it; Hydra's sweeper raises it again in this process once all jobs ran.
             raise
+        return None
 
 
-def _run_job(cfg: Any) -> None:
+def _run_job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
@@ -51,10 +55,20 @@ def _run_job(cfg: Any) -> None:
     OmegaConf.save(cfg, resolved, resolve=True)
     if cfg.cluster.kind == "local" and not cluster.in_job():
         spawn_local(resolved, output_dir, cfg.cluster.num_workers, cfg.cluster.timeout)
+        results = json.loads((output_dir / "results.json").read_text())  # the chief's
     else:
         from rdkeras.train import worker
 
-        worker.run(OmegaConf.load(resolved), output_dir)
+        results = worker.run(OmegaConf.load(resolved), output_dir)
+    return objective(results, cfg.trainer.objective)
+
+
+def objective(results: dict, key: str) -> float:
+    """The value of `key` in the final epoch's logs."""
+    final = results.get("final", {})
+    if key not in final:
+        raise ConfigError(f"trainer.objective={key!r} is not among the final logs; choose one of: {', '.join(final)}")
+    return float(final[key])
 
 
 def spawn_local(config_path: Path, output_dir: Path, num_workers: int, timeout: float | None) -> None:
@@ -104,6 +118,9 @@ def _describe(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rdkeras.train``; returns the exit status (2 for a bad config, with one error line)."""
+    from rdkeras._log import to_stderr
+
+    to_stderr()  # an application: rdkeras's messages are shown
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

@@ -6,10 +6,12 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
+from rdkeras import cluster
 from rdkeras.engine import TRANSPORTS
+from rdkeras.parallel import check_settings
 
 CONFIG_NAME = "train"
-GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger")
+GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
 
 
 class ConfigError(ValueError):
@@ -85,30 +87,33 @@ def validate(cfg: Any) -> None:
     if cfg.transport.name not in TRANSPORTS:
         raise ConfigError(f"transport.name must be one of {', '.join(TRANSPORTS)}; got {cfg.transport.name!r}")
     parallel = cfg.parallel
-    if parallel.kind not in ("data", "model", "hybrid"):
-        raise ConfigError(f"parallel.kind must be data, model or hybrid; got {parallel.kind!r}")
-    if parallel.kind in ("data", "hybrid") and parallel.mode not in ("allreduce", "ps"):
-        raise ConfigError(f"parallel.mode must be allreduce or ps; got {parallel.mode!r}")
-    if parallel.kind in ("model", "hybrid"):
-        if not parallel.placement:
-            raise ConfigError(
-                f'parallel={parallel.kind} needs a placement: parallel.placement=\'{{"block*": 0, "fc*": 1}}\' '
-                "(layer-name globs to worker indices)"
-            )
-        _positive(parallel.micro_batches, "parallel.micro_batches")
-        for pattern, worker in parallel.placement.items():
-            if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-                raise ConfigError(f"parallel.placement[{pattern!r}] must be a worker index >= 0, got {worker!r}")
-            if kind == "local" and worker >= cfg.cluster.num_workers:
-                raise ConfigError(
-                    f"parallel.placement[{pattern!r}] = {worker}, but there are only {cfg.cluster.num_workers} "
-                    f"workers (0..{cfg.cluster.num_workers - 1}): raise cluster.num_workers or change the placement"
-                )
+    try:
+        check_settings(
+            parallel.kind,
+            parallel.get("mode"),
+            dict(parallel.placement) if parallel.get("placement") else None,
+            parallel.get("micro_batches", 1),
+            cfg.cluster.num_workers if kind == "local" and not cluster.in_job() else None,
+        )
+    except ValueError as e:
+        raise ConfigError(f"parallel: {e}") from None
     trainer = cfg.trainer
     _positive(trainer.epochs, "trainer.epochs")
     _positive(trainer.batch_size, "trainer.batch_size")
     _positive(trainer.steps_per_epoch, "trainer.steps_per_epoch", allow_none=True)
     _positive(trainer.validation_steps, "trainer.validation_steps", allow_none=True)
+    for flag in ("resume", "shuffle"):
+        if not isinstance(trainer.get(flag), bool):
+            raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
+    if kind == "local" and parallel.kind != "model" and not cluster.in_job():  # (in a job, its size counts)
+        replicas = cfg.cluster.num_workers
+        if parallel.kind == "hybrid" and parallel.placement:
+            replicas //= max(1, max(parallel.placement.values()) + 1)
+        if replicas > 1 and trainer.batch_size % replicas:
+            raise ConfigError(
+                f"trainer.batch_size={trainer.batch_size} is the global batch, split over {replicas} replicas, "
+                f"and does not divide by {replicas}: choose a multiple of {replicas}"
+            )
     if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
         raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
 

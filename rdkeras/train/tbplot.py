@@ -8,25 +8,39 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 
-def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """``{"run/tag": [(step, value), ...]}`` for every scalar under `log_dir` (one run per subfolder)."""
+def read_run(folder: str | Path) -> dict[str, list[tuple[int, Any]]]:
+    """``{tag: [(step, value), ...]}`` of one run folder's event files: float scalars as floats, text
+    summaries (the plan) as str. Read with TensorBoard's own reader."""
     from tensorboard.backend.event_processing import event_accumulator
 
+    acc = event_accumulator.EventAccumulator(str(folder), size_guidance={event_accumulator.TENSORS: 0})
+    acc.Reload()
+    out: dict[str, list[tuple[int, Any]]] = {}
+    for tag in acc.Tags()["tensors"]:
+        values: list[tuple[int, Any]] = []
+        for e in acc.Tensors(tag):
+            proto = e.tensor_proto
+            if proto.dtype == 7:  # DT_STRING: a text summary
+                values.append((e.step, proto.string_val[0].decode()))
+            elif proto.dtype == 1:  # DT_FLOAT: a scalar
+                values.append((e.step, float(np.frombuffer(proto.tensor_content, np.float32)[0])))
+        if values:
+            out[tag] = values
+    return out
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{"run/tag": [(step, value), ...]}`` for every float scalar under `log_dir` (one run per subfolder)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for run in sorted(p for p in Path(log_dir).iterdir() if p.is_dir()):
-        acc = event_accumulator.EventAccumulator(str(run), size_guidance={event_accumulator.TENSORS: 0})
-        acc.Reload()
-        for tag in acc.Tags()["tensors"]:
-            events = acc.Tensors(tag)
-            if not events or events[0].tensor_proto.dtype != 1:  # DT_FLOAT scalars only (not text, not the model)
-                continue
-            out[f"{run.name}/{tag}"] = [
-                (e.step, float(np.frombuffer(e.tensor_proto.tensor_content, np.float32)[0])) for e in events
-            ]
+        for tag, values in read_run(run).items():
+            if isinstance(values[0][1], float):
+                out[f"{run.name}/{tag}"] = values
     return out
 
 

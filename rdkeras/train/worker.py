@@ -80,6 +80,52 @@ def perplexity_callback() -> Any:
     return Perplexity()
 
 
+# Arguments of the configured callbacks that name files: relative paths are inside the run folder.
+PATH_ARGUMENTS = ("filepath", "backup_dir", "log_dir", "filename")
+
+
+def configured_callbacks(cfg: Any, output_dir: Path) -> list[Any]:
+    """The callbacks group (``callbacks.NAME: {_target_: ...}``), instantiated; BackupAndRestore only
+    with ``trainer.resume``."""
+    import keras
+    from hydra.utils import instantiate
+
+    out = []
+    for name, spec in (cfg.get("callbacks") or {}).items():
+        paths = {k: str(output_dir / spec[k]) for k in PATH_ARGUMENTS if isinstance(spec.get(k), str)}
+        try:
+            callback = instantiate(spec, **paths)
+        except Exception as e:
+            raise ConfigError(f"callbacks.{name}: cannot instantiate {spec.get('_target_')}: {e}") from None
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise ConfigError(f"callbacks.{name}: {spec.get('_target_')} is not a keras.callbacks.Callback")
+        if isinstance(callback, keras.callbacks.BackupAndRestore) and not cfg.trainer.resume:
+            continue
+        out.append(callback)
+    return out
+
+
+def write_hparams(log_dir: str, cfg: Any) -> None:
+    """The resolved config as TensorBoard HParams (its HPARAMS tab compares runs by them)."""
+    import tensorflow as tf
+    from omegaconf import OmegaConf
+    from tensorboard.plugins.hparams import api as hp
+
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                out.update(flat(value, name + "."))
+            else:
+                out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+        return out
+
+    values = flat(OmegaConf.to_container(cfg, resolve=True))
+    with tf.summary.create_file_writer(log_dir).as_default():
+        hp.hparams(values, trial_id=Path(log_dir).parent.name)
+
+
 def plot_curves(history: dict, path: Path, title: str) -> None:
     """One panel per metric (training and validation together), per epoch."""
     import matplotlib
@@ -169,13 +215,9 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
                 keras.callbacks.TensorBoard(log_dir=log_dir, update_freq=cfg.logger.update_freq, profile_batch=0)
             )
             callbacks.append(TrainingStats(log_dir, update_freq=cfg.logger.update_freq))
-        if cfg.trainer.checkpoint:
-            (output_dir / "checkpoints").mkdir(exist_ok=True)
-            callbacks.append(
-                keras.callbacks.ModelCheckpoint(
-                    str(output_dir / "checkpoints" / "epoch{epoch:03d}.weights.h5"), save_weights_only=True
-                )
-            )
+            if chief:
+                write_hparams(log_dir, cfg)
+        callbacks += configured_callbacks(cfg, output_dir)
 
         timer = summary.step_timer()
         callbacks.append(timer)
@@ -191,7 +233,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             validation_steps=cfg.trainer.validation_steps,
             callbacks=callbacks,
             verbose=cfg.trainer.verbose,
-            shuffle=True,
+            shuffle=cfg.trainer.shuffle,
         )
         fit_seconds = time.perf_counter() - fit_started
         traffic_after = summary.measure(strategy)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rdkeras import _engine
-from rdkeras.transports.base import Backend, BackendConfig
+from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ def choose_auto(hosts: Sequence[str], facts: Sequence[str]) -> tuple[str, str]:
 
 def _native(name: str) -> Callable[[BackendConfig], Backend]:
     def make(config: BackendConfig) -> Backend:
+        o = config.options
         return _engine.Engine(
             config.rank,
             config.world_size,
@@ -87,6 +88,10 @@ def _native(name: str) -> Callable[[BackendConfig], Backend]:
             config.timeout,
             advertise_host=config.advertise_host,
             bind_host=config.bind_host,
+            ib_device=o.ib_device,
+            ib_port=o.ib_port,
+            ib_gid_index=o.ib_gid_index,
+            nt_threshold=o.nt_threshold,
         )
 
     return make
@@ -122,7 +127,7 @@ def _rpc(inner: str) -> Callable[[BackendConfig], Backend]:
     def make(config: BackendConfig) -> Backend:
         from rdkeras.transports.rpc import RpcBackend  # protobuf loads only when asked for
 
-        return RpcBackend(config, inner)
+        return RpcBackend(config, inner, _native(inner)(config))  # over the native transport, as configured
 
     return make
 
@@ -138,4 +143,14 @@ for _inner in ("shm", "tcp", "verbs"):
         )
     )
 
-__all__ = ["Backend", "BackendConfig", "BackendSpec", "choose_auto", "create", "get", "names", "register"]
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "BackendSpec",
+    "TransportOptions",
+    "choose_auto",
+    "create",
+    "get",
+    "names",
+    "register",
+]

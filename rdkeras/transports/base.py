@@ -9,7 +9,7 @@ backend -- another baseline, another fabric -- is one more implementation of
 these protocols plus one line in ``rdkeras.transports`` (the registry).
 
 Lifecycle: created (listening), ``descriptor`` all-gathered through the
-rendezvous store, ``connect(descriptors, secret)``, used, ``close()``. Every
+rendezvous store, ``connect(descriptors, key)``, used, ``close()``. Every
 blocking call is bounded by the backend's timeout and raises
 ``rdkeras.errors.TimeoutError`` / ``PeerError`` naming the peer. Channels and
 rings are created by the face on both ends, swap descriptors through the store
@@ -18,13 +18,44 @@ once, and are used by one thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 Buffer = Any  # a buffer-protocol object (numpy array, memoryview, bytes)
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Transport settings, passed down to the backend (transports never read the environment)."""
+
+    ib_device: str = ""  # verbs: device name; "" = the first with an active port
+    ib_port: int = 0  # verbs: port; 0 = the first active one
+    ib_gid_index: int = 0  # verbs: GID table index
+    nt_threshold: int = 8 << 20  # shm copies and ring sums stream their stores from this size; 0 = never
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TransportOptions:
+        """From ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``, ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``."""
+
+        def number(name: str, default: int) -> int:
+            text = env.get(name, "")
+            try:
+                value = int(text) if text else default
+            except ValueError:
+                raise ValueError(f"{name}={text!r} is not an integer") from None
+            if value < 0:
+                raise ValueError(f"{name}={value} must not be negative")
+            return value
+
+        return cls(
+            ib_device=env.get("RDKERAS_IB_DEVICE", ""),
+            ib_port=number("RDKERAS_IB_PORT", 0),
+            ib_gid_index=number("RDKERAS_IB_GID_INDEX", 0),
+            nt_threshold=number("RDKERAS_NT_THRESHOLD", cls.nt_threshold),
+        )
 
 
 @dataclass(frozen=True)
@@ -37,6 +68,7 @@ class BackendConfig:
     arena_bytes: int
     advertise_host: str = "127.0.0.1"  # the address peers reach this rank at
     bind_host: str = "127.0.0.1"  # the address listeners bind (never 0.0.0.0 unless asked)
+    options: TransportOptions = field(default_factory=TransportOptions)
 
 
 @runtime_checkable
@@ -115,8 +147,10 @@ class Backend(Protocol):
     def descriptor(self) -> str:
         """What peers need to connect to this rank (all-gathered through the store)."""
 
-    def connect(self, descriptors: Sequence[str], secret: str) -> None:
-        """Connects to every peer (``descriptors[r]`` is rank r's); `secret` is the job's transport secret."""
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
+        """Connects to every peer (``descriptors[r]`` is rank r's). Peers prove to each other that they
+        hold `key`, the job's 32-byte transport key, without sending it (docs/security.md). `watch`
+        runs about every 100 ms while waiting for peers and raises to give up (a peer failed)."""
 
     def close(self) -> None: ...
 
@@ -147,7 +181,18 @@ class Backend(Protocol):
     def dynamic_channel(self, sender: bool, peer: int) -> DynamicChannelEnd: ...
     def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> Ring: ...
 
-    # What happened.
+    # Failures and what happened.
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        """(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None.
+
+        The first rank to see a peer fail tells every other rank before it raises, so every
+        survivor's PeerError names the rank that failed (``PeerError.rank``), not a neighbour.
+        """
+
+    def report_failure(self, rank: int, why: str) -> None:
+        """The face learned (from the store) that `rank` failed: latch it and tell every other rank."""
+
     def counters(self) -> dict[str, int]:
         """Registration and pool counters (``registrations``, ``bytes_registered``, ``cache_hits``, ...)."""
 

@@ -5,12 +5,18 @@ tensor_content) through grpcio, the way TensorFlow's gRPC runtime moves them:
 serialized on the sender, copied through RPC-managed buffers, deserialized on
 the receiver. Channels are receiver-pull like TF's RecvTensor. One-sided
 region access becomes Write/Read/Flag RPCs so the conformance tests apply.
-``GrpcBackend`` implements ``rdkeras.transports.base.Backend``, like the native
-engine, so the face and every benchmark treat it as one more transport.
+Every RPC carries ``rank:counter:HMAC(key, ranks | counter | method | header
+fields)`` in its metadata: the key never travels, and a recorded RPC cannot be
+replayed (each counter is accepted once). Payloads are not covered, as on every
+rdkeras transport (see docs/security.md). ``GrpcBackend`` implements
+``rdkeras.transports.base.Backend``, like the native engine, so the face and
+every benchmark treat it as one more transport.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import threading
 import time
@@ -26,6 +32,7 @@ from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutErr
 from rdkeras.transports.base import BackendConfig
 
 _SERVICE = "rdkeras.Baseline"
+_METHODS = ("Write", "Read", "Flag", "RecvTensor", "Ping", "Abort")
 _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
@@ -69,6 +76,34 @@ _COUNTER_NAMES = (
 )
 
 
+class _ReplayWindow:
+    """Counters already accepted from one sender: each is accepted once; ones far behind are refused."""
+
+    SPAN = 4096  # RPCs may arrive out of order (several client threads); this many behind is fine
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+        self._floor = 0  # everything at or below was accepted or is too old
+
+    def accept(self, counter: int) -> bool:
+        with self._lock:
+            if counter <= self._floor or counter in self._seen:
+                return False
+            self._seen.add(counter)
+            if len(self._seen) > 2 * self.SPAN:
+                self._floor = sorted(self._seen)[-self.SPAN]
+                self._seen = {c for c in self._seen if c > self._floor}
+            return True
+
+
+def _rpc_mac(key: bytes, sender: int, target: int, counter: int, method: str, req: Any) -> str:
+    fields = (
+        f"{sender}>{target}|{counter}|{method}|{req.key}|{req.offset}|{req.length}|{req.value}|{req.channel}|{req.seq}"
+    )
+    return hmac.new(key, fields.encode(), hashlib.sha256).hexdigest()
+
+
 class _Mailbox:
     """Messages this rank's channels sent, held until their receivers pull them (RecvTensor)."""
 
@@ -76,18 +111,25 @@ class _Mailbox:
         self._cond = threading.Condition()
         self._messages: dict[tuple[str, int], Any] = {}  # (channel, seq) -> message
         self._pulled: dict[str, int] = {}  # channel -> messages its receiver took
+        self._failed = False
 
     def put(self, channel: str, seq: int, msg: Any) -> None:
         with self._cond:
             self._messages[(channel, seq)] = msg
             self._cond.notify_all()
 
+    def fail(self) -> None:
+        """A failure is known: every pull waiting now, or later, gives up."""
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
     def take(self, channel: str, seq: int, deadline: float, still_wanted: Any) -> Any:
-        """The message, or None once the deadline passed or the caller went away."""
+        """The message, or None once the deadline passed, the caller went away or a failure is known."""
         with self._cond:
             while (channel, seq) not in self._messages:
                 left = deadline - time.monotonic()
-                if left <= 0 or not still_wanted():
+                if left <= 0 or not still_wanted() or self._failed:
                     return None
                 self._cond.wait(min(left, 0.5))
             self._pulled[channel] = seq + 1
@@ -110,7 +152,11 @@ class GrpcBackend:
         self._traffic: dict[str, float] = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
         self._traffic.update(bytes_received=0, wait_seconds=0.0)
         self.mailbox = _Mailbox()
-        self._secret = ""
+        self._key = b""
+        self._counter = itertools.count(1)
+        self._windows = [_ReplayWindow() for _ in range(self.world_size)]
+        self._failure: tuple[int, int, str] | None = None  # (failed rank, reporter, what), latched
+        self._failure_lock = threading.Lock()
         self._stubs: dict[int, dict[str, Any]] = {}
         self._grpc_channels: list[grpc.Channel] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
@@ -120,7 +166,7 @@ class GrpcBackend:
                 request_deserializer=TensorMessage.FromString,
                 response_serializer=TensorMessage.SerializeToString,
             )
-            for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
+            for name in _METHODS
         }
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, handlers)])
         self._port = self._server.add_insecure_port(f"{config.bind_host}:0")
@@ -129,8 +175,8 @@ class GrpcBackend:
         self._server.start()
         self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    def connect(self, descriptors: Sequence[str], secret: str) -> None:
-        self._secret = secret
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Any = None) -> None:
+        self._key = bytes(key)  # channels open lazily: nothing here waits, so `watch` is not needed
         for r, desc in enumerate(descriptors):
             if r == self.rank:
                 continue
@@ -143,7 +189,7 @@ class GrpcBackend:
                     request_serializer=TensorMessage.SerializeToString,
                     response_deserializer=TensorMessage.FromString,
                 )
-                for name in ("Write", "Read", "Flag", "RecvTensor", "Ping")
+                for name in _METHODS
             }
 
     def close(self) -> None:
@@ -153,16 +199,74 @@ class GrpcBackend:
 
     # -- client side -----------------------------------------------------------
 
+    # -- failures: the same root-cause protocol as the native engine (csrc/engine/engine.h) ----
+
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        """(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None."""
+        return self._failure
+
+    def _latch(self, failed: int, reporter: int, why: str) -> bool:
+        with self._failure_lock:
+            if self._failure is not None:
+                return False
+            self._failure = (failed, reporter, why)
+        self.mailbox.fail()
+        if reporter != self.rank:  # pass a peer's record on: whoever sees this rank leave has heard it first
+            threading.Thread(target=self._tell_others, args=(failed, reporter, why), daemon=True).start()
+        return True
+
+    def _tell_others(self, failed: int, reporter: int, why: str) -> None:
+        for r in self._stubs:
+            if r not in (failed, reporter):
+                try:
+                    self._call(r, "Abort", TensorMessage(key=failed, value=reporter, channel=why[:200]), 1.0)
+                except (grpc.RpcError, ValueError):
+                    pass  # unreachable as well (or closed); the others still hear
+
+    def _described(self, lost: int | None = None) -> PeerError:
+        assert self._failure is not None
+        failed, reporter, why = self._failure
+        if reporter == self.rank:
+            err = PeerError(why)
+        else:
+            then = f"; this rank then lost rank {lost}" if lost is not None and lost != failed else ""
+            err = PeerError(f"rank {failed} failed: {why} (seen by rank {reporter}){then}")
+        err.rank = failed
+        return err
+
+    def _root_cause(self, peer: int, message: str) -> PeerError:
+        """`peer` failed as seen here: the failure known first, else this one, told to every other rank."""
+        if self._failure is None and self._latch(peer, self.rank, message):
+            self._tell_others(peer, self.rank, message)  # before raising: they hear it before we leave
+        return self._described(lost=peer)
+
+    def report_failure(self, rank: int, why: str) -> None:
+        if self._failure is None and 0 <= rank < self.world_size and rank != self.rank:
+            self._root_cause(rank, why)
+
+    def _check_failure(self) -> None:
+        if self._failure is not None:
+            raise self._described()
+
+    def _call(self, peer: int, name: str, msg: Any, timeout: float) -> Any:
+        counter = next(self._counter)
+        auth = f"{self.rank}:{counter}:{_rpc_mac(self._key, self.rank, peer, counter, name, msg)}"
+        return self._stubs[peer][name](msg, timeout=timeout, metadata=(("rdkeras-auth", auth),))
+
     def rpc(self, peer: int, name: str, msg: Any, timeout: float | None = None) -> Any:
-        """One RPC to `peer`, its failures mapped to the engine's errors."""
+        """One RPC to `peer`, its failures mapped to the engine's errors (a dead peer: the root cause)."""
         if peer not in self._stubs:
             raise EngineError(f"grpc: no connection to rank {peer}")
+        self._check_failure()
         try:
-            return self._stubs[peer][name](
-                msg, timeout=timeout or self.timeout, metadata=(("rdkeras-secret", self._secret),)
-            )
+            return self._call(peer, name, msg, timeout or self.timeout)
         except grpc.RpcError as e:
             code = e.code()
+            if code == grpc.StatusCode.ABORTED and e.details().startswith("rdkeras-abort:"):
+                failed, reporter, why = e.details().split(":", 3)[1:]
+                self._latch(int(failed), int(reporter), why)
+                raise self._described(lost=peer) from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise RemoteAccessError(e.details()) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -170,7 +274,8 @@ class GrpcBackend:
                     f"grpc: timed out after {timeout or self.timeout:g} s waiting for rank {peer} ({name})"
                 ) from None
             if code == grpc.StatusCode.UNAVAILABLE:
-                raise PeerError(f"rank {peer} is unreachable over grpc (process exited?): {e.details()}") from None
+                why = f"rank {peer} is unreachable over grpc (process exited?): {e.details()}"
+                raise self._root_cause(peer, why) from None
             raise EngineError(f"grpc {name} to rank {peer} failed: {code.name} {e.details()}") from None
 
     def traffic(self) -> dict[str, float]:
@@ -218,6 +323,7 @@ class GrpcBackend:
         deadline, next_ping = start + self.timeout, start + 0.5
         try:
             while not ready():
+                self._check_failure()
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"timed out after {self.timeout:g} s waiting for rank {peer} ({what})")
@@ -262,13 +368,21 @@ class GrpcBackend:
 
     # -- server side -------------------------------------------------------------
 
-    def _authorized(self, context: Any) -> bool:
-        if dict(context.invocation_metadata()).get("rdkeras-secret") != self._secret:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong job secret")
-        return True
+    def _authorize(self, method: str, req: Any, context: Any) -> None:
+        """Aborts the RPC unless its metadata proves a rank of this job sent it, and sent it once."""
+        try:
+            rank_text, counter_text, mac = str(dict(context.invocation_metadata()).get("rdkeras-auth", "")).split(":")
+            rank, counter = int(rank_text), int(counter_text)
+            ok = 0 <= rank < self.world_size and rank != self.rank
+            ok = ok and hmac.compare_digest(mac, _rpc_mac(self._key, rank, self.rank, counter, method, req))
+            ok = ok and self._windows[rank].accept(counter)
+        except ValueError:
+            ok = False
+        if not ok:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not an RPC of this job (or a replayed one)")
 
-    def _region(self, op: str, req: Any, length: int, context: Any) -> np.ndarray:
-        self._authorized(context)
+    def _region(self, op: str, method: str, req: Any, length: int, context: Any) -> np.ndarray:
+        self._authorize(method, req, context)
         region = self._regions.get(req.key)
         if region is None:
             context.abort(  # raises
@@ -286,28 +400,37 @@ class GrpcBackend:
         return region
 
     def _rpc_write(self, req: Any, context: Any) -> Any:
-        region = self._region("write", req, len(req.tensor_content), context)
+        region = self._region("write", "Write", req, len(req.tensor_content), context)
         region[req.offset : req.offset + len(req.tensor_content)] = np.frombuffer(req.tensor_content, np.uint8)
         return TensorMessage()
 
     def _rpc_read(self, req: Any, context: Any) -> Any:
-        region = self._region("read", req, req.length, context)
+        region = self._region("read", "Read", req, req.length, context)
         return TensorMessage(tensor_content=region[req.offset : req.offset + req.length].tobytes())
 
     def _rpc_flag(self, req: Any, context: Any) -> Any:
         if req.offset % 8:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"flag offset {req.offset} is not 8-byte aligned")
-        region = self._region("writeFlag", req, 8, context)
+        region = self._region("writeFlag", "Flag", req, 8, context)
         region[req.offset : req.offset + 8].view(np.uint64)[0] = req.value
         return TensorMessage()
 
     def _rpc_ping(self, req: Any, context: Any) -> Any:
-        self._authorized(context)
+        self._authorize("Ping", req, context)
+        return TensorMessage()
+
+    def _rpc_abort(self, req: Any, context: Any) -> Any:
+        self._authorize("Abort", req, context)
+        if 0 <= req.key < self.world_size and 0 <= req.value < self.world_size:
+            self._latch(int(req.key), int(req.value), req.channel or "it exited or lost its connections")
         return TensorMessage()
 
     def _rpc_recvtensor(self, req: Any, context: Any) -> Any:
-        self._authorized(context)
+        self._authorize("RecvTensor", req, context)
         msg = self.mailbox.take(req.channel, req.seq, time.monotonic() + self.timeout, context.is_active)
+        if msg is None and self._failure is not None:  # a failure elsewhere: the puller learns its cause
+            failed, reporter, why = self._failure
+            context.abort(grpc.StatusCode.ABORTED, f"rdkeras-abort:{failed}:{reporter}:{why}")
         if msg is None:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {req.channel}#{req.seq}")
         return msg

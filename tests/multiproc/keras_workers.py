@@ -42,22 +42,46 @@ def _model(kind: str, seed: int):
     )
 
 
-def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce") -> dict:
+def fit_model(
+    kind: str, batch: int, epochs: int = 2, distributed: bool = True, mode: str = "allreduce", global_batch: bool = True
+) -> dict:
     """Trains with SGD; returns final weights and evaluate() results."""
-    import keras
-
     import rdkeras
 
-    x, y = _data(kind)
-    if distributed:
-        strategy = rdkeras.RDMAStrategy(mode=mode)
-        rank = strategy.worker_index
-        scope = strategy.scope()
-    else:
-        import contextlib
+    strategy = rdkeras.RDMAStrategy(mode=mode, global_batch=global_batch) if distributed else None
+    out = _fit_model_with(strategy, kind, batch, epochs)
+    if strategy:
+        strategy.close()
+    return out
 
-        strategy, rank, scope = None, 0, contextlib.nullcontext()
-    with scope:
+
+def fit_model_many(configs: list, batch: int) -> dict:
+    """fit_model for each (kind, transport, mode) in this one set of processes (TensorFlow imports once), one
+    strategy after another; then rank 0 trains each kind in one plain Keras process (the same global batch)."""
+    import rdkeras
+
+    out, rank = {}, 0
+    for i, (kind, transport, mode) in enumerate(configs):
+        strategy = rdkeras.RDMAStrategy(transport=transport, mode=mode)
+        out["/".join((kind, transport, mode))] = _fit_model_with(strategy, kind, batch)
+        if i + 1 < len(configs):
+            next_port(strategy, f"many{i}")
+        rank = strategy.worker_index
+        strategy.close()
+    if rank == 0:
+        for kind in sorted({c[0] for c in configs}):
+            out[f"{kind}/reference"] = _fit_model_with(None, kind, batch)
+    return out
+
+
+def _fit_model_with(strategy, kind: str, batch: int, epochs: int = 2) -> dict:
+    import contextlib
+
+    import keras
+
+    x, y = _data(kind)
+    rank = strategy.worker_index if strategy else 0
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = _model(kind, seed=100 + rank)  # different on every rank: the chief's must win
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
@@ -66,14 +90,11 @@ def fit_model(kind: str, batch: int, epochs: int = 2, distributed: bool = True, 
         )
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     results = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
-    out = {
+    return {
         "weights": [w.tolist() for w in model.get_weights()],
         "evaluate": results,
         "transport": strategy.transport if strategy else None,
     }
-    if strategy:
-        strategy.close()
-    return out
 
 
 def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> dict:
@@ -108,18 +129,25 @@ def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> d
     return out
 
 
-def fit_inputs(source: str, batch: int = 16, epochs: int = 2, samples: int = 96, distributed: bool = True) -> dict:
-    """fit_model('mlp') fed as arrays, a tf.data.Dataset or a keras.utils.PyDataset of global batches
-    (with samples % batch != 0: a partial last batch, split over the workers)."""
+def fit_inputs(source: str, samples: int = 96, distributed: bool = True) -> dict:
+    """fit_model('mlp') fed as arrays, a tf.data.Dataset or a keras.utils.PyDataset of global batches."""
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    out = _fit_inputs_with(strategy, source, samples)
+    if strategy:
+        strategy.close()
+    return out
+
+
+def _fit_inputs_with(strategy, source: str, samples: int, batch: int = 16, epochs: int = 2) -> dict:
+    """(with samples % batch != 0: a partial last batch, split over the workers)"""
     import contextlib
 
     import keras
     import tensorflow as tf
 
-    import rdkeras
-
     x, y = _data("mlp", samples)
-    strategy = rdkeras.RDMAStrategy() if distributed else None
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = _model("mlp", seed=100 + (strategy.worker_index if strategy else 0))
         model.compile(
@@ -141,9 +169,37 @@ def fit_inputs(source: str, batch: int = 16, epochs: int = 2, samples: int = 96,
 
             data = Batches()
         model.fit(data, epochs=epochs, verbose=0, shuffle=False)  # (a PyDataset would shuffle its batch order)
-    if strategy:
-        strategy.close()
     return {"weights": [w.tolist() for w in model.get_weights()]}
+
+
+def next_port(strategy, tag: str) -> None:
+    """Rank 0 picks the rendezvous port of the next strategy in this process and tells the others."""
+    from rdkeras.launch import free_port
+
+    store = strategy.engine.store
+    if strategy.worker_index == 0:
+        store.set(f"next_port/{tag}", str(free_port()).encode())
+    (port,) = store.get([f"next_port/{tag}"], waiting_for=[0])
+    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
+
+
+def fit_inputs_all(cases: list) -> dict:
+    """fit_inputs for every (source, samples) case in this one pair of processes (TensorFlow imports once),
+    one strategy after another; then rank 0 trains each case in one plain Keras process."""
+    import rdkeras
+
+    out = {}
+    for i, (source, samples) in enumerate(cases):
+        strategy = rdkeras.RDMAStrategy()
+        out[f"{source}/{samples}"] = _fit_inputs_with(strategy, source, samples)
+        if i + 1 < len(cases):
+            next_port(strategy, str(i))
+        rank = strategy.worker_index
+        strategy.close()
+    if rank == 0:
+        for source, samples in cases:
+            out[f"{source}/{samples}/reference"] = _fit_inputs_with(None, source, samples)
+    return out
 
 
 def fit_callbacks(checkpoint_dir: str) -> dict:

@@ -13,6 +13,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np
 
+from tests.multiproc.keras_workers import next_port
+
 SAMPLES, BATCH = 96, 16
 
 
@@ -54,18 +56,17 @@ def _state(model) -> dict:
     }
 
 
-def _next_port(strategy, tag: str) -> None:
-    """Rank 0 picks the rendezvous port of the next strategy in this process and tells the others."""
-    from rdkeras.launch import free_port
+def save_all(out_dir: str, mode: str, policies: list) -> dict:
+    """save_everything once per dtype policy, into out_dir/POLICY, in this one pair of processes."""
+    out = {}
+    for i, policy in enumerate(policies):
+        folder = os.path.join(out_dir, policy)
+        os.makedirs(folder, exist_ok=True)
+        out[policy] = save_everything(folder, mode, policy, next_tag=f"policy{i}" if i + 1 < len(policies) else None)
+    return out
 
-    store = strategy.engine.store
-    if strategy.worker_index == 0:
-        store.set(f"next_port/{tag}", str(free_port()).encode())
-    (port,) = store.get([f"next_port/{tag}"], waiting_for=[0])
-    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
 
-
-def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
+def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: str | None = None) -> dict:
     """2 workers train with ModelCheckpoint (.keras and .weights.h5); the chief saves .keras, a
     SavedModel and the JSON config; a model loaded inside scope trains distributed again; a model
     compiled outside scope refuses to fit; close() leaves plain Keras objects."""
@@ -87,6 +88,8 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
     ]
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=checkpoints)
     out = {"rank": rank, "trained": _state(model), "predict": model.predict(x[:8], verbose=0).tolist()}
+    # 9 rows in global batches of 4: the last batch has 1 row for 2 workers (padded, then cut).
+    out["predict_odd"] = model.predict(x[:9], batch_size=4, verbose=0).tolist()
     if strategy.is_chief:
         model.save(os.path.join(out_dir, "m.keras"))
         model.export(os.path.join(out_dir, "savedmodel"), verbose=False)
@@ -111,6 +114,8 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
     except RuntimeError as e:
         out["outside_error"] = str(e)
 
+    if next_tag:
+        next_port(strategy, next_tag)
     strategy.close()
     out["after_close"] = {
         "model_overrides": sorted(k for k in model.__dict__ if k in ("fit", "evaluate", "predict", "save")),
@@ -123,6 +128,7 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32") -> dict:
         _compile(ref)
         ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         out["reference"] = _state(ref)
+        out["reference_predict_odd"] = ref.predict(x[:9], batch_size=4, verbose=0).tolist()
         ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         out["reference_continued"] = _state(ref)
     return out
@@ -159,17 +165,26 @@ def load_without_rdkeras(out_dir: str, policy: str = "float32") -> dict:
     return result
 
 
-def load_in_fresh_process(out_dir: str, policy: str) -> dict:
+def load_all_without_rdkeras(out_dir: str, policies: list) -> dict:
+    return {policy: load_without_rdkeras(os.path.join(out_dir, policy), policy) for policy in policies}
+
+
+def load_in_fresh_process(out_dir: str, policies: list) -> dict:
+    """load_without_rdkeras for each policy's folder, in a new process that never imports rdkeras."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[3]);"
-        "from tests.multiproc.lifecycle_workers import load_without_rdkeras;"
-        "print('@@' + json.dumps(load_without_rdkeras(sys.argv[1], sys.argv[2])))"
+        "from tests.multiproc.lifecycle_workers import load_all_without_rdkeras;"
+        "print('@@' + json.dumps(load_all_without_rdkeras(sys.argv[1], json.loads(sys.argv[2]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
     env["PYTHONPATH"] = ""  # the test package only, through sys.path; never rdkeras's launcher env
     proc = subprocess.run(
-        [sys.executable, "-c", code, out_dir, policy, root], capture_output=True, text=True, env=env, timeout=240
+        [sys.executable, "-c", code, out_dir, json.dumps(policies), root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -215,7 +230,7 @@ def train_with_backup(backup_dir: str, epochs: int = 4, kill_epoch: int = 2, mod
         callbacks=[backup, KillAtEpoch(kill_epoch), Seen()],
     )  # fmt: skip
     resumed = _state(model)
-    _next_port(strategy, "uninterrupted")
+    next_port(strategy, "uninterrupted")
     strategy.close()
 
     strategy = rdkeras.RDMAStrategy(mode=mode)

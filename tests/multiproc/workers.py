@@ -291,3 +291,203 @@ def subgroup_rings() -> dict:
         except ValueError as e:
             refused = str(e)
         return {"out": [o.tolist() for o in out], "refused": refused}
+
+
+def store_holds_no_secret() -> dict:
+    """Rank 0 looks through everything the rendezvous store holds after set-up for the token and the
+    transport key, raw or in hex (it may read its own store's table: this is the check)."""
+    from rdkeras._bootstrap import transport_key
+
+    with rdkeras.Engine() as eng:
+        eng.static_channel("x", 0, 1, (4,), "float32")
+        eng.barrier("set-up done")
+        if eng.rank != 0:
+            return {}
+        token = os.environ["RDKERAS_JOB_TOKEN"].encode()
+        needles = [token, transport_key(token), transport_key(token).hex().encode()]
+        values = [bytes.fromhex(v) for v in eng.store._server._data.values()]
+        return {"values": len(values), "found": [i for i, n in enumerate(needles) if any(n in v for v in values)]}
+
+
+def _error(e: BaseException) -> list:
+    return [type(e).__name__, str(e), getattr(e, "rank", None)]
+
+
+def workload_until_failure(kind: str, seconds: float) -> dict:
+    """Runs one kind of traffic among all ranks until `seconds` pass or something fails.
+
+    channels: static and dynamic channels around the ring (r -> r+1); ring: allreduce of
+    a few MB; ps: the parameter-server step (rdkeras.parallel.parameter_server) on numpy gradients.
+    Returns the error that ended it (type, message, PeerError.rank), if any.
+    """
+    steps = 0
+    try:
+        with rdkeras.Engine() as eng:
+            n, r = eng.world_size, eng.rank
+            if kind == "channels":
+                right, left = (r + 1) % n, (r - 1) % n
+                # Created in an order that cannot deadlock: even ranks send first, odd ones receive first.
+                pairs = [("st", (1 << 16,), "float32"), ("dy", None, None)]
+                ends: dict = {}
+                for name, shape, dtype in pairs:
+                    order = [(r, right), (left, r)] if r % 2 == 0 else [(left, r), (r, right)]
+                    for src, dst in order:
+                        key = f"{name}/{src}->{dst}"
+                        ends[(name, src == r)] = (
+                            eng.static_channel(key, src, dst, shape, dtype)
+                            if shape
+                            else eng.dynamic_channel(key, src, dst)
+                        )
+                x = np.ones(1 << 16, np.float32)
+                y = np.arange(1000 + r, dtype=np.float64)
+
+                def step() -> None:
+                    ends[("st", True)].send(x)
+                    ends[("st", False)].recv()
+                    ends[("dy", True)].send(y)
+                    ends[("dy", False)].recv()
+
+            elif kind == "ring":
+                ring = eng.ring("grads", 8 << 20)
+                grads = [np.full(1 << 19, r, np.float32), np.ones(1000, np.float32)]
+
+                def step() -> None:
+                    ring(grads, average=True)
+
+            elif kind == "ps":
+                from rdkeras.parallel.parameter_server import ParameterServer
+
+                ps = ParameterServer(eng, "ps")
+                shapes = [(256, 64), (64,), (64, 10), (10,)]
+                ps._setup(shapes, [np.float32] * len(shapes))
+                grads = [np.full(s, 1.0, np.float32) for s in shapes]
+
+                def step() -> None:
+                    mine = ps.push_and_reduce(*grads)
+                    ps.publish_and_pull(*mine)
+
+            else:
+                raise ValueError(kind)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                step()
+                steps += 1
+    except EngineError as e:
+        return {"error": _error(e), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+def ring_disagreement(odd_rank: int, how: str) -> dict:
+    """Every rank calls the same ring, except `odd_rank`, whose tensors differ (`how`: size, dtype, split)."""
+    try:
+        with rdkeras.Engine() as eng:
+            ring = eng.ring("r", 1 << 20)
+            arrays = [np.ones(100, np.float32), np.ones(28, np.float32)]
+            if eng.rank == odd_rank:
+                arrays = {
+                    "size": [np.ones(100, np.float32), np.ones(29, np.float32)],
+                    "dtype": [np.ones(100, np.float64), np.ones(28, np.float64)],
+                    "split": [np.ones(28, np.float32), np.ones(100, np.float32)],  # same bytes, other layout
+                }[how]
+            ring(arrays)
+            return {"error": None}
+    except EngineError as e:
+        return {"error": _error(e)}
+
+
+def _resources(eng: rdkeras.Engine | None = None) -> dict:
+    """What could leak: resident memory, file descriptors, threads, /dev/shm files, registrations."""
+    import threading
+
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    out = {
+        "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": int(status["Threads"]),
+        "py_threads": threading.active_count(),
+        "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
+    }
+    if eng is not None:
+        c = eng.counters()
+        out.update(
+            registrations=c["registrations"] - c["deregistrations"],
+            pool_bytes_reserved=c["pool_bytes_reserved"],
+            pool_bytes_in_use=c["pool_bytes_in_use"],
+        )
+    return out
+
+
+def soak(steps: int, sample_every: int, warmup: int) -> dict:
+    """Channels (static and dynamic), a ring allreduce and a parameter-server step, every step,
+    for `steps` steps; samples the resources after `warmup` steps and every `sample_every`."""
+    from rdkeras.parallel.ps import ParameterServer
+
+    samples = []
+    with rdkeras.Engine() as eng:
+        n, r = eng.world_size, eng.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        order = [(r, right), (left, r)] if r % 2 == 0 else [(left, r), (r, right)]
+        st, dy = {}, {}
+        for src, dst in order:
+            st[src == r] = eng.static_channel(f"st/{src}->{dst}", src, dst, (256, 256), "float32")
+        for src, dst in order:
+            dy[src == r] = eng.dynamic_channel(f"dy/{src}->{dst}", src, dst)
+        ring = eng.ring("grads", 4 << 20)
+        ps = ParameterServer(eng, "ps")
+        shapes = [(128, 64), (64,), (64, 10)]
+        ps._setup(shapes, [np.float32] * 3)
+        grads = [np.full(s, r + 1.0, np.float32) for s in shapes]
+        x = np.full((256, 256), r, np.float32)
+        checks = 0
+        for step in range(steps):
+            st[True].send(x)
+            got = st[False].recv()
+            checks += int(got[0, 0] == left)
+            y = np.arange(1 + step % 97, dtype=np.float64) * r  # a new shape most steps
+            dy[True].send(y)
+            z = dy[False].recv()
+            checks += int(z.shape == (1 + step % 97,) and (z.size < 2 or z[1] == left))
+            (total,) = ring([np.full(1 << 16, r + 1.0, np.float32)])
+            checks += int(total[0] == n * (n + 1) / 2)
+            ps.publish_and_pull(*ps.push_and_reduce(*grads))
+            if step + 1 == warmup or (step + 1 > warmup and (step + 1) % sample_every == 0):
+                import gc
+
+                gc.collect()
+                samples.append({"step": step + 1, **_resources(eng)})
+        dy[True].flush()
+    return {"samples": samples, "checks": checks, "expected": 3 * steps}
+
+
+def engine_cycles(cycles: int) -> dict:
+    """Creates, uses and closes `cycles` engines in a row in this process (all ranks together)."""
+    import gc
+
+    before = after = None
+    for i in range(cycles + 1):
+        with rdkeras.Engine() as eng:
+            ring = eng.ring(f"r{i}", 1 << 16)
+            ring([np.ones(100, np.float32)])
+            if eng.world_size > 1:
+                ch = eng.static_channel(f"c{i}", 0, 1, (64,), "float32")
+                ch.send(np.ones(64, np.float32)) if eng.rank == 0 else ch.recv()
+        del eng, ring
+        gc.collect()
+        if i == 0:  # the first engine warms up imports, pools and caches
+            before = _resources()
+    after = _resources()
+    from rdkeras import engine as engine_module
+
+    return {"before": before, "after": after, "open_engines": len(engine_module._OPEN)}
+
+
+def connect_and_count_threads(timeout_s: float) -> dict:
+    """Joins the job and says how many threads this process runs (rank 0 hosts the store)."""
+    import threading
+
+    try:
+        with rdkeras.Engine(timeout=timeout_s):
+            return {"error": None, "threads": threading.active_count()}
+    except EngineError as e:
+        return {"error": [type(e).__name__, str(e)], "threads": threading.active_count()}

@@ -16,7 +16,7 @@ from tests.readme_commands import command
 
 REPO = TESTS_DIR.parent
 WHY = netns.why_not()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}")
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}"), pytest.mark.timeout(900)]
 GLOBAL_BATCH = 16
 LAUNCH = [sys.executable, "-m", "rdkeras.launch"]
 WORKER = str(TESTS_DIR / "netns" / "fit_worker.py")
@@ -64,6 +64,7 @@ def _launch_on(host: netns.Host, node_rank: int, master: netns.Host, out, env) -
 @pytest.fixture(scope="module")
 def two_host_job(tmp_path_factory):
     """A 2x2 data-parallel fit (2 nodes x 2 workers), plus a 2-worker job inside one namespace."""
+    netns.cleanup_stale()  # what a killed earlier run may have left
     tmp = tmp_path_factory.mktemp("netns")
     env = _env(tmp)
     across, within = tmp / "across", tmp / "within"
@@ -146,7 +147,7 @@ def test_two_by_two_fit_equals_one_process(two_host_job):
 def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
     """README's `python -m rdkeras.launch --nnodes 2 ... -m rdkeras.train +recipe=fcn5`, one per "host"."""
     small = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]
-    small += ["trainer.verbose=2", "logger=none", "trainer.checkpoint=false"]
+    small += ["trainer.verbose=2", "logger=none", "~callbacks.model_checkpoint"]
     env = _env(tmp_path)
     with netns.hosts(2) as (a, b):
         procs = []

@@ -103,11 +103,12 @@ def slurm(tmp_path_factory) -> Slurm:
         pytest.skip(f"SLURM not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
         pytest.skip("the test SLURM cluster runs its daemons as root")
-    if not Path("/etc/munge/munge.key").exists():
-        pytest.skip("no /etc/munge/munge.key (Debian's munge package creates it)")
     root = Path(tmp_path_factory.mktemp("slurm"))
     for sub in ("state", "spool", "munge"):
         (root / sub).mkdir()
+    key = root / "munge" / "munge.key"  # this cluster's own credential key, not the system's
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
     sock = root / "munge" / "socket"
     conf = root / "slurm.conf"
     conf.write_text(_config(root, sock))
@@ -117,8 +118,8 @@ def slurm(tmp_path_factory) -> Slurm:
     pid_files = [root / "munged.pid", root / "slurmctld.pid", root / "slurmd.pid"]
     try:
         started = [
-            ["munged", "--force", f"--socket={sock}", f"--pid-file={pid_files[0]}", f"--log-file={root}/munged.log",
-             f"--seed-file={root}/munge/seed"],
+            ["munged", "--force", f"--socket={sock}", f"--key-file={key}", f"--pid-file={pid_files[0]}",
+             f"--log-file={root}/munged.log", f"--seed-file={root}/munge/seed"],
             ["slurmctld", "-c", "-f", str(conf)],
             ["slurmd", "-f", str(conf)],
         ]  # fmt: skip

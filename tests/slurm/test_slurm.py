@@ -19,6 +19,8 @@ from tests.readme_commands import command
 
 REPO = TESTS_DIR.parent
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
+# Each test waits for SLURM jobs that import TensorFlow; on a loaded machine that takes minutes.
+pytestmark = pytest.mark.timeout(900)
 # FCN-5 small enough for 2 cores; the global batch of 16 is split over the tasks.
 SMALL = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]
 SMALL += ["trainer.batch_size=16", "trainer.verbose=2", "logger=none"]
@@ -114,6 +116,6 @@ def test_hydra_submitit_launcher_runs_a_recipe_and_reports_a_failed_job(slurm, e
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((sweep / "0" / "results.json").read_text())
     assert results["workers"] == 2 and results["history"]["loss"]
-    failed = slurm.run(*args, "trainer.optimizer.class_name=NoSuchOptimizer", env=env, timeout=600, cwd=tmp_path)
-    assert failed.returncode != 0
-    assert "rdkeras.train: error: trainer.optimizer:" in failed.stderr, failed.stderr[-3000:]
+    failed = slurm.run(*args, "trainer.batch_size=0", env=env, timeout=600, cwd=tmp_path)
+    assert failed.returncode == 2  # the job failed on the cluster; the sweep ends in its one-line error
+    assert "rdkeras.train: error: trainer.batch_size must be a whole number >= 1, got 0" in failed.stderr, failed.stderr

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -148,3 +152,80 @@ def test_the_face_has_no_transport_branch():
     source = inspect.getsource(rdkeras.engine)
     for name in ("grpc", "shm", "tcp", "verbs"):
         assert f'== "{name}"' not in source and f"== '{name}'" not in source, name
+
+
+def test_transport_options_come_from_the_environment_once_at_the_face():
+    from rdkeras.transports import TransportOptions
+
+    env = {"RDKERAS_IB_DEVICE": "mlx5_1", "RDKERAS_IB_PORT": "2", "RDKERAS_IB_GID_INDEX": "3"}
+    o = TransportOptions.from_env(env | {"RDKERAS_NT_THRESHOLD": "0"})
+    assert (o.ib_device, o.ib_port, o.ib_gid_index, o.nt_threshold) == ("mlx5_1", 2, 3, 0)
+    assert TransportOptions.from_env({}).nt_threshold == 8 << 20
+    with pytest.raises(ValueError, match="RDKERAS_IB_PORT='x' is not an integer"):
+        TransportOptions.from_env({"RDKERAS_IB_PORT": "x"})
+    with pytest.raises(ValueError, match="RDKERAS_NT_THRESHOLD=-1 must not be negative"):
+        TransportOptions.from_env({"RDKERAS_NT_THRESHOLD": "-1"})
+    # ... and nothing in the C++ engine reads the environment itself.
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    readers = [str(p) for p in csrc.rglob("*.cc") if "getenv" in p.read_text()]
+    assert readers == [], readers
+
+
+def test_register_keeps_the_array_alive_and_refuses_read_only_memory(solo):
+    a = np.zeros(4096, np.uint8)
+    alive = weakref.ref(a)
+    key = solo.register(a)
+    del a
+    gc.collect()
+    assert alive() is not None  # a peer may still write into it
+    solo.deregister(key)
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(ValueError, match="read-only"):
+        solo.register(np.frombuffer(b"x" * 64, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        solo.register(b"immutable")
+
+
+def test_wait_flag_refuses_flags_outside_the_buffer(solo):
+    buf = solo.empty(64)
+    for offset in (60, 64, 1 << 62, (1 << 64) - 8):
+        with pytest.raises((ValueError, OverflowError), match=r"offset|int"):
+            solo.wait_flag(buf, offset, 1, 0)
+    with pytest.raises(ValueError, match="aligned"):
+        solo.wait_flag(buf[1:], 0, 1, 0)
+
+
+def test_absurd_sizes_get_clear_errors(solo):
+    with pytest.raises(rdkeras.EngineError, match="RDKERAS_ARENA_BYTES"):
+        solo.empty(1 << 50)
+    with pytest.raises(ValueError, match="negative"):
+        solo.empty((4, -1))
+    with pytest.raises(rdkeras.EngineError, match="RDKERAS_ARENA_BYTES"):
+        rdkeras.Engine(rank=0, world_size=1, transport="shm", arena_bytes=1 << 62)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        solo.ring("bad", -1)
+
+
+def test_use_after_close_is_an_error():
+    eng = rdkeras.Engine(rank=0, world_size=1, transport="shm", timeout=5, arena_bytes=1 << 28)
+    eng.close()
+    with pytest.raises(rdkeras.EngineError, match="closed"):
+        eng.ring("late", 1024)
+    with pytest.raises(rdkeras.EngineError, match="closed"):
+        eng.write(0, np.zeros(8, np.uint8), 1)
+    eng.close()  # twice is fine
+
+
+def test_a_taken_rendezvous_port_is_named():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(rdkeras.EngineError, match=rf"127.0.0.1:{port}.*RDKERAS_MASTER_PORT"):
+            rdkeras.Engine(rank=0, world_size=2, master_port=port, token="t", timeout=5)
+
+
+def test_channel_ranks_outside_the_world_are_refused(solo):
+    with pytest.raises(ValueError, match="rank 5 is not in a world of 1"):
+        solo.static_channel("far", 0, 5, (1,), "float32")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 
-keras = pytest.importorskip("keras")
-
-from rdkeras.graph import analyze, assign_layers, build_stage  # noqa: E402
+from rdkeras.graph import analyze, assign_layers, build_stage
 
 
 @pytest.fixture(scope="module")

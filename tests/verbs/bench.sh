@@ -4,8 +4,8 @@
 #   python tests/verbs/run_in_vm.py --timeout 900 -- bash tests/verbs/bench.sh
 set -u
 cd "$(dirname "$0")/../.."
-DEV=${RDKERAS_RXE_DEVICE:-rxe0}
-GIDX=${RDKERAS_RXE_GID_INDEX:-0}
+DEV=${RDKERAS_IB_DEVICE:-rxe0}
+GIDX=${RDKERAS_IB_GID_INDEX:-0}
 PY=python
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 

@@ -74,15 +74,16 @@ if [ "$(cat "$JOB/rdma")" = 1 ]; then
   done
   case "$g" in ""|0000:0000:0000:0000:0000:0000:0000:0000) fail "GID 0 of rxe0 stayed empty" ;; esac
   [ -e /dev/infiniband/uverbs0 ] || fail "/dev/infiniband/uverbs0 missing"
-  export RDKERAS_RXE_DEVICE=rxe0 RDKERAS_RXE_GID_INDEX=0 RDKERAS_RXE_GID=$g
+  # The device rdkeras's verbs transport is to use (read once by rdkeras.Engine, like any user's setting).
+  export RDKERAS_IB_DEVICE=rxe0 RDKERAS_IB_GID_INDEX=0
 fi
 
 mapfile -d '' -t ARGV < "$JOB/argv"
 mapfile -d '' -t ENVV < "$JOB/env"
 CWD=$(cat "$JOB/cwd")
 ENVV+=("RDKERAS_IN_VM=1")
-[ -n "${RDKERAS_RXE_DEVICE:-}" ] && ENVV+=("RDKERAS_RXE_DEVICE=$RDKERAS_RXE_DEVICE"
-  "RDKERAS_RXE_GID_INDEX=$RDKERAS_RXE_GID_INDEX" "RDKERAS_RXE_GID=$RDKERAS_RXE_GID")
+[ -n "${RDKERAS_IB_DEVICE:-}" ] && ENVV+=("RDKERAS_IB_DEVICE=$RDKERAS_IB_DEVICE"
+  "RDKERAS_IB_GID_INDEX=$RDKERAS_IB_GID_INDEX")
 
 marker "ready uptime=$(uptime_s)"
 cd "$CWD" || fail "cannot cd to $CWD"

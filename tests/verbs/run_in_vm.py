@@ -10,8 +10,8 @@ userspace incl. the rxe provider) is visible at the same place, and writes go to
 memory only (use --rw DIR to share a host directory read-write). In the guest the
 device rxe0 sits on a veth pair (vrx0/vrx1) with no IPv4 address; use GID index 0
 (IPv6 link-local) and 127.0.0.1/::1 for out-of-band exchange. The command gets the
-host's environment (plus RDKERAS_IN_VM=1, RDKERAS_RXE_DEVICE=rxe0,
-RDKERAS_RXE_GID_INDEX=0, RDKERAS_RXE_GID) and the current directory, and its
+host's environment (plus RDKERAS_IN_VM=1, RDKERAS_IB_DEVICE=rxe0,
+RDKERAS_IB_GID_INDEX=0) and the current directory, and its
 stdout/stderr come back through the serial console (merged, on this script's stdout).
 
 Exit status: the guest command's exit status; 124 when the wall-clock timeout ends the

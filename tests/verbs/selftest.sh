@@ -5,8 +5,8 @@
 # (server and client on the same device, out-of-band exchange over TCP on 127.0.0.1),
 # then that the host's Python environment (numpy) works in the guest.
 set -euo pipefail
-DEV=${RDKERAS_RXE_DEVICE:-rxe0}
-GIDX=${RDKERAS_RXE_GID_INDEX:-0}
+DEV=${RDKERAS_IB_DEVICE:-rxe0}
+GIDX=${RDKERAS_IB_GID_INDEX:-0}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 step() { printf '\n=== [%s s] %s\n' "$(cut -d' ' -f1 /proc/uptime)" "$*"; }
 

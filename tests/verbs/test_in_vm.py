@@ -47,6 +47,7 @@ def test_verbs_conformance_inside_the_softroce_vm():
         "verbs and not verbs-3",
         "tests/multiproc/test_conformance.py",
         "tests/multiproc/test_failures.py",
+        "tests/multiproc/test_hostile.py",
         "tests/multiproc/test_data_parallel.py",
     ]
     # 4 GiB: two TensorFlow processes, each training four times, plus the guest's memory-only root.

@@ -11,20 +11,11 @@
 #include <cstring>
 
 #include "engine/copy.h"
+#include "engine/handshake.h"
 #include "engine/socket_util.h"
 
 namespace rdkeras {
 namespace {
-
-constexpr uint32_t kHelloMagic = 0x53484d31;  // "SHM1"
-
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int32_t pid;
-  uint32_t secret_len;
-  char secret[128];
-};
 
 sockaddr_un abstractAddress(const std::string& name, socklen_t* len) {
   sockaddr_un addr = {};
@@ -39,8 +30,8 @@ std::string peerName(int peer) { return strCat("rank ", peer); }
 
 }  // namespace
 
-ShmTransport::ShmTransport(int rank, int world_size, Arena& arena)
-    : rank_(rank), world_size_(world_size), arena_(arena) {
+ShmTransport::ShmTransport(int rank, int world_size, Arena& arena, const TransportOptions& options)
+    : rank_(rank), world_size_(world_size), arena_(arena), options_(options) {
   // Yama (ptrace_scope=1) would refuse CMA between sibling workers; allow any
   // process of this user, as Open MPI's vader does. No-op where Yama is absent.
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
@@ -60,82 +51,34 @@ std::string ShmTransport::localDescriptor() const {
   return strCat("shm;host=", hostIdentity(), ";sock=", socket_name_, ";pid=", getpid());
 }
 
-void ShmTransport::handshake(int sock, int peer, const std::string& secret, bool initiator,
-                             const Deadline& deadline) {
-  if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
-  auto send_hello = [&] {
-    Hello hello = {
-        kHelloMagic, rank_, static_cast<int32_t>(getpid()), static_cast<uint32_t>(secret.size()), {}};
-    std::memcpy(hello.secret, secret.data(), secret.size());
-    struct iovec iov = {&hello, sizeof(hello)};
-    alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    struct msghdr msg = {};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    struct cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    const int fd = arena_.fd();
-    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-    if (sendmsg(sock, &msg, MSG_NOSIGNAL) != sizeof(hello))
-      throwErrno(strCat("shm: sending arena to ", peerName(peer)));
-  };
-  auto recv_hello = [&](Hello* hello) -> int {
-    if (!waitReadable(sock, deadline))
-      throw TimeoutError(strCat("shm: timed out after ", deadline.seconds(), " s waiting for ",
-                                peerName(peer), " to answer"));
-    struct iovec iov = {hello, sizeof(*hello)};
-    alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    struct msghdr msg = {};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0)
-      throw PeerError(strCat("shm: ", peerName(peer), " refused the connection (wrong job secret?)"));
-    struct cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-    if (n != sizeof(*hello) || hello->magic != kHelloMagic || !cm || cm->cmsg_type != SCM_RIGHTS)
-      throw EngineError("shm: malformed hello from a peer");
-    int fd;
-    std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-    return fd;
-  };
-  Hello hello;
-  int fd;
-  if (initiator) {
-    send_hello();
-    fd = recv_hello(&hello);
-  } else {
-    fd = recv_hello(&hello);
-    const bool ok = hello.secret_len == secret.size() &&
-                    std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                    hello.rank < world_size_ && !peers_[hello.rank];
-    if (!ok) {
-      close(fd);
-      throw EngineError(strCat("shm: refused a connection claiming rank ", hello.rank,
-                               " (wrong job secret or duplicate rank)"));
-    }
-    peer = hello.rank;
-    send_hello();
-  }
+void ShmTransport::addPeer(int peer, int sock, int arena_fd) {
   auto p = std::make_unique<Peer>();
   p->sock = sock;
-  p->pid = hello.pid;
+  struct ucred cred = {};
+  socklen_t len = sizeof(cred);
+  // The kernel's word for the peer's pid (CMA targets it): no hello can claim another process.
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    close(sock);
+    close(arena_fd);
+    throwErrno(strCat("shm: SO_PEERCRED of ", peerName(peer)));
+  }
+  p->pid = cred.pid;
+  if (arena_fd < 0) {
+    close(sock);
+    throw EngineError(strCat("shm: ", peerName(peer), " sent no arena"));
+  }
   try {
-    p->arena = ArenaMapping(fd);
+    p->arena = ArenaMapping(arena_fd);
   } catch (...) {
-    close(fd);
+    close(sock);
+    close(arena_fd);
     throw;
   }
-  close(fd);  // the mapping keeps the memfd alive
+  close(arena_fd);  // the mapping keeps the memfd alive
   peers_[peer] = std::move(p);
 }
 
-void ShmTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
+void ShmTransport::connect(const std::vector<std::string>& descriptors, const std::string& key,
                            const Deadline& deadline) {
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("shm: need one descriptor per rank");
@@ -145,47 +88,44 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
       throw EngineError(strCat("shm transport needs every rank on one host, but rank ", r,
                                " is on another host (or network namespace); use transport='tcp'"));
   }
+  const HandshakeIdentity id{Link::kShm, rank_, world_size_, key, setup_watch_};
   // Lower ranks accept, higher ranks connect: rank r connects to 0..r-1, then
-  // accepts r+1..n-1, so no cycle of waits can form.
+  // accepts r+1..n-1, so no cycle of waits can form. Arena fds are exchanged
+  // only once both sides proved they hold the job's key.
   for (int r = 0; r < rank_; ++r) {
-    const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (sock < 0) throwErrno("socket(AF_UNIX)");
-    socklen_t len;
-    sockaddr_un addr = abstractAddress(field(descriptors[r], "sock"), &len);
-    if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-      close(sock);
-      throwErrno(strCat("shm: connecting to ", peerName(r)));
-    }
-    try {
-      handshake(sock, r, secret, true, deadline);
-    } catch (...) {
-      close(sock);
-      throw;
-    }
-  }
-  for (int accepted = rank_ + 1; accepted < world_size_; ++accepted) {
-    if (!waitReadable(listen_fd_, deadline)) {
-      std::string missing;
-      for (int r = rank_ + 1; r < world_size_; ++r)
-        if (!peers_[r]) missing += strCat(missing.empty() ? "" : ", ", r);
-      throw TimeoutError(strCat("shm: timed out after ", deadline.seconds(), " s waiting for rank(s) ",
-                                missing, " to connect"));
-    }
-    const int sock = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (sock < 0) {
-      if (errno == EAGAIN || errno == EINTR) {
-        --accepted;
-        continue;
+    const std::string name = field(descriptors[r], "sock");
+    auto dial = [&] {
+      const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+      if (sock < 0) throwErrno("socket(AF_UNIX)");
+      socklen_t len;
+      sockaddr_un addr = abstractAddress(name, &len);
+      if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+        const int err = errno;
+        close(sock);
+        throw PeerError(strCat("shm: cannot connect to ", peerName(r), ": ", std::strerror(err)), r);
       }
-      throwErrno("shm: accept");
-    }
-    try {
-      handshake(sock, -1, secret, false, deadline);
-    } catch (...) {
-      close(sock);
-      throw;
-    }
+      return sock;
+    };
+    int arena_fd = -1;
+    const int sock = connectAuthenticated(dial, id, r, 0, deadline, arena_.fd(), &arena_fd);
+    addPeer(r, sock, arena_fd);
   }
+  const uid_t uid = getuid();
+  acceptAuthenticated(
+      listen_fd_, id, deadline,
+      [&] {
+        std::vector<int> left;
+        for (int r = rank_ + 1; r < world_size_; ++r)
+          if (!peers_[r]) left.push_back(r);
+        return left;
+      },
+      [&](int rank, uint32_t channel) { return rank > rank_ && channel == 0 && !peers_[rank]; },
+      [&](int fd, int rank, uint32_t, int arena_fd) { addPeer(rank, fd, arena_fd); }, arena_.fd(),
+      [uid](int fd) {  // the abstract socket is open to every local user: only ours get a handshake
+        struct ucred cred = {};
+        socklen_t len = sizeof(cred);
+        return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == uid;
+      });
   close(listen_fd_);
   listen_fd_ = -1;
 }
@@ -209,7 +149,8 @@ void ShmTransport::checkPeer(int peer) {
     struct pollfd pfd = {p.sock, POLLIN | POLLRDHUP, 0};
     if (poll(&pfd, 1, 0) > 0) p.dead = true;
   }
-  if (p.dead) throw PeerError(strCat("rank ", peer, " (pid ", p.pid, ") exited or closed its connection"));
+  if (p.dead)
+    throw PeerError(strCat("rank ", peer, " (pid ", p.pid, ") exited or closed its connection"), peer);
 }
 
 RegionInfo ShmTransport::resolve(const char* op, int peer, uint64_t key, uint64_t offset, size_t length) {
@@ -253,7 +194,7 @@ void ShmTransport::write(int peer, const void* src, uint64_t key, uint64_t offse
   countWrite(length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
-    transferCopy(peers_[peer]->arena.base() + info.addr + offset, src, length);
+    transferCopy(peers_[peer]->arena.base() + info.addr + offset, src, length, options_.nt_threshold);
   else
     cma(true, peer, const_cast<void*>(src), info.addr + offset, length);
 }
@@ -263,7 +204,7 @@ void ShmTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
   countRead(length);
   if (length == 0) return;
   if (info.kind == RegionKind::kArena)
-    transferCopy(dst, peers_[peer]->arena.base() + info.addr + offset, length);
+    transferCopy(dst, peers_[peer]->arena.base() + info.addr + offset, length, options_.nt_threshold);
   else
     cma(false, peer, dst, info.addr + offset, length);
 }

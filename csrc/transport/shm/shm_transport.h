@@ -1,12 +1,11 @@
 // shm: one-sided access between processes on one host.
 //
-// Each process's Arena is a memfd; at connect() the peers swap arena fds over
-// an abstract unix socket (SCM_RIGHTS; no file anywhere) and map each other's
-// arenas. A remote write is then one memcpy into the peer's mapping -- the
-// intra-host equivalent of an RDMA WRITE: the target's CPU does nothing.
-// Regions outside the arena are reached with CMA (process_vm_writev/readv).
-// The unix socket stays open only to detect a dead peer (EOF on exit).
-// No background threads; all checks run in the caller.
+// Each process's Arena is a memfd; at connect() the peers authenticate over an
+// abstract unix socket (engine/handshake.h), swap arena fds (SCM_RIGHTS; no
+// file anywhere) and map each other's arenas. A remote write is then one memcpy into the peer's mapping --
+// the intra-host equivalent of an RDMA WRITE: the target's CPU does nothing. Regions outside the arena are
+// reached with CMA (process_vm_writev/readv). The unix socket stays open only to detect a dead peer (EOF on
+// exit). No background threads; all checks run in the caller.
 #pragma once
 
 #include <sys/types.h>
@@ -22,12 +21,12 @@ namespace rdkeras {
 
 class ShmTransport : public Transport {
  public:
-  ShmTransport(int rank, int world_size, Arena& arena);
+  ShmTransport(int rank, int world_size, Arena& arena, const TransportOptions& options);
   ~ShmTransport() override;
 
   const char* name() const override { return "shm"; }
   std::string localDescriptor() const override;
-  void connect(const std::vector<std::string>& descriptors, const std::string& secret,
+  void connect(const std::vector<std::string>& descriptors, const std::string& key,
                const Deadline& deadline) override;
   void write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
              const Deadline& deadline) override;
@@ -49,11 +48,13 @@ class ShmTransport : public Transport {
   // Resolves (key, offset, length) against the peer's table.
   RegionInfo resolve(const char* op, int peer, uint64_t key, uint64_t offset, size_t length);
   void cma(bool write, int peer, void* local, uint64_t remote_addr, size_t length);
-  void handshake(int sock, int peer, const std::string& secret, bool initiator, const Deadline& deadline);
+  // Takes an authenticated socket and the peer's arena fd (closing both on failure).
+  void addPeer(int peer, int sock, int arena_fd);
 
   int rank_;
   int world_size_;
   Arena& arena_;
+  TransportOptions options_;
   int listen_fd_ = -1;
   std::string socket_name_;
   std::vector<std::unique_ptr<Peer>> peers_;

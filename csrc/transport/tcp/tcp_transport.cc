@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "engine/handshake.h"
 #include "engine/socket_util.h"
 
 namespace rdkeras {
@@ -37,18 +38,12 @@ struct Header {
   uint64_t length;
 };
 
-constexpr uint32_t kHelloMagic = 0x54435031;  // "TCP1"
-constexpr int kRoleInitiator = 0;             // the connector sends requests on this socket
-constexpr int kRoleTarget = 1;                // the acceptor sends requests on this socket
+// The handshake's channel number says which way requests flow on a socket.
+constexpr uint32_t kRoleInitiator = 0;  // the connector sends requests on this socket
+constexpr uint32_t kRoleTarget = 1;     // the acceptor sends requests on this socket
 
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int32_t role;
-  uint32_t secret_len;
-  char secret[128];
-};
-
+// A target's error report is one short message; anything longer is a protocol error.
+constexpr uint64_t kMaxErrorBytes = 4096;
 // Background threads reply with this deadline; a dead initiator ends them sooner (EPIPE).
 constexpr double kReplyTimeoutS = 600;
 
@@ -62,25 +57,7 @@ void tuneSocket(int fd) {
 
 TcpTransport::TcpTransport(int rank, int world_size, Arena& arena, const TransportOptions& options)
     : rank_(rank), world_size_(world_size), arena_(arena), options_(options) {
-  struct addrinfo hints = {};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  struct addrinfo* res = nullptr;
-  if (int rc = getaddrinfo(options_.bind_host.c_str(), "0", &hints, &res); rc != 0)
-    throw EngineError(strCat("tcp: bad bind address ", options_.bind_host, ": ", gai_strerror(rc)));
-  listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (listen_fd_ < 0 || bind(listen_fd_, res->ai_addr, res->ai_addrlen) != 0 ||
-      listen(listen_fd_, 128) != 0) {
-    freeaddrinfo(res);
-    throwErrno(strCat("tcp: listen on ", options_.bind_host));
-  }
-  freeaddrinfo(res);
-  struct sockaddr_storage addr;
-  socklen_t len = sizeof(addr);
-  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  listen_fd_ = listenTcp(options_.bind_host, &port_);
   for (int r = 0; r < world_size; ++r) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -90,61 +67,42 @@ std::string TcpTransport::localDescriptor() const {
   return strCat("tcp;host=", options_.advertise_host, ";port=", port_);
 }
 
-void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
+void TcpTransport::connect(const std::vector<std::string>& descriptors, const std::string& key,
                            const Deadline& deadline) {
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("tcp: need one descriptor per rank");
-  if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
+  const HandshakeIdentity id{Link::kTcp, rank_, world_size_, key, setup_watch_};
   // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
   for (int r = 0; r < rank_; ++r) {
-    for (int role : {kRoleInitiator, kRoleTarget}) {
-      const int fd = connectTcp(field(descriptors[r], "host"), field(descriptors[r], "port"), deadline, r);
-      tuneSocket(fd);
-      Hello hello = {kHelloMagic, rank_, role, static_cast<uint32_t>(secret.size()), {}};
-      std::memcpy(hello.secret, secret.data(), secret.size());
-      struct iovec iov = {&hello, sizeof(hello)};
-      Hello reply;
-      try {
-        sendAll(fd, &iov, 1, deadline, strCat("rank ", r));
-        recvAll(fd, &reply, sizeof(reply), deadline, strCat("rank ", r));
-      } catch (const PeerError&) {
-        close(fd);
-        throw PeerError(strCat("tcp: rank ", r, " refused the connection (wrong job secret?)"));
-      } catch (...) {
-        close(fd);
-        throw;
-      }
-      if (reply.magic != kHelloMagic || reply.rank != r) {
-        close(fd);
-        throw EngineError(strCat("tcp: unexpected answer from rank ", r, "'s address"));
-      }
+    const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
+    for (uint32_t role : {kRoleInitiator, kRoleTarget}) {
+      const int fd = connectAuthenticated(
+          [&] {
+            const int fd = connectTcp(host, port, deadline, r);
+            tuneSocket(fd);
+            return fd;
+          },
+          id, r, role, deadline);
       (role == kRoleInitiator ? peers_[r]->out_fd : peers_[r]->in_fd) = fd;
     }
   }
-  acceptPeers(
-      listen_fd_, deadline, "tcp",
+  auto slot = [&](int rank, uint32_t role) -> int& {
+    return role == kRoleInitiator ? peers_[rank]->in_fd : peers_[rank]->out_fd;
+  };
+  acceptAuthenticated(
+      listen_fd_, id, deadline,
       [&] {
         std::vector<int> left;
         for (int r = rank_ + 1; r < world_size_; ++r)
           if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) left.push_back(r);
         return left;
       },
-      [&](int fd) {
+      [&](int rank, uint32_t role) {
+        return rank > rank_ && (role == kRoleInitiator || role == kRoleTarget) && slot(rank, role) < 0;
+      },
+      [&](int fd, int rank, uint32_t role, int) {
         tuneSocket(fd);
-        Hello hello;
-        recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
-        const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
-                        std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                        hello.rank < world_size_ &&
-                        (hello.role == kRoleInitiator || hello.role == kRoleTarget);
-        if (!ok) return false;
-        int& slot = hello.role == kRoleInitiator ? peers_[hello.rank]->in_fd : peers_[hello.rank]->out_fd;
-        if (slot >= 0) return false;  // a duplicate
-        Hello reply = {kHelloMagic, rank_, hello.role, 0, {}};
-        struct iovec iov = {&reply, sizeof(reply)};
-        sendAll(fd, &iov, 1, deadline, strCat("rank ", hello.rank));
-        slot = fd;
-        return true;
+        slot(rank, role) = fd;
       });
   close(listen_fd_);
   listen_fd_ = -1;
@@ -172,7 +130,7 @@ void TcpTransport::checkPeer(int peer) {
   Peer& p = *peers_[peer];
   if (p.dead.load()) {
     std::lock_guard<std::mutex> lock(p.mu);
-    throw PeerError(strCat("rank ", peer, ": ", p.dead_reason));
+    throw PeerError(strCat("rank ", peer, ": ", p.dead_reason), peer);
   }
 }
 
@@ -205,6 +163,7 @@ void TcpTransport::sendRequest(int peer, uint32_t op, uint64_t id, uint64_t key,
     sendAll(p.out_fd, iov, payload_len ? 2 : 1, deadline, strCat("rank ", peer));
   } catch (const PeerError&) {
     markDead(peer, "connection lost (process exited?)");
+    checkPeer(peer);  // throws, naming the rank
     throw;
   }
 }
@@ -258,7 +217,7 @@ void TcpTransport::read(int peer, void* dst, uint64_t key, uint64_t offset, size
   }
   forget();
   if (pending->state.load() == 2) {
-    if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error));
+    if (p.dead.load()) throw PeerError(strCat("rank ", peer, ": ", pending->error), peer);
     throw RemoteAccessError(pending->error);
   }
   countRead(length);
@@ -349,6 +308,7 @@ void TcpTransport::serveLoop(int peer) {
 void TcpTransport::replyLoop(int peer) {
   Peer& p = *peers_[peer];
   const int fd = p.out_fd;
+  std::string why = "closed the connection (process exited?)";
   Header h;
   while (recvAll(fd, &h, sizeof(h))) {
     if (h.op == kFenceAck) {
@@ -364,32 +324,40 @@ void TcpTransport::replyLoop(int peer) {
         pending->busy = true;  // markDead must not settle it while we write into dst
       }
     }
+    // Settles the read (if any) so that the caller's wait ends, whatever happens next.
+    auto settle = [&](bool ok, const std::string& error) {
+      if (!pending) return;
+      std::lock_guard<std::mutex> lock(p.mu);
+      if (!ok) pending->error = error;
+      pending->busy = false;
+      pending->state.store(ok ? 1 : 2, std::memory_order_release);
+    };
     if (h.op == kReadResp) {
-      if (!pending || pending->length != h.length) break;  // protocol error
+      if (!pending || pending->length != h.length) {
+        why = strCat("answered a read it was not asked for (", h.length, " bytes): protocol error");
+        settle(false, why);
+        break;
+      }
       const bool ok = recvAll(fd, pending->dst, h.length);
-      {
+      settle(ok, "connection lost during a read");
+      if (!ok) break;
+    } else if (h.op == kError && h.length <= kMaxErrorBytes) {
+      std::string msg(h.length, '\0');
+      const bool ok = recvAll(fd, msg.data(), msg.size());
+      if (pending) {
+        settle(false, ok ? msg : "connection lost during an error report");
+      } else if (ok) {
         std::lock_guard<std::mutex> lock(p.mu);
-        if (!ok) pending->error = "connection lost during a read";
-        pending->busy = false;
-        pending->state.store(ok ? 1 : 2, std::memory_order_release);
+        if (p.async_error.empty()) p.async_error = msg;
       }
       if (!ok) break;
-    } else if (h.op == kError) {
-      std::string msg(h.length, '\0');
-      if (!recvAll(fd, msg.data(), msg.size())) break;
-      std::lock_guard<std::mutex> lock(p.mu);
-      if (pending) {
-        pending->error = msg;
-        pending->busy = false;
-        pending->state.store(2, std::memory_order_release);
-      } else if (p.async_error.empty()) {
-        p.async_error = msg;
-      }
     } else {
+      why = strCat("sent a malformed reply (op ", h.op, ", ", h.length, " bytes): protocol error");
+      settle(false, why);
       break;
     }
   }
-  if (!closing_.load()) markDead(peer, "closed the connection (process exited?)");
+  if (!closing_.load()) markDead(peer, why);
 }
 
 void TcpTransport::shutdown() {

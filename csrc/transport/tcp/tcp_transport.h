@@ -35,7 +35,7 @@ class TcpTransport : public Transport {
 
   const char* name() const override { return "tcp"; }
   std::string localDescriptor() const override;
-  void connect(const std::vector<std::string>& descriptors, const std::string& secret,
+  void connect(const std::vector<std::string>& descriptors, const std::string& key,
                const Deadline& deadline) override;
   void write(int peer, const void* src, uint64_t key, uint64_t offset, size_t length,
              const Deadline& deadline) override;

@@ -8,29 +8,16 @@
 
 #include <cerrno>
 #include <cstddef>
-#include <cstdlib>
 #include <cstring>
 
+#include "engine/handshake.h"
 #include "engine/socket_util.h"
 
 namespace rdkeras {
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x56424c31;  // "VBL1"
 constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 constexpr size_t kScratchBytes = 4096;
-
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  uint32_t secret_len;
-  char secret[128];
-};
-
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
 
 std::string hex(const uint8_t* p, size_t n) {
   static const char* k = "0123456789abcdef";
@@ -40,8 +27,13 @@ std::string hex(const uint8_t* p, size_t n) {
 }
 
 void unhex(const std::string& s, uint8_t* out, size_t n) {
+  auto digit = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw EngineError("verbs: malformed GID in a descriptor");
+  };
   if (s.size() != 2 * n) throw EngineError("verbs: malformed GID in a descriptor");
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(std::stoul(s.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(digit(s[2 * i]) << 4 | digit(s[2 * i + 1]));
 }
 
 }  // namespace
@@ -71,18 +63,18 @@ VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTra
     if (list) lib_->free_device_list(list);
     throw EngineError("transport 'verbs' is not viable: " + whyNotViable());
   }
-  // Device: RDKERAS_IB_DEVICE, else the first with an active port.
-  const char* want = env("RDKERAS_IB_DEVICE");
-  const char* want_port = env("RDKERAS_IB_PORT");
+  // Device: options_.ib_device, else the first with an active port; port likewise.
+  const std::string& want = options_.ib_device;
+  const int first_port = options_.ib_port > 0 ? options_.ib_port : 1;
+  const int last_port = options_.ib_port > 0 ? options_.ib_port : 2;
   std::string seen;
   for (int i = 0; i < n && !ctx_; ++i) {
     const std::string name = lib_->get_device_name(list[i]);
     seen += (seen.empty() ? "" : ", ") + name;
-    if (want && name != want) continue;
+    if (!want.empty() && name != want) continue;
     struct ibv_context* ctx = lib_->open_device(list[i]);
     if (!ctx) continue;
-    for (int port = want_port ? std::atoi(want_port) : 1; port <= (want_port ? std::atoi(want_port) : 2);
-         ++port) {
+    for (int port = first_port; port <= last_port; ++port) {
       struct ibv_port_attr attr = {};
       if (lib_->query_port(ctx, static_cast<uint8_t>(port), &attr) == 0 && attr.state == IBV_PORT_ACTIVE) {
         ctx_ = ctx;
@@ -96,9 +88,11 @@ VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTra
   }
   lib_->free_device_list(list);
   if (!ctx_)
-    throw EngineError(strCat("verbs: no active port on ", want ? want : "any device", " (devices: ", seen,
+    throw EngineError(strCat("verbs: no active port",
+                             options_.ib_port > 0 ? strCat(" ", options_.ib_port) : "", " on ",
+                             want.empty() ? "any device" : want, " (devices: ", seen,
                              "); set RDKERAS_IB_DEVICE / RDKERAS_IB_PORT"));
-  gid_index_ = env("RDKERAS_IB_GID_INDEX") ? std::atoi(env("RDKERAS_IB_GID_INDEX")) : 0;
+  gid_index_ = options_.ib_gid_index;
   if (lib_->query_gid(ctx_, port_, gid_index_, &gid_) != 0)
     throw EngineError(
         strCat("verbs: cannot read GID index ", gid_index_, " of ", device_, " port ", int(port_)));
@@ -138,15 +132,7 @@ VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTra
     psn_[r] = psn & 0xffffff;
   }
   // The liveness connection's listener (nothing flows on it after setup).
-  listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(addr);
-  if (listen_fd_ < 0 || bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-      listen(listen_fd_, 128) != 0 || getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throwErrno("verbs: liveness listener");
-  listen_port_ = ntohs(addr.sin_port);
+  listen_fd_ = listenTcp(options_.bind_host, &listen_port_);
 }
 
 VerbsTransport::~VerbsTransport() {
@@ -173,29 +159,28 @@ std::string VerbsTransport::localDescriptor() const {
                 ";host=", options_.advertise_host, ";port=", listen_port_);
 }
 
-void VerbsTransport::connect(const std::vector<std::string>& descriptors, const std::string& secret,
+void VerbsTransport::connect(const std::vector<std::string>& descriptors, const std::string& key,
                              const Deadline& deadline) {
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("verbs: need one descriptor per rank");
-  if (secret.size() > sizeof(Hello::secret)) throw EngineError("job secret too long");
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     const std::string& d = descriptors[r];
     Peer& p = peers_[r];
-    p.arena_base = std::stoull(field(d, "base"));
-    p.header_rkey = std::stoull(field(d, "hdr_rkey"));
+    p.arena_base = fieldNumber(d, "base");
+    p.header_rkey = fieldNumber(d, "hdr_rkey", UINT32_MAX);
     struct ibv_qp_attr attr = {};
     attr.qp_state = IBV_QPS_RTR;
     attr.path_mtu = port_attr_.active_mtu;
-    attr.dest_qp_num = std::stoul(field(d, strCat("qpn", rank_)));
-    attr.rq_psn = std::stoul(field(d, strCat("psn", rank_)));
+    attr.dest_qp_num = static_cast<uint32_t>(fieldNumber(d, strCat("qpn", rank_), 0xffffff));
+    attr.rq_psn = static_cast<uint32_t>(fieldNumber(d, strCat("psn", rank_), 0xffffff));
     attr.max_dest_rd_atomic = 16;
     attr.min_rnr_timer = 12;
     attr.ah_attr.is_global = 1;
     unhex(field(d, "gid"), attr.ah_attr.grh.dgid.raw, 16);
     attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
     attr.ah_attr.grh.hop_limit = 64;
-    attr.ah_attr.dlid = static_cast<uint16_t>(std::stoul(field(d, "lid")));
+    attr.ah_attr.dlid = static_cast<uint16_t>(fieldNumber(d, "lid", UINT16_MAX));
     attr.ah_attr.port_num = port_;
     modify(p.qp, attr,
            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
@@ -213,32 +198,23 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
                IBV_QP_MAX_QP_RD_ATOMIC,
            "RTS");
   }
-  // Liveness connections: rank r connects to ranks below it, accepts those above.
+  // Liveness connections, authenticated: rank r connects to ranks below it, accepts those above.
+  const HandshakeIdentity id{Link::kVerbs, rank_, world_size_, key, setup_watch_};
   for (int r = 0; r < rank_; ++r) {
-    const int fd = connectTcp(field(descriptors[r], "host"), field(descriptors[r], "port"), deadline, r);
-    Hello hello = {kHelloMagic, rank_, static_cast<uint32_t>(secret.size()), {}};
-    std::memcpy(hello.secret, secret.data(), secret.size());
-    struct iovec iov = {&hello, sizeof(hello)};
-    sendAll(fd, &iov, 1, deadline, strCat("rank ", r));
-    peers_[r].sock = fd;
+    const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
+    peers_[r].sock =
+        connectAuthenticated([&] { return connectTcp(host, port, deadline, r); }, id, r, 0, deadline);
   }
-  acceptPeers(
-      listen_fd_, deadline, "verbs",
+  acceptAuthenticated(
+      listen_fd_, id, deadline,
       [&] {
         std::vector<int> left;
         for (int r = rank_ + 1; r < world_size_; ++r)
           if (peers_[r].sock < 0) left.push_back(r);
         return left;
       },
-      [&](int fd) {
-        Hello hello;
-        recvAll(fd, &hello, sizeof(hello), deadline, "a connecting peer");
-        const bool ok = hello.magic == kHelloMagic && hello.secret_len == secret.size() &&
-                        std::memcmp(hello.secret, secret.data(), secret.size()) == 0 && hello.rank > rank_ &&
-                        hello.rank < world_size_ && peers_[hello.rank].sock < 0;
-        if (ok) peers_[hello.rank].sock = fd;
-        return ok;
-      });
+      [&](int rank, uint32_t channel) { return rank > rank_ && channel == 0 && peers_[rank].sock < 0; },
+      [&](int fd, int rank, uint32_t, int) { peers_[rank].sock = fd; });
   close(listen_fd_);
   listen_fd_ = -1;
 }
@@ -257,7 +233,7 @@ void VerbsTransport::checkPeer(int peer) {
     struct pollfd pfd = {p.sock, POLLIN | POLLRDHUP, 0};
     if (poll(&pfd, 1, 0) > 0) fail(peer, "exited or closed its connection");
   }
-  if (p.dead) throw PeerError(strCat("rank ", peer, " ", p.why));
+  if (p.dead) throw PeerError(strCat("rank ", peer, " ", p.why), peer);
 }
 
 VerbsTransport::Peer& VerbsTransport::live(int peer) {
@@ -365,7 +341,7 @@ void VerbsTransport::post(int peer, enum ibv_wr_opcode opcode, void* local, uint
       fail(peer, "refused a remote access (" + what + "); the queue pair is no longer usable");
     else
       fail(peer, "is unreachable (" + what + ")");
-    throw PeerError(strCat("rank ", peer, " ", peers_[peer].why));
+    throw PeerError(strCat("rank ", peer, " ", peers_[peer].why), peer);
   }
 }
 

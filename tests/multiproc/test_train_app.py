@@ -1,0 +1,70 @@
+"""The training app as a Hydra citizen: a killed run resumes in its folder, a sweeper optimises the
+returned objective."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import TESTS_DIR
+
+REPO = TESTS_DIR.parent
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "RDKERAS_TIMEOUT": "120", "PYTHONPATH": str(REPO)}
+# FCN-5 small enough for seconds: 3 epochs of 3 steps, a fixed data order.
+TINY = [
+    "model.input_dim=64", "model.hidden=32", "trainer.epochs=3", "trainer.steps_per_epoch=3", "trainer.verbose=2",
+    "trainer.shuffle=false", "trainer.optimizer.class_name=Adam", "trainer.optimizer.learning_rate=0.01",
+    "logger=none",
+]  # fmt: skip
+
+
+def _train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rdkeras.train", *args], capture_output=True, text=True, timeout=600, env=env or ENV
+    )
+
+
+def _weights(path: Path) -> list[np.ndarray]:
+    import h5py
+
+    out: list[np.ndarray] = []
+    with h5py.File(path, "r") as f:
+        f["layers"].visititems(lambda name, obj: out.append(np.asarray(obj)) if hasattr(obj, "shape") else None)
+    return out
+
+
+def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    kill = ["+callbacks.kill._target_=tests.multiproc.lifecycle_workers.KillAtEpoch", "+callbacks.kill.epoch=1"]
+    died = _train(*TINY, *kill, f"hydra.run.dir={run}", env={**ENV, "RDKERAS_TEST_KILL": "1"})
+    assert died.returncode == 1 and "worker rank 1 failed first (signal 9)" in died.stderr, died.stderr[-3000:]
+    assert (run / "backup" / "latest.weights.h5").exists()  # epoch 0's state
+    again = _train(*TINY, *kill, f"hydra.run.dir={run}")  # the same command, the same folder
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert len(results["history"]["loss"]) == 2  # epochs 1 and 2: epoch 0 came from the backup
+    assert not (run / "backup").exists()  # done: the backup is removed
+    whole = _train(*TINY, f"hydra.run.dir={straight}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, uninterrupted = (
+        _weights(run / "checkpoints/epoch003.weights.h5"),
+        _weights(straight / "checkpoints/epoch003.weights.h5"),
+    )
+    assert len(resumed) == 8 and all(np.array_equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
+
+
+def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
+    done = _train(
+        "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=minimize",
+        "trainer.optimizer.learning_rate=interval(0.001,0.1)", *TINY[:2], "trainer.epochs=1",
+        "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [json.loads((tmp_path / str(i) / "results.json").read_text())["final"]["loss"] for i in (0, 1)]
+    best = (tmp_path / "optimization_results.yaml").read_text()
+    assert f"best_value: {min(losses)}" in best, (best, losses)
