@@ -217,20 +217,13 @@ class _RecvStream:
 class RpcBackend:
     """The Backend interface as RPC over a native transport (see the module docstring)."""
 
-    def __init__(self, config: BackendConfig, inner: str):
+    def __init__(self, config: BackendConfig, inner: str, native: Any):
+        """`native` is the inner transport's backend (rdkeras._engine.Engine), listening, not connected."""
         if inner not in INNER:
             raise ValueError(f"rpc: cannot carry RPC over {inner!r}; choose one of {', '.join(INNER)}")
         self.rank, self.world_size, self.timeout = config.rank, config.world_size, config.timeout
         self.inner_name = inner
-        self.inner: Any = _engine.Engine(  # Any: numpy arrays are buffers, which the stub's typing misses
-            config.rank,
-            config.world_size,
-            inner,
-            config.arena_bytes,
-            config.timeout,
-            advertise_host=config.advertise_host,
-            bind_host=config.bind_host,
-        )
+        self.inner: Any = native  # Any: numpy arrays are buffers, which the stub's typing misses
         self._regions: dict[int, np.ndarray] = {}
         self._next_key = itertools.count(1)
         self._regions_lock = threading.Lock()
@@ -258,7 +251,7 @@ class RpcBackend:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def connect(self, descriptors: Sequence[str], secret: str) -> None:
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
         inner_descriptors, service = [], {}
         for r, d in enumerate(descriptors):
             kind, rest = d.split(" ", 1)
@@ -270,7 +263,7 @@ class RpcBackend:
             service[r] = {
                 int(e.split(":")[0]): [int(k) for k in e.split(":")[1:]] for e in entries.split(",") if e != "-"
             }
-        self.inner.connect(inner_descriptors, secret)
+        self.inner.connect(inner_descriptors, key, watch)  # the native handshake authenticates the peers
         for p in self._requests:
             # Peer p's entry for this rank: its requests' ack, its reply inbox, its request inbox, its replies' ack.
             req_ack, reply_inbox, request_inbox, reply_ack = service[p][self.rank]
@@ -296,6 +289,15 @@ class RpcBackend:
         for t in self._servers:
             t.join(timeout=10)
         self.inner.close()
+
+    # -- failures: the inner engine's root-cause protocol (a peer's death is seen on its wire) ----
+
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        return self.inner.failure
+
+    def report_failure(self, rank: int, why: str) -> None:
+        self.inner.report_failure(rank, why)
 
     # -- what happened ---------------------------------------------------------------
 

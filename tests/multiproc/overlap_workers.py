@@ -2,34 +2,28 @@
 
 from __future__ import annotations
 
-from tests.multiproc.keras_workers import _data, _model
+from tests.multiproc.keras_workers import _fit_model_with, next_port
 
 
-def fit_bucketed(kind: str, batch: int, mode: str, overlap_bytes: int, epochs: int = 2) -> dict:
-    """fit_model with rdkeras.parallel.collectives.OVERLAP_BYTES set; also what the engine moved."""
-    import keras
-
+def fit_bucketed_many(configs: list, batch: int) -> dict:
+    """For each (kind, mode, overlap_bytes): fit with rdkeras.parallel.collectives.OVERLAP_BYTES set, in this one
+    set of processes; also the bytes the engine wrote. Then rank 0 trains each kind in one plain process."""
     import rdkeras
     from rdkeras.parallel import collectives
 
-    collectives.OVERLAP_BYTES = overlap_bytes
-    x, y = _data(kind)
-    strategy = rdkeras.RDMAStrategy(mode=mode)
-    with strategy.scope():
-        model = _model(kind, seed=100 + strategy.worker_index)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    before = strategy.engine.traffic()
-    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
-    after = strategy.engine.traffic()
-    results = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
-    out = {
-        "weights": [w.tolist() for w in model.get_weights()],
-        "evaluate": results,
-        "writes": after["writes"] - before["writes"],
-    }
-    strategy.close()
+    out, rank = {}, 0
+    for i, (kind, mode, overlap) in enumerate(configs):
+        collectives.OVERLAP_BYTES = overlap
+        strategy = rdkeras.RDMAStrategy(mode=mode)
+        before = strategy.engine.traffic()["writes"]
+        result = _fit_model_with(strategy, kind, batch)
+        result["writes"] = strategy.engine.traffic()["writes"] - before
+        out[f"{kind}/{mode}/{overlap}"] = result
+        if i + 1 < len(configs):
+            next_port(strategy, f"bucketed{i}")
+        rank = strategy.worker_index
+        strategy.close()
+    if rank == 0:
+        for kind in sorted({c[0] for c in configs}):
+            out[f"{kind}/reference"] = _fit_model_with(None, kind, batch)
     return out

@@ -64,9 +64,19 @@ def test_messages_are_tensor_messages_split_into_frames_over_the_inner_wire():
     assert receiver.value["acks"] == 4  # one release per frame slot
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "ps"])
-@pytest.mark.parametrize("transport", ["rpc+shm", "rpc+tcp"])
-def test_fit_over_rpc_matches_single_process(transport, mode):
-    from tests.multiproc import test_data_parallel as data_parallel
+def test_fit_over_rpc_matches_single_process():
+    # Both RPC transports, ring allreduce and parameter servers, in one launch; global batch 16.
+    import numpy as np
 
-    data_parallel.test_fit_matches_single_process_with_global_batch("mlp", transport, mode)
+    configs = [["mlp", t, m] for t in ("rpc+shm", "rpc+tcp") for m in ("allreduce", "ps")]
+    results = run_ranks(
+        "fit_model_many", 2, transport="shm", timeout=300, module="tests.multiproc.keras_workers", configs=configs,
+        batch=16,
+    )  # fmt: skip
+    for kind, transport, mode in configs:
+        key = f"{kind}/{transport}/{mode}"
+        runs = [r.value[key] for r in results]
+        assert runs[0]["transport"] == transport
+        for got, want in zip(runs[0]["weights"], results[0].value["mlp/reference"]["weights"], strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=key)
+        assert runs[1]["weights"] == runs[0]["weights"] and runs[1]["evaluate"] == runs[0]["evaluate"], key
