@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import secrets
+import sys
 from typing import Any
 
 
@@ -10,8 +13,55 @@ def run_ranks(bench: str, label: str, target: str, world_size: int, kwargs: dict
     from rdkeras.launch import spawn_call
 
     ranks = spawn_call(target, world_size, kwargs, **spawn_kwargs)
+    return _checked(bench, label, ranks)
+
+
+def _checked(bench: str, label: str, ranks: Any) -> Any:
     bad = [r for r in ranks if r.returncode != 0]
     if bad:
         print(f"[{bench}] {label} failed on rank {bad[0].rank}:\n{bad[0].output[-2000:]}")
         return None
     return ranks
+
+
+def run_ranks_on_hosts(
+    bench: str,
+    label: str,
+    target: str,
+    world_size: int,
+    kwargs: dict,
+    hosts: list[Any],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> Any:
+    """Like :func:`run_ranks`, with the ranks spread over network namespaces (``rdkeras.testing.netns``
+    hosts): the first half on ``hosts[0]``, where rank 0 serves the rendezvous, the rest on ``hosts[1]``."""
+    from rdkeras import launch
+
+    code = (
+        "import json, sys, importlib\n"
+        f"module, func = {target!r}.split(':')\n"
+        "value = getattr(importlib.import_module(module), func)(**json.loads(sys.argv[1]))\n"
+        f"print({launch._RESULT_MARK!r} + json.dumps(value), flush=True)\n"
+    )
+    port, token = 29400 + secrets.randbelow(2000), secrets.token_hex(16)  # a fresh namespace has every port free
+    per_host = -(-world_size // len(hosts))
+    commands, envs = [], []
+    for rank in range(world_size):
+        host = hosts[rank // per_host]
+        extra = {"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {}), "RDKERAS_TIMEOUT": str(min(timeout, 300))}
+        envs.append(
+            launch.worker_env(
+                rank,
+                world_size,
+                port,
+                token,
+                extra,
+                master_addr=hosts[0].addr,
+                local_rank=rank % per_host,
+                local_world_size=per_host,
+            )
+        )
+        commands.append(host.command([sys.executable, "-c", code, json.dumps(kwargs)]))
+    return _checked(bench, label, launch.run_workers(commands, envs, timeout=timeout))

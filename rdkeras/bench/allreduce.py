@@ -26,15 +26,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument(
         "--backends",
-        default="shm,tcp,grpc,tf-grpc,gloo",
-        help="comma-separated: shm,tcp,grpc (rdkeras transports), tf-grpc, gloo",
+        default="shm,tcp,rpc+shm,grpc,tf-grpc,gloo",
+        help="comma-separated: rdkeras transports (shm, tcp, rpc+shm, rpc+tcp, grpc, ...), tf-grpc, gloo",
     )
     p.add_argument("--out", default="bench-results", help="folder for allreduce.json")
     p.add_argument("--timeout", type=float, default=900)
 
 
 def _iters(backend: str, size: int, quick: bool) -> int:
-    speed = {"shm": 8e9, "tcp": 1.5e9}.get(backend, 0.15e9)
+    speed = {"shm": 8e9, "tcp": 1.5e9, "rpc+shm": 2e9, "rpc+tcp": 0.8e9}.get(backend, 0.15e9)
     return int(np.clip((0.1 if quick else 0.4) * speed / size, 2, 50))
 
 
@@ -46,7 +46,7 @@ def rank_main(backend: str, sizes: list[int], quick: bool) -> dict:
     if len(cpus) >= 2:  # every backend alike: one core per worker
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     out = {}
-    if backend in ("shm", "tcp", "grpc"):
+    if backend not in ("tf-grpc", "gloo"):  # an rdkeras transport
         import rdkeras
 
         with rdkeras.Engine(transport=backend) as eng:
@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         "shm": "rdkeras shm",
         "tcp": "rdkeras tcp",
         "grpc": "rdkeras grpc",
+        "rpc+shm": "RPC over shm",
+        "rpc+tcp": "RPC over tcp",
         "tf-grpc": "TF MWMS (gRPC ring)",
         "gloo": "torch gloo",
     }
@@ -174,12 +176,15 @@ def run(args: argparse.Namespace) -> int:
     header = f"{'backend':<20} " + " ".join(f"{s // MB:>5} MB        " for s in SIZES)
     print(header + "\n" + "-" * len(header))
     for b, r in results.items():
-        print(f"{label[b]:<20} " + " ".join(f"{r[s] * 1e3:7.2f}ms {s / r[s] / 1e9:5.2f}" for s in SIZES))
+        print(f"{label.get(b, b):<20} " + " ".join(f"{r[s] * 1e3:7.2f}ms {s / r[s] / 1e9:5.2f}" for s in SIZES))
     if "shm" in results:
         print("\nrdkeras shm speed-up (time ratio)")
-        for b in ("tf-grpc", "gloo", "tcp", "grpc"):
+        for b in ("tf-grpc", "gloo", "tcp", "rpc+shm", "rpc+tcp", "grpc"):
             if b in results:
-                print(f"  vs {label[b]:<20} " + " ".join(f"{results[b][s] / results['shm'][s]:8.1f}x" for s in SIZES))
+                print(
+                    f"  vs {label.get(b, b):<20} "
+                    + " ".join(f"{results[b][s] / results['shm'][s]:8.1f}x" for s in SIZES)
+                )
         targets = []
         if "tf-grpc" in results:
             x = results["tf-grpc"][40 * MB] / results["shm"][40 * MB]

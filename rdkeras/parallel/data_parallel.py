@@ -24,6 +24,7 @@ import numpy as np
 
 from rdkeras import keras_internals
 from rdkeras.engine import Engine
+from rdkeras.parallel import collectives
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
 
@@ -89,7 +90,9 @@ class DataParallel:
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             keras_internals.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            average = GradientAllreduce(self.collectives)
+            average = GradientAllreduce(
+                self.collectives, overlap_bytes=collectives.overlap_bytes(self.engine.transport)
+            )
             keras_internals.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
         keras_internals.distribute_model(model, self)
         self.models.append(model)

@@ -19,12 +19,15 @@ per sender, version per owner, pulled per worker].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from rdkeras import keras_internals
 from rdkeras.engine import Engine
+from rdkeras.parallel import collectives
+from rdkeras.parallel.collectives import BucketPipeline, reverse_buckets
 
 _FLAG = 64  # one cache line per flag word
 
@@ -40,11 +43,15 @@ class ParameterServer:
     variable i (empty until the first step).
     """
 
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: Engine, name: str, overlap_bytes: int | None = None):
         self.engine, self.name = engine, name
         self.n, self.rank = engine.world_size, engine.rank
         self.step = 0
         self.owner: list[int] = []
+        # Pushes overlap backprop in buckets of this many bytes (0: one push after the backward pass).
+        self.overlap_bytes = collectives.overlap_bytes(engine.transport) if overlap_bytes is None else overlap_bytes
+        self._pipeline: BucketPipeline | None = None
+        self._buckets: list[list[list[int]]] = []  # per traced exchange: the variables of each bucket
 
     # -- setup ----------------------------------------------------------------
 
@@ -102,23 +109,28 @@ class ParameterServer:
     def owned(self, count: int) -> list[int]:
         return [i for i in range(count) if self.owner[i] == self.rank]
 
-    def push_and_reduce(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Pushes every gradient to its owner; returns the averaged gradients of the variables owned here."""
-        self.step += 1
-        n, r, t, eng = self.n, self.rank, self.step, self.engine
-        for o in range(n):
-            if o == r:
-                continue
-            lay = self.layouts[o]
-            for i in range(len(grads)):
-                if self.owner[i] == o:
-                    eng.write(o, np.ascontiguousarray(grads[i]), self.keys[o], r * lay["slot"] + self.offset[i])
-            eng.write_flag(o, self.keys[o], self._flag(o, 0, r), t)
+    def push(self, indices: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        """Writes the gradients of variables `indices` into their owners' slots (one-sided; owned here: kept)."""
+        r, eng = self.rank, self.engine
+        for i, g in zip(indices, grads, strict=True):
+            o = self.owner[i]
+            if o != r:
+                eng.write(o, np.ascontiguousarray(g), self.keys[o], r * self.layouts[o]["slot"] + self.offset[i])
+
+    def announce(self) -> None:
+        """Tells every owner that this step's gradients are all in its slots (flags, ordered after the writes)."""
+        for o in range(self.n):
+            if o != self.rank:
+                self.engine.write_flag(o, self.keys[o], self._flag(o, 0, self.rank), self.step)
+
+    def reduce(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Waits for every worker's gradients; returns the averages of the variables owned here."""
+        n, r, t = self.n, self.rank, self.step
         lay = self.layouts[r]
         for s in range(n):
             if s != r:
                 self._wait(0, s, t)
-        eng.count_received((n - 1) * self.owned_bytes[r])  # the others' gradients, written here
+        self.engine.count_received((n - 1) * self.owned_bytes[r])  # the others' gradients, written here
         out = []
         for i in self.owned(len(grads)):
             total = grads[i].astype(self.dtypes[i], copy=True)
@@ -128,6 +140,55 @@ class ParameterServer:
             total /= n
             out.append(total)
         return out
+
+    def push_and_reduce(self, *grads: np.ndarray) -> list[np.ndarray]:
+        """Pushes every gradient to its owner; returns the averaged gradients of the variables owned here."""
+        self.step += 1
+        self.push(range(len(grads)), grads)
+        self.announce()
+        return self.reduce(grads)
+
+    def _push_bucket(self, exchange: int, bucket: int, grads: list[np.ndarray]) -> None:
+        """The communication thread's part of an overlapped step: bucket `bucket`'s pushes (the last one
+        also announces them)."""
+        if bucket == 0:
+            self.step += 1
+        members = self._buckets[exchange][bucket]
+        self.push(members, grads)
+        if bucket == len(self._buckets[exchange]) - 1:
+            self.announce()
+
+    def _overlapped_push_and_reduce(self, grads: list[Any], mine: list[int]) -> Any:
+        """push_and_reduce as ops TensorFlow can run during backprop: one start op per bucket of gradients
+        (last layers first) hands its pushes to a communication thread; the reduce op waits for them."""
+        import tensorflow as tf
+
+        if self._pipeline is None:
+            self._pipeline = BucketPipeline(self._push_bucket, "ps-push-buckets", self.engine.timeout)
+        pipeline, exchange = self._pipeline, len(self._buckets)
+        buckets = reverse_buckets([g.shape.num_elements() * g.dtype.size for g in grads], self.overlap_bytes)
+        self._buckets.append(buckets)
+        tickets = []
+        for b, members in enumerate(buckets):
+
+            def start(*arrays: np.ndarray, b: int = b) -> np.ndarray:
+                pipeline.start(exchange, b, list(arrays))
+                return np.int64(b)
+
+            tickets.append(
+                tf.numpy_function(
+                    start, [grads[i] for i in members], Tout=tf.int64, stateful=True, name=f"rdkeras_ps_push{b}"
+                )
+            )
+
+        def reduce(*inputs: np.ndarray) -> list[np.ndarray]:
+            pipeline.wait(exchange, len(buckets))
+            return self.reduce(inputs[len(buckets) :])
+
+        # The gradients are inputs too: TensorFlow keeps them alive until they are pushed.
+        return tf.numpy_function(
+            reduce, tickets + grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_reduce"
+        )
 
     def publish_and_pull(self, *owned_values: np.ndarray) -> list[np.ndarray]:
         """Publishes the owned variables' new values; returns every other variable's, read from its owner."""
@@ -175,9 +236,12 @@ class ParameterServer:
             self._setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
         mine = [i for i in range(len(variables)) if self.owner[i] == self.rank]
         others = [i for i in range(len(variables)) if self.owner[i] != self.rank]
-        averaged = tf.numpy_function(
-            self.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
-        )
+        if self.overlap_bytes > 0 and not tf.executing_eagerly() and all(g.shape.is_fully_defined() for g in grads):
+            averaged = self._overlapped_push_and_reduce(grads, mine)
+        else:
+            averaged = tf.numpy_function(
+                self.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
+            )
         if mine:
             for i, g in zip(mine, averaged, strict=True):
                 g.set_shape(grads[i].shape)

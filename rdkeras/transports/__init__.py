@@ -122,6 +122,27 @@ register(
 )
 register(BackendSpec("grpc", "the RPC baseline: TensorProto-style messages over gRPC", lambda: "", _grpc))
 
+
+def _rpc(inner: str) -> Callable[[BackendConfig], Backend]:
+    def make(config: BackendConfig) -> Backend:
+        from rdkeras.transports.rpc import RpcBackend  # protobuf loads only when asked for
+
+        return RpcBackend(config, inner, _native(inner)(config))  # over the native transport, as configured
+
+    return make
+
+
+# The RPC baseline over each native transport (the seed's gRPC.RDMA): viable where that transport is.
+for _inner in ("shm", "tcp", "verbs"):
+    register(
+        BackendSpec(
+            f"rpc+{_inner}",
+            f"the RPC baseline carried over {_inner}: serialized messages, frames, parsing on arrival",
+            get(_inner).why_not_viable,
+            _rpc(_inner),
+        )
+    )
+
 __all__ = [
     "Backend",
     "BackendConfig",

@@ -1,0 +1,195 @@
+"""Communication overlapping backprop, on an emulated network where the wire (not the CPU) is the limit.
+
+Two workers in two network namespaces joined by a veth pair capped with ``tc tbf`` (rdkeras.testing.netns),
+transport tcp, 2 Gbit/s by default (``rate``): slow enough that the wire, not the kernel's TCP copies on the
+same core as the compute, is the limit. The model is an MLP of equal layers (every gradient bucket is ready at
+a different point of the backward pass; the first layer's, the last one backprop produces, is a sixth of the
+bytes). The workers choose the per-worker batch from their own compute times at two batch sizes so that one
+step's gradient bytes take about 0.6 x one step's compute on the wire: similar sizes, the communication no
+longer than the backward pass it can hide behind.
+
+Measured in the same two processes, one after another: compute alone (the same model without
+distribution), communication alone (the same bucketed ring allreduces without the model), then training
+with the exchange after the backward pass and with it overlapped (allreduce and parameter servers),
+alternately, twice each (the better of each pair counts).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+WIDTH, LAYERS, BATCH = 1024, 6, 64  # BATCH and 4 x BATCH: the batch sizes the workers time first
+TARGET_COMM_SHARE = 0.6  # communication / compute, by the choice of the batch
+MAX_RATE = 2e9  # rate="auto": 2 Gbit/s
+
+
+def _model() -> Any:
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((WIDTH,), name="features")
+    x = inputs
+    for i in range(LAYERS):
+        x = keras.layers.Dense(WIDTH, activation="relu", name=f"fc{i + 1}")(x)
+    outputs = keras.layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, outputs, name="overlap_mlp")
+
+
+def _compile(model: Any) -> Any:
+    import keras
+
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    return model
+
+
+def _fit_seconds(model: Any, batch: int, steps: int, warmup: int = 3) -> float:
+    from rdkeras.bench.workloads import _timed_fit
+
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * (steps + warmup), WIDTH), dtype=np.float32)
+    y = rng.integers(0, 10, len(x))
+    return _timed_fit(model, x, y, batch, warmup)["step_seconds"]
+
+
+def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dict:
+    """Inside each of the two workers (see the module docstring). `batch` 0: the per-worker batch is chosen
+    here, from this process's own compute times at two batch sizes, so that one step's gradient bytes take
+    TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree on the larger choice."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from rdkeras.bench.workloads import next_job, pin_and_thread
+
+    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    pin_and_thread(rank, 2)  # the start ops need an executor thread beside the one running backprop
+    import rdkeras
+    from rdkeras.parallel import collectives
+
+    out: dict[str, Any] = {"rank": rank}
+    model = _compile(_model())
+    gradient_bytes = int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights))
+    proposal = float(batch)
+    if not batch:
+        t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
+        per_example = max(1e-9, (t[4 * BATCH] - t[BATCH]) / (3 * BATCH))
+        goal = gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE
+        proposal = max(16.0, BATCH + (goal - t[BATCH]) / per_example)
+        out["calibration"] = {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
+    jobs = iter(range(10))
+    strategy = rdkeras.RDMAStrategy()
+    (agreed,) = strategy._parallel.collectives.allreduce([np.array([proposal, -proposal])], average=False)
+    batch = int(math.ceil(max(proposal, -float(agreed[1]) - proposal) / 16) * 16)  # the larger proposal
+    next_job(strategy, next(jobs))
+    strategy.close()
+    out["batch"], out["gradient_bytes"] = batch, gradient_bytes
+    out["compute_s"] = _fit_seconds(model, batch, steps)
+    for mode in ("allreduce", "ps"):
+        strategy = rdkeras.RDMAStrategy(mode=mode)
+        workers = strategy.num_workers
+        if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
+            grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
+            coll = strategy._parallel.collectives
+            buckets = collectives.reverse_buckets([a.nbytes for a in grads], collectives.BUCKET_BYTES)
+            times = []
+            for _ in range(steps + 2):
+                t0 = time.perf_counter()
+                for b, members in enumerate(buckets):
+                    coll.allreduce([grads[i] for i in members], True, purpose=f"grads{b}")
+                times.append(time.perf_counter() - t0)
+            out["comm_s"] = float(np.median(times[2:]))
+            out["buckets"] = len(buckets)
+        default = collectives.OVERLAP_BYTES
+        for _trial in range(2):
+            for label, bucket in (("sequential", 0), ("overlapped", collectives.BUCKET_BYTES)):
+                collectives.OVERLAP_BYTES = bucket
+                existing = set(map(id, collectives.pipelines()))
+                with strategy.scope():
+                    distributed = _compile(_model())
+                seconds = _fit_seconds(distributed, batch * workers, steps)
+                key = f"{mode}_{label}_s"
+                if seconds < out.get(key, float("inf")):
+                    out[key] = seconds
+                    mine = [p for p in collectives.pipelines() if id(p) not in existing]
+                    if mine:
+                        out[f"{mode}_breakdown"] = _breakdown(list(mine[0].timeline)[-steps:])
+        collectives.OVERLAP_BYTES = default
+        out[f"{mode}_traffic"] = strategy.engine.traffic()
+        if mode == "allreduce":
+            next_job(strategy, next(jobs))
+        strategy.close()
+    return out
+
+
+def _breakdown(timeline: list[list[float]]) -> dict[str, float]:
+    """Medians over steps of where the overlapped exchange's time went (BucketPipeline.timeline)."""
+    if not timeline:
+        return {}
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    return {
+        "comm_work_s": med([m[4] for m in timeline]),  # the buckets' allreduces (or pushes), end to end
+        "first_start_to_wait_s": med([m[2] - m[0] for m in timeline]),  # backprop left after bucket 0 was ready
+        "exposed_s": med([m[3] - m[2] for m in timeline]),  # the wait op blocked: not hidden
+        "hidden_s": med([max(0.0, m[1] - m[0]) for m in timeline]),  # done before the wait began
+    }
+
+
+def _bits(rate: str) -> float:
+    """tc's rate units ("1gbit", "500mbit", "100kbit") in bits/s."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(f"rate {rate!r}: use tc's units, e.g. 1gbit or 500mbit")
+
+
+def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> dict[str, Any]:
+    """The overlap figure: two namespaces, a `rate` link (auto: 2 Gbit/s); the workers measure everything."""
+    from rdkeras.bench import run_ranks_on_hosts
+    from rdkeras.testing import netns
+
+    why = netns.why_not()
+    if why:
+        return {"skipped": f"no emulated network here: {why}"}
+    out: dict[str, Any] = {"model": f"MLP {WIDTH}x{LAYERS}", "workers": 2, "transport": "tcp", "delay": delay}
+    batch = 0  # chosen by the workers from their own compute times
+    if rate in (None, "", "auto"):
+        rate = f"{round(MAX_RATE / 1e6)}mbit"
+    bits = _bits(rate)
+    out["rate"] = rate
+    try:
+        with netns.hosts(2, rate=rate, delay=delay) as hosts:
+            print(f"[paper] overlap: 2 workers in 2 namespaces, tcp over a {rate} link ...", flush=True)
+            ranks = run_ranks_on_hosts(
+                "paper",
+                "overlap",
+                "rdkeras.bench.overlap:overlap_rank",
+                2,
+                {"steps": steps, "batch": batch, "rate_bits": bits},
+                hosts,
+                env={"RDKERAS_TRANSPORT": "tcp"},
+                timeout=timeout,
+            )
+    except netns.NetnsError as e:
+        return {**out, "skipped": str(e)}
+    if ranks is None:
+        return {**out, "error": "the overlap run failed (its output is above)"}
+    values = [r.value for r in ranks]
+    out["per_worker_batch"] = values[0]["batch"]
+    out["calibration"] = values[0].get("calibration")
+    merged = {k: max(v[k] for v in values) for k in values[0] if k.endswith("_s")}  # the slower worker's
+    out.update(merged, buckets=values[0].get("buckets"), per_rank=values)
+    for mode in ("allreduce", "ps"):
+        out[f"{mode}_breakdown"] = values[0].get(f"{mode}_breakdown", {})
+    c, m = out["compute_s"], out["comm_s"]
+    out["sum_s"], out["max_s"] = c + m, max(c, m)
+    for mode in ("allreduce", "ps"):
+        out[f"{mode}_overlapped_x_max"] = out[f"{mode}_overlapped_s"] / out["max_s"]
+        out[f"{mode}_sequential_x_sum"] = out[f"{mode}_sequential_s"] / out["sum_s"]
+    return out

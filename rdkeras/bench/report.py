@@ -1,0 +1,696 @@
+"""The paper suite's report: Markdown tables beside the seed's claims, and one PNG per figure."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rdkeras.bench.paper import LABEL, SEED
+
+MB = 1 << 20
+
+
+def _size(n: int) -> str:
+    return f"{n // MB} MB" if n >= MB else f"{n // 1024} KB" if n >= 1024 else f"{n} B"
+
+
+def _x(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None or not math.isfinite(v) else f"{v:.{digits}f}×"
+
+
+def _load(results: dict, part: str) -> str:
+    load = results.get("loads", {}).get(part)
+    if not load:
+        return ""
+    b, a = load["before"], load["after"]
+    return (
+        f"Load average (1/5/15 min) {b[0]:.1f}/{b[1]:.1f}/{b[2]:.1f} before, {a[0]:.1f}/{a[1]:.1f}/{a[2]:.1f} "
+        f"after, on {results['machine']['cores']} cores; {load['others_before']} other Python/QEMU processes "
+        f"running at the start; {load['seconds']:.0f} s."
+    )
+
+
+# -- Send/Recv ----------------------------------------------------------------------------------------------
+
+
+def sendrecv_table(sr: dict) -> tuple[list[str], dict[str, Any]]:
+    rows = sr["rows"]
+    series = [
+        ("grpc", "rpc"),
+        ("rpc+tcp", "rpc"),
+        ("tcp", "static"),
+        ("rpc+shm", "rpc"),
+        ("shm", "dynamic"),
+        ("shm", "static"),
+        ("memcpy", "glibc"),
+    ]
+    series = [s for s in series if any((r["transport"], r["mode"]) == s for r in rows)]
+    sizes = sorted({r["bytes"] for r in rows})
+    at = {(r["transport"], r["mode"], r["bytes"]): r for r in rows}
+    name = {
+        ("shm", "static"): "rdkeras shm static",
+        ("shm", "dynamic"): "rdkeras shm dynamic",
+        ("tcp", "static"): "rdkeras tcp static",
+        ("memcpy", "glibc"): "memcpy (1 core)",
+    }
+    lines = [
+        "| size | " + " | ".join(name.get(s, LABEL.get(s[0], s[0])) for s in series) + " |",
+        "|---|" + "---|" * len(series),
+    ]
+    for size in sizes:
+        cells = []
+        for s in series:
+            r = at.get((*s, size))
+            cells.append(f"{r['seconds'] * 1e3:.2f} ms ({r['GBps']:.2f} GB/s)" if r else "–")
+        lines.append(f"| {_size(size)} | " + " | ".join(cells) + " |")
+    facts: dict[str, Any] = {}
+    big = max(sizes)
+    shm, grpc = at.get(("shm", "static", big)), at.get(("grpc", "rpc", big))
+    rpc, tcp, rpct = at.get(("rpc+shm", "rpc", big)), at.get(("tcp", "static", big)), at.get(("rpc+tcp", "rpc", big))
+    facts["size"] = big
+    if shm and grpc:
+        facts["shm_x_grpc"] = grpc["seconds"] / shm["seconds"]
+    if shm and rpc:
+        facts["shm_x_rpc"] = rpc["seconds"] / shm["seconds"]
+    if tcp and rpct:
+        facts["tcp_x_rpc"] = rpct["seconds"] / tcp["seconds"]
+    if tcp and grpc:
+        facts["tcp_x_grpc"] = grpc["seconds"] / tcp["seconds"]
+    lat = sr.get("latency", {})
+    if lat:
+        lsizes = sorted({s for v in lat.values() for s, _ in v})
+        lines += [
+            "",
+            "One-way latency (ping-pong / 2, static channels):",
+            "",
+            "| transport | " + " | ".join(_size(s) for s in lsizes) + " |",
+            "|---|" + "---|" * len(lsizes),
+        ]
+        for t, v in lat.items():
+            d = dict((s, sec) for s, sec in v)
+            lines.append(
+                f"| {LABEL.get(t, t)} | " + " | ".join(f"{d[s] * 1e6:.1f} µs" if s in d else "–" for s in lsizes) + " |"
+            )
+    return lines, facts
+
+
+def plot_sendrecv(sr: dict, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    style = {
+        ("grpc", "rpc"): ("gRPC over TCP", "tab:red", "o-"),
+        ("rpc+tcp", "rpc"): ("RPC over tcp", "tab:orange", "s--"),
+        ("rpc+shm", "rpc"): ("RPC over shm (≈ gRPC.RDMA)", "tab:purple", "s-"),
+        ("tcp", "static"): ("rdkeras tcp static", "tab:cyan", "^--"),
+        ("shm", "dynamic"): ("rdkeras shm dynamic", "tab:green", "v-"),
+        ("shm", "static"): ("rdkeras shm static", "tab:blue", "^-"),
+        ("memcpy", "glibc"): ("memcpy limit (1 core)", "k", ":"),
+    }
+    for key, (label, color, fmt) in style.items():
+        pts = sorted((r["bytes"], r["seconds"]) for r in sr["rows"] if (r["transport"], r["mode"]) == key)
+        if pts:
+            ax.plot([p[0] / MB for p in pts], [p[1] * 1e3 for p in pts], fmt, color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({r["bytes"] / MB for r in sr["rows"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xlabel("message size (MB)")
+    ax.set_ylabel("time per transfer (ms)")
+    ax.set_title(f"Send/Recv between two processes\nseed: {SEED['sendrecv']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path)
+
+
+# -- throughput --------------------------------------------------------------------------------------------
+
+
+def _rate(runs: list[dict], model: str, mode: str, transport: str, workers: int | None = None) -> float | None:
+    for r in runs:
+        if (r["model"], r["mode"], r["transport"]) == (model, mode, transport) and (
+            workers is None or r["workers"] == workers
+        ):
+            return r["rate"]
+    return None
+
+
+def throughput_table(th: dict) -> tuple[list[str], dict[str, Any]]:
+    runs = [r for r in th["runs"] if r["model"] != "probe"]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    transports = [t for t in ("grpc", "rpc+shm", "shm", "tcp", "rpc+tcp") if any(r["transport"] == t for r in runs)]
+    lines = [
+        "| model | params | gradients/step | mode | Local | "
+        + " | ".join(LABEL[t] for t in transports)
+        + " | rdkeras ÷ gRPC | rdkeras ÷ RPC |",
+        "|---|---|---|---|---|" + "---|" * (len(transports) + 2),
+    ]
+    facts: dict[str, Any] = {"x_grpc": {}, "x_rpc": {}}
+    for m in models:
+        first = next(r for r in runs if r["model"] == m)
+        for mode in [x for x in ("ps", "allreduce") if any(r["mode"] == x for r in runs)]:
+            local = _rate(runs, m, "local", "none")
+            rates = {t: _rate(runs, m, mode, t) for t in transports}
+            rd = rates.get("shm") or rates.get("tcp")
+            base = "shm" if rates.get("shm") else "tcp"
+            xg = rd / rates["grpc"] if rd and rates.get("grpc") else None
+            xr = rd / rates[f"rpc+{base}"] if rd and rates.get(f"rpc+{base}") else None
+            facts["x_grpc"][(m, mode)], facts["x_rpc"][(m, mode)] = xg, xr
+            cells = " | ".join(f"{rates[t]:.2f}" if rates[t] else "–" for t in transports)
+            lines.append(
+                f"| {m} | {first['params'] / 1e6:.1f} M | {first['gradient_bytes'] / 1e6:.1f} MB | {mode} | "
+                f"{local:.2f} | {cells} | {_x(xg)} | {_x(xr, 2)} |"
+                if local
+                else f"| {m} | {first['params'] / 1e6:.1f} M | {first['gradient_bytes'] / 1e6:.1f} MB | {mode} | "
+                f"– | {cells} | {_x(xg)} | {_x(xr, 2)} |"
+            )
+    return lines, facts
+
+
+def breakdown_table(th: dict, models: list[str]) -> list[str]:
+    """Where each step's time went (rank 0, per step): compute alone (Local), and what the transports
+    measured: time blocked on peers, and for RPC its (de)serialization copies and frame writes."""
+    runs = th["runs"]
+    lines = [
+        "| model | mode | transport | step | compute (Local) | blocked on peers | RPC copies | RPC frames "
+        "(wire) | rest (Keras/TF hops, reductions, assignments) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in models:
+        local = next((r["step_seconds"] for r in runs if r["model"] == m and r["transport"] == "none"), None)
+        for r in runs:
+            if r["model"] != m or r["transport"] == "none" or local is None:
+                continue
+            wait = r.get("wait_seconds_per_step", 0.0)
+            copy, wire = r.get("copy_seconds_per_step"), r.get("wire_seconds_per_step")
+            rest = r["step_seconds"] - local - wait - (copy or 0) - (wire or 0)
+            ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "–"  # noqa: E731
+            lines.append(
+                f"| {m} | {r['mode']} | {LABEL.get(r['transport'], r['transport'])} | {ms(r['step_seconds'])} | "
+                f"{ms(local)} | {ms(wait)} | {ms(copy)} | {ms(wire)} | {ms(rest)} |"
+            )
+    return lines
+
+
+def plot_throughput(th: dict, path: Path) -> None:
+    plt = _plt()
+    runs = [r for r in th["runs"] if r["model"] != "probe"]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    modes = [x for x in ("ps", "allreduce") if any(r["mode"] == x for r in runs)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.4), squeeze=False)
+    bars = [
+        ("grpc", "gRPC.TCP", "tab:red"),
+        ("rpc+shm", "RPC over shm (≈ gRPC.RDMA)", "tab:purple"),
+        ("shm", "rdkeras (shm)", "tab:blue"),
+    ]
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for i, (t, label, color) in enumerate(bars):
+            vals = [_rate(runs, m, mode, t) or 0 for m in models]
+            xs = [j + (i - 1) * 0.27 for j in range(len(models))]
+            ax.bar(xs, vals, 0.27, label=label, color=color)
+            if t == "shm":
+                for j, m in enumerate(models):
+                    g = _rate(runs, m, mode, "grpc")
+                    if g and vals[j]:
+                        ax.annotate(f"{vals[j] / g:.1f}×", (xs[j], vals[j]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.set_ylabel("mini-batches/s per worker")
+        ax.set_title(
+            f"{th['workers']} workers, batch 32 per worker, {'parameter servers' if mode == 'ps' else 'allreduce'}",
+            fontsize=9,
+        )
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"Throughput (seed: {SEED['throughput']})", fontsize=8)
+    _save(fig, path)
+
+
+# -- convergence -------------------------------------------------------------------------------------------
+
+
+def _batch_losses(curve: list) -> list[tuple[float, float]]:
+    """Per-batch losses from Keras's running epoch mean, smoothed over a window."""
+    out, prev = [], 0.0
+    for k, (t, mean) in enumerate(curve, start=1):
+        out.append((t, mean * k - prev))
+        prev = mean * k
+    window = max(1, len(out) // 10)
+    return [
+        (out[i][0], sum(v for _, v in out[max(0, i - window + 1) : i + 1]) / len(out[max(0, i - window + 1) : i + 1]))
+        for i in range(len(out))
+    ]
+
+
+def time_to_target(curves: dict[str, list[tuple[float, float]]]) -> tuple[float | None, dict[str, float]]:
+    """The target is the highest of the curves' final smoothed losses (every run reaches it); returns it and
+    when each run first reached it."""
+    smooth = {t: _batch_losses(c) for t, c in curves.items() if c}
+    if not smooth:
+        return None, {}
+    target = max(s[-1][1] for s in smooth.values())
+    return target, {t: next(time for time, v in s if v <= target) for t, s in smooth.items()}
+
+
+def convergence_table(cv: dict) -> tuple[list[str], dict[str, Any]]:
+    lines = [
+        "| task | metric | target | "
+        + " | ".join(f"time to target, {LABEL[t]}" for t in ("shm", "grpc"))
+        + " | speed-up | seconds per step (rdkeras / gRPC) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    facts = {}
+    for task, runs in cv.get("tasks", {}).items():
+        curves = {t: r["curve"] for t, r in runs.items()}
+        target, times = time_to_target(curves)
+        if target is None or len(times) < 2:
+            continue
+        lm = task == "lstm_lm"
+        speed = times["grpc"] / times["shm"] if times["shm"] else None
+        facts[task] = speed
+        per_step = {t: r["curve"][-1][0] / max(1, len(r["curve"]) - 1) for t, r in runs.items()}
+        lines.append(
+            f"| {task} | {'perplexity' if lm else 'training loss'} | "
+            f"{math.exp(target) if lm else target:.3f} | {times['shm']:.1f} s | {times['grpc']:.1f} s | "
+            f"{_x(speed, 2)} | {per_step['shm'] * 1e3:.0f} ms / {per_step['grpc'] * 1e3:.0f} ms |"
+        )
+    for task, why in cv.get("skipped", {}).items():
+        lines.append(f"| {task} | skipped: {why} | | | | | |")
+    return lines, facts
+
+
+def plot_convergence(cv: dict, path: Path) -> None:
+    plt = _plt()
+    tasks = list(cv.get("tasks", {}))
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.2 * max(1, len(tasks)), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=False):
+        lm = task == "lstm_lm"
+        runs = cv["tasks"][task]
+        for t, color in (("shm", "tab:blue"), ("grpc", "tab:red")):
+            if t in runs:
+                pts = _batch_losses(runs[t]["curve"])
+                ax.plot(
+                    [p[0] for p in pts],
+                    [math.exp(p[1]) if lm else p[1] for p in pts],
+                    color=color,
+                    label=f"{'rdkeras (shm)' if t == 'shm' else 'gRPC.TCP'}",
+                )
+        target, times = time_to_target({t: r["curve"] for t, r in runs.items()})
+        if target is not None and len(times) == 2:
+            ax.axhline(math.exp(target) if lm else target, color="0.5", lw=0.8, ls=":")
+            ax.set_title(
+                f"{task}: {times['grpc'] / times['shm']:.2f}× faster to the same {'perplexity' if lm else 'loss'}",
+                fontsize=9,
+            )
+        ax.set_xlabel("wall-clock time after the first step (s)")
+        ax.set_ylabel("perplexity (per character)" if lm else "training loss")
+        seed = "1.5-3.3x (Seq2Seq)" if lm else "1.2-2.6x (CIFAR)"
+        ax.text(0.98, 0.97, f"seed: {seed}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        ax.legend(fontsize=7, loc="center right")
+        ax.grid(True, alpha=0.3)
+    _save(fig, path)
+
+
+# -- scalability -------------------------------------------------------------------------------------------
+
+
+def scalability_table(sc: dict, cores: int) -> tuple[list[str], dict[str, Any]]:
+    runs = [r for r in sc["runs"] if r["model"] != "probe"]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    lines = [
+        "| model | workers | Local (1 process) | rdkeras shm, total | gRPC, total | rdkeras ÷ gRPC | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    facts: dict[str, Any] = {}
+    for m in models:
+        local = _rate(runs, m, "local", "none")
+        for n in sc["workers"]:
+            if n == 1:
+                lines.append(f"| {m} | 1 | {local:.2f} | – | – | – | |" if local else f"| {m} | 1 | – | – | – | – | |")
+                continue
+            rd, g = _rate(runs, m, sc["mode"], "shm", n), _rate(runs, m, sc["mode"], "grpc", n)
+            x = rd / g if rd and g else None
+            facts[(m, n)] = x
+            note = f"{n} workers on {cores} cores" if n > cores else ""
+            lines.append(
+                f"| {m} | {n} | {local:.2f} | {rd * n:.2f} | {g * n:.2f} | {_x(x, 2)} | {note} |"
+                if rd and g and local
+                else f"| {m} | {n} | – | – | – | – | failed |"
+            )
+    return lines, facts
+
+
+def plot_scalability(sc: dict, path: Path) -> None:
+    plt = _plt()
+    runs = [r for r in sc["runs"] if r["model"] != "probe"]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], models, strict=False):
+        ns = [n for n in sc["workers"] if n > 1]
+        for t, label, color in (("shm", "rdkeras (shm)", "tab:blue"), ("grpc", "gRPC.TCP", "tab:red")):
+            pts = [(n, _rate(runs, m, sc["mode"], t, n)) for n in ns]
+            pts = [(n, r * n) for n, r in pts if r]
+            local = _rate(runs, m, "local", "none")
+            if local:
+                pts = [(1, local), *pts]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
+        local = _rate(runs, m, "local", "none")
+        if local:
+            ax.axhline(local, color="0.4", ls="--", lw=1, label="Local (1 process)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sc["workers"], [str(n) for n in sc["workers"]])
+        ax.set_xlabel("workers")
+        ax.set_ylabel("mini-batches/s (all workers)")
+        seed = {"vgg16": "2.5-3x", "lstm": "about 2x"}.get(m, "")
+        ax.set_title(f"{m}, batch 32 per worker (seed: {seed} over gRPC.TCP)", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    _save(fig, path)
+
+
+# -- overlap and the scale model ---------------------------------------------------------------------------
+
+
+def plot_overlap(ov: dict, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    names = [
+        "compute alone",
+        "communication alone",
+        "allreduce, after backprop",
+        "allreduce, overlapped",
+        "PS, after backprop",
+        "PS, overlapped",
+    ]
+    keys = [
+        "compute_s",
+        "comm_s",
+        "allreduce_sequential_s",
+        "allreduce_overlapped_s",
+        "ps_sequential_s",
+        "ps_overlapped_s",
+    ]
+    vals = [ov[k] * 1e3 for k in keys]
+    ax.barh(names[::-1], vals[::-1], color=["0.6", "0.6", "tab:red", "tab:blue", "tab:red", "tab:blue"][::-1])
+    ax.axvline(ov["max_s"] * 1e3, color="k", ls=":", lw=1, label="max(compute, communication)")
+    ax.axvline(ov["sum_s"] * 1e3, color="tab:red", ls=":", lw=1, label="compute + communication")
+    ax.set_xlabel("ms per step")
+    ax.set_title(f"Overlap on the emulated network\ntcp over a {ov['rate']} veth link, {ov['model']}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path)
+
+
+def plot_scale(sm: dict, path: Path) -> None:
+    plt = _plt()
+    sweeps = sm.get("sweeps", {})
+    fig, axes = plt.subplots(1, max(1, len(sweeps)), figsize=(4.2 * max(1, len(sweeps)), 3.8), squeeze=False)
+    for ax, (m, rows) in zip(axes[0], sweeps.items(), strict=False):
+        for t, label, color in (
+            ("rdkeras", "rdkeras (RDMA)", "tab:blue"),
+            ("rpc_rdma", "RPC over RDMA", "tab:purple"),
+            ("grpc_tcp", "gRPC.TCP", "tab:red"),
+        ):
+            pts = [(r["workers"], r["rates"][t]) for r in rows if t in r["rates"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers (P100 + 100 Gb/s IB each)")
+        ax.set_ylabel("mini-batches/s per worker")
+        ax.set_title(f"{m} (paper size), allreduce, projected", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+    _save(fig, path)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def write(results: dict, out: Path) -> str:
+    """report.md and the PNGs; returns the report's text."""
+    cmd = results.get("command", "python -m rdkeras.bench paper")
+    lines = [
+        f"# rdkeras vs the seed's evaluation ({results.get('preset', '?')} run)",
+        "",
+        f"Command: `{cmd}` ({results.get('seconds', 0) / 60:.1f} minutes). Machine: "
+        f"{results.get('machine', {}).get('cores', '?')} cores, no GPU, no RDMA NIC; every ratio below is "
+        "measured side by side in this one run.",
+        "",
+    ]
+    targets: list[tuple[str, bool | None, str]] = []
+    sr = results.get("sendrecv")
+    if sr and "rows" in sr:
+        table, f = sendrecv_table(sr)
+        plot_sendrecv(sr, out / "sendrecv.png")
+        lines += [
+            "## Send/Recv",
+            "",
+            f"Seed: {SEED['sendrecv']}. " + _load(results, "sendrecv"),
+            "",
+            *table,
+            "",
+            "![Send/Recv](sendrecv.png)",
+            "",
+        ]
+        size = _size(f["size"])
+        if "shm_x_grpc" in f:
+            targets.append(
+                (f"Send/Recv at {size}: rdkeras shm ≥ 50× gRPC.TCP", f["shm_x_grpc"] >= 50, f"{f['shm_x_grpc']:.1f}×")
+            )
+        if "shm_x_rpc" in f:
+            targets.append(
+                (f"Send/Recv at {size}: rdkeras shm ≥ 2× RPC over shm", f["shm_x_rpc"] >= 2, f"{f['shm_x_rpc']:.2f}×")
+            )
+        if "tcp_x_rpc" in f:
+            targets.append(
+                (f"Send/Recv at {size}: rdkeras tcp vs RPC over tcp (reported)", None, f"{f['tcp_x_rpc']:.2f}×")
+            )
+    th = results.get("throughput")
+    if th and th.get("runs"):
+        table, f = throughput_table(th)
+        plot_throughput(th, out / "throughput.png")
+        lines += [
+            "## Throughput",
+            "",
+            f"Seed: {SEED['throughput']}. Per-worker mini-batches/s at batch 32 per worker "
+            f"(global batch 32 × {th['workers']}), {th['workers']} workers, each pinned to its own core; the "
+            "recipes' model sizes (conf/model/*.yaml). " + _load(results, "throughput"),
+            "",
+            *table,
+            "",
+            "![Throughput](throughput.png)",
+            "",
+        ]
+        for err in th.get("errors", []):
+            lines.append(f"- {err}")
+        grads = {r["model"]: r["gradient_bytes"] for r in th["runs"] if r["model"] != "probe"}
+        biggest = max(grads, key=grads.get) if grads else None
+        lines += [
+            "Where the step goes (rank 0; the RPC columns are what `rpc+shm` timed itself; blocked time "
+            "includes the peer's share of the work):",
+            "",
+            *breakdown_table(th, sorted({biggest, "fcn5"} & set(grads))),
+            "",
+        ]
+        fc = [v for (m, _mode), v in f["x_grpc"].items() if m == "fcn5" and v]
+        if fc:
+            targets.append(("fit: FCN-5 ≥ 5× gRPC.TCP (worst mode)", min(fc) >= 5, f"{min(fc):.1f}×"))
+        xr = [v for (m, _mode), v in f["x_rpc"].items() if m == biggest and v]
+        if xr:
+            targets.append(
+                (
+                    f"fit: {biggest} (largest gradients) ≥ 1.5× RPC over the fast transport (worst mode)",
+                    min(xr) >= 1.5,
+                    f"{min(xr):.2f}×",
+                )
+            )
+    cv = results.get("convergence")
+    if cv:
+        table, f = convergence_table(cv)
+        if cv.get("tasks"):
+            plot_convergence(cv, out / "convergence.png")
+        lines += [
+            "## Convergence",
+            "",
+            f"Seed: {SEED['convergence']}. {cv['workers']} workers, batch 32 per worker, "
+            "Adam; the same steps on the same data in both runs (so the same losses), so the speed-up is "
+            "the time per step. " + _load(results, "convergence"),
+            "",
+            *table,
+            "",
+            "![Convergence](convergence.png)",
+            "",
+        ]
+    sc = results.get("scalability")
+    if sc and sc.get("runs"):
+        table, f = scalability_table(sc, results.get("machine", {}).get("cores", 2))
+        plot_scalability(sc, out / "scalability.png")
+        lines += [
+            "## Scalability",
+            "",
+            f"Seed: {SEED['scalability']}. Parameter-server mode (the seed's), batch 32 "
+            "per worker; total mini-batches/s of all workers. " + _load(results, "scalability"),
+            "",
+            *table,
+            "",
+            "![Scalability](scalability.png)",
+            "",
+        ]
+    ov = results.get("overlap")
+    if ov:
+        lines += ["## Communication overlapping backprop", ""]
+        if "skipped" in ov or "error" in ov:
+            lines.append(f"Not measured: {ov.get('skipped') or ov.get('error')}")
+        else:
+            plot_overlap(ov, out / "overlap.png")
+            lines += [
+                f"Two workers in two network namespaces, tcp over a veth pair capped at {ov['rate']} (tc tbf; "
+                f"delay: {ov.get('delay') or 'none'}), {ov['model']} with batch {ov['per_worker_batch']} per "
+                f"worker, {ov['buckets']} gradient buckets. " + _load(results, "overlap"),
+                "",
+                "| | ms per step | ÷ max(compute, comm) | ÷ (compute + comm) |",
+                "|---|---|---|---|",
+                f"| compute alone | {ov['compute_s'] * 1e3:.0f} | | |",
+                f"| communication alone (the same bucketed allreduces) | {ov['comm_s'] * 1e3:.0f} | | |",
+            ]
+            for mode in ("allreduce", "ps"):
+                for label in ("sequential", "overlapped"):
+                    v = ov[f"{mode}_{label}_s"]
+                    lines.append(
+                        f"| {mode}, {'exchange after backprop' if label == 'sequential' else 'overlapped'} | "
+                        f"{v * 1e3:.0f} | {v / ov['max_s']:.2f} | {v / ov['sum_s']:.2f} |"
+                    )
+            for mode in ("allreduce", "ps"):
+                b = ov.get(f"{mode}_breakdown") or {}
+                if b:
+                    lines.append(
+                        f"\n{mode}, overlapped, per step (medians, rank 0): the buckets' communication took "
+                        f"{b['comm_work_s'] * 1e3:.0f} ms end to end; the first bucket was handed over "
+                        f"{b['first_start_to_wait_s'] * 1e3:.0f} ms before backprop ended (the wait op began); "
+                        f"{b['hidden_s'] * 1e3:.0f} ms of communication had finished by then, and the wait op "
+                        f"blocked {b['exposed_s'] * 1e3:.0f} ms."
+                    )
+            lines += ["", "![Overlap](overlap.png)", ""]
+            targets.append(
+                (
+                    "overlap (allreduce) within 1.2× of max(compute, comm)",
+                    ov["allreduce_overlapped_x_max"] <= 1.2,
+                    f"{ov['allreduce_overlapped_x_max']:.2f}×",
+                )
+            )
+    em = results.get("emulated")
+    if em:
+        lines += ["## Throughput over the emulated network", ""]
+        if "skipped" in em:
+            lines.append(f"Not measured: {em['skipped']}")
+        elif em.get("runs"):
+            table, _ = throughput_table({"runs": em["runs"], "workers": 2})
+            lines += [f"Two workers in two namespaces, link {em['rate']}.", "", *table, ""]
+    sm = results.get("scale_model")
+    if sm and "validation" in sm:
+        lines += scale_sections(sm)
+        if sm.get("sweeps"):
+            plot_scale(sm, out / "scale.png")
+            lines += ["![Scale model](scale.png)", ""]
+        if sm["validation"]:
+            worst = max(abs(v["error"]) for v in sm["validation"])
+            targets.append(
+                (
+                    "scale model predicts the runs measured here within 25%",
+                    worst <= 0.25,
+                    f"worst {worst * 100:.0f}%, median "
+                    f"{sorted(abs(v['error']) for v in sm['validation'])[len(sm['validation']) // 2] * 100:.0f}%",
+                )
+            )
+    if targets:
+        lines += ["## Targets", ""]
+        for what, ok, detail in targets:
+            lines.append(f"- [{'met' if ok else 'reported' if ok is None else 'MISSED'}] {what}: {detail}")
+        lines.append("")
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def scale_sections(sm: dict) -> list[str]:
+    cal = sm["calibration"]
+    lines = [
+        "## Scale model",
+        "",
+        "Calibrated on this run's Send/Recv (per transport: a per-message cost a and a "
+        "per-byte cost b) and the Local runs' compute times; see docs/scale-model.md.",
+        "",
+        "| transport | a (per message) | 1/b (per byte) |",
+        "|---|---|---|",
+    ]
+    for t, c in sorted(cal["transports"].items()):
+        lines.append(f"| {LABEL.get(t, t)} | {c['latency_us']:.1f} µs | {c['GBps']:.2f} GB/s |")
+    lines.append(f"| memcpy (reduction, assignment) | | {1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s |")
+    if sm["validation"]:
+        lines += [
+            "",
+            "Validation: every run measured here, predicted from the calibration alone.",
+            "",
+            "| model | mode | transport | workers | measured s/step | predicted | error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for v in sm["validation"]:
+            lines.append(
+                f"| {v['model']} | {v['mode']} | {LABEL.get(v['transport'], v['transport'])} | {v['workers']} | "
+                f"{v['measured_s'] * 1e3:.1f} ms | {v['predicted_s'] * 1e3:.1f} ms | {v['error'] * 100:+.0f}% |"
+            )
+    if sm.get("projections"):
+        tb = sm["testbed"]
+        lines += [
+            "",
+            f"Projection to the seed's testbed: {tb['workers']} workers, {tb['gpu_tflops']} TFLOP/s GPUs at "
+            f"{tb['gpu_efficiency'] * 100:.0f}% of peak, {tb['link_gbps']:g} Gb/s RDMA, TCP at {tb['tcp_gbps']:g} "
+            f"Gb/s, {tb['memcpy_gb_per_s']:g} GB/s memcpy per core; the paper's model sizes. Per-worker "
+            "mini-batches/s, exchange after backprop (and overlapped):",
+            "",
+            "| model | mode | compute/step | rdkeras | RPC over RDMA | gRPC.TCP | rdkeras ÷ gRPC.TCP | "
+            "rdkeras ÷ RPC over RDMA | seed |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in sm["projections"]:
+            r, o = p["rates"], p["rates_overlap"]
+            seed = "up to 21× / about 2× (over the three models)" if p["model"] in ("vgg16", "lstm", "fcn5") else ""
+            cells = " | ".join(
+                f"{r[t]:.2f} ({o[t]:.2f})" if t in r else "–" for t in ("rdkeras", "rpc_rdma", "grpc_tcp")
+            )
+            xg = r["rdkeras"] / r["grpc_tcp"] if "grpc_tcp" in r else None
+            xr = r["rdkeras"] / r["rpc_rdma"] if "rpc_rdma" in r else None
+            lines.append(
+                f"| {p['model']} | {p['mode']} | {p['compute_s'] * 1e3:.0f} ms | {cells} | {_x(xg)} | "
+                f"{_x(xr, 2)} | {seed if p['mode'] == 'ps' else ''} |"
+            )
+    if sm.get("sweeps"):
+        lines += [
+            "",
+            "Sweep (allreduce, exchange after backprop): per-worker mini-batches/s, rdkeras / RPC over RDMA / "
+            "gRPC.TCP.",
+            "",
+            "| model | " + " | ".join(f"{r['workers']} workers" for r in next(iter(sm["sweeps"].values()))) + " |",
+            "|---|" + "---|" * len(next(iter(sm["sweeps"].values()))),
+        ]
+        for m, rows in sm["sweeps"].items():
+            cells = " | ".join(
+                " / ".join(f"{r['rates'].get(t, float('nan')):.2f}" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
+                for r in rows
+            )
+            lines.append(f"| {m} | {cells} |")
+        lines.append("")
+    return lines

@@ -1,0 +1,195 @@
+"""A calibrated scale model: step time and throughput of data-parallel training on a described cluster.
+
+Its inputs are what ``python -m rdkeras.bench paper`` measured here (``results.json``):
+
+- per transport, from Send/Recv: a per-message cost ``a`` (s) and a per-byte cost ``b`` (s/B), a
+  least-squares line through (message size, time per transfer); memcpy's per-byte cost on one core;
+- per model, from the runs without communication: compute time per step, gradient bytes and tensors,
+  forward FLOPs per example.
+
+Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in ``buckets`` pieces):
+
+- ring allreduce: ``compute + 2(N-1)(a·buckets + G/N·b) + (N-1)/N·G·c`` (2(N-1) sequential ring steps of
+  G/N bytes each; the reduction reads every received chunk once: c = memcpy's cost per byte);
+- parameter servers sharded over the N workers: ``compute + 2(N-1)(a·(K/N+1) + G/N·b) + (N-1)/N·G·2c``
+  (every worker pushes its gradients of the variables others own, then pulls their new values; the
+  owners add N contributions and the pullers assign what they read).
+
+Here every byte moves by CPU (no NIC), so with more workers than cores each worker gets cores/N of one:
+compute and communication are scaled by N/cores.
+
+The projection replaces this machine's parts by the described cluster's (``Testbed``): compute from the
+model's FLOPs at a GPU's sustained rate; rdkeras's per-byte cost by the RDMA link's (zero-copy: the NIC
+moves the bytes, GPUDirect reads GPU memory); RPC over RDMA by the link plus the copies the RPC layer
+adds (measured here as rpc+shm minus shm, scaled by the two machines' memcpy speeds) plus a PCIe copy
+off the GPU; gRPC over TCP by its per-byte CPU cost here, scaled the same way, plus the TCP link. It is
+a model of where the time goes, not of contention: it ignores incast at parameter servers, congestion and
+stragglers, which make real clusters slower at scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """The cluster to project to. Defaults: the seed's (8 servers, a P100 each, 100 Gb/s InfiniBand)."""
+
+    workers: int = 8
+    gpu_tflops: float = 9.3  # P100 fp32 peak
+    gpu_efficiency: float = 0.35  # sustained share of the peak in training (cuDNN/cuBLAS, batch 32)
+    link_gbps: float = 100.0  # InfiniBand EDR
+    rdma_latency_s: float = 3e-6  # one RDMA write plus its flag
+    tcp_gbps: float = 25.0  # TCP over the same fabric (IPoIB), what gRPC.TCP gets before its CPU costs
+    memcpy_gb_per_s: float = 8.0  # one Xeon E5-2690 v4 core
+    pcie_gb_per_s: float = 12.0  # GPU -> host copy before an RPC serializes a tensor (no GPUDirect)
+
+    @property
+    def gpu_flops(self) -> float:
+        return self.gpu_tflops * 1e12 * self.gpu_efficiency
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares (a, b) of y = a + b·x, with a >= 0."""
+    n = len(points)
+    if n == 1:
+        x, y = points[0]
+        return 0.0, y / x
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else my / mx
+    a = my - b * mx
+    if a < 0:  # a line through the origin fits better than a negative latency
+        b = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+        a = 0.0
+    return a, b
+
+
+def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
+    """Per transport (a, b) from the Send/Recv rows and latencies; memcpy's per-byte cost."""
+    rows = sendrecv["rows"]
+    costs: dict[str, dict[str, float]] = {}
+    for t in {r["transport"] for r in rows if r["transport"] != "memcpy"}:
+        mode = "static" if any(r["transport"] == t and r["mode"] == "static" for r in rows) else "rpc"
+        points = [(r["bytes"], r["seconds"]) for r in rows if r["transport"] == t and r["mode"] == mode]
+        latency = dict(sendrecv["latency"].get(t, []))
+        small = min(latency) if latency else None
+        if small is not None:
+            points.append((small, latency[small]))
+        a, b = fit_line(points)
+        if small is not None:
+            a = latency[small]  # the ping-pong is the better measure of a message's fixed cost
+            big = [(x, y) for x, y in points if x >= MB]
+            b = sum((y - a) for _, y in big) / sum(x for x, _ in big) if big else b
+        costs[t] = {"a": a, "b": b, "GBps": 1 / b / 1e9, "latency_us": a * 1e6}
+    memcpy = [r for r in rows if r["transport"] == "memcpy" and r["mode"] == "glibc" and r["bytes"] >= MB]
+    c = sum(r["seconds"] for r in memcpy) / sum(r["bytes"] for r in memcpy) if memcpy else 1 / 10e9
+    return {"transports": costs, "memcpy_per_byte": c}
+
+
+def comm_seconds(
+    mode: str, workers: int, gradient_bytes: float, tensors: int, buckets: int, a: float, b: float, c: float
+) -> float:
+    """Communication of one step without overlap (see the module docstring)."""
+    n, g = workers, gradient_bytes
+    if n <= 1:
+        return 0.0
+    if mode == "allreduce":
+        return 2 * (n - 1) * (a * buckets + g / n * b) + (n - 1) / n * g * c
+    return 2 * (n - 1) * (a * (math.ceil(tensors / n) + 1) + g / n * b) + (n - 1) / n * g * 2 * c
+
+
+def predict_here(
+    run: dict[str, Any], compute_s: float, fixed_s: float, calibration: dict[str, Any], cores: int, bucket_bytes: int
+) -> float | None:
+    """Predicted step seconds of a measured run on this machine (None: its transport was not calibrated).
+
+    `compute_s` is the model's step alone on one core, `fixed_s` the fixed cost of a distributed step of
+    this transport, mode and worker count (measured with a 300-parameter model: it includes any sharing of
+    cores already)."""
+    cost = calibration["transports"].get(run["transport"])
+    if cost is None:
+        return None
+    n = run["workers"]
+    buckets = max(1, math.ceil(run["gradient_bytes"] / bucket_bytes)) if run.get("overlap", 0) else 1
+    comm = comm_seconds(
+        run["mode"],
+        n,
+        run["gradient_bytes"],
+        run["tensors"],
+        buckets,
+        cost["a"],
+        cost["b"],
+        calibration["memcpy_per_byte"],
+    )
+    return max(1.0, n / cores) * (compute_s + comm) + fixed_s
+
+
+@dataclass
+class Projection:
+    """One model's projected per-worker throughput on the testbed, for each transport."""
+
+    model: str
+    mode: str
+    workers: int
+    compute_s: float
+    comm_s: dict[str, float]
+
+    def rate(self, transport: str, overlap: bool = False) -> float:
+        comm = self.comm_s[transport]
+        # With overlap, the backward pass (2/3 of the compute) hides the communication it can.
+        step = self.compute_s / 3 + max(2 * self.compute_s / 3, comm) if overlap else self.compute_s + comm
+        return 1.0 / step
+
+
+TESTBED_TRANSPORTS = ("rdkeras", "rpc_rdma", "grpc_tcp")
+
+
+def testbed_costs(calibration: dict[str, Any], testbed: Testbed) -> dict[str, tuple[float, float]]:
+    """(a, b) per message and per byte on the testbed for rdkeras (RDMA), RPC over RDMA and gRPC over TCP."""
+    t = calibration["transports"]
+    c_here = calibration["memcpy_per_byte"]
+    scale = (1 / (testbed.memcpy_gb_per_s * 1e9)) / c_here  # CPU work per byte there / here
+    link = 8 / (testbed.link_gbps * 1e9)
+    pcie = 1 / (testbed.pcie_gb_per_s * 1e9)
+    shm, rpc, grpc = t.get("shm"), t.get("rpc+shm"), t.get("grpc")
+    out = {"rdkeras": (testbed.rdma_latency_s, link)}
+    if shm and rpc:  # what the RPC layer adds on the same wire, measured here
+        extra_b = max(0.0, rpc["b"] - shm["b"]) * scale
+        extra_a = max(0.0, rpc["a"] - shm["a"])
+        out["rpc_rdma"] = (testbed.rdma_latency_s + extra_a, link + extra_b + pcie)
+    if grpc:
+        out["grpc_tcp"] = (grpc["a"], grpc["b"] * scale + 8 / (testbed.tcp_gbps * 1e9) + pcie)
+    return out
+
+
+def project(
+    model: dict[str, Any], mode: str, calibration: dict[str, Any], testbed: Testbed, bucket_bytes: int = 4 * MB
+) -> Projection:
+    """A model ({"name", "forward_flops", "gradient_bytes", "tensors", "batch"}) on the testbed."""
+    compute = 3 * model["forward_flops"] * model["batch"] / testbed.gpu_flops  # forward + backward ~ 3x forward
+    c_there = 1 / (testbed.memcpy_gb_per_s * 1e9)
+    buckets = max(1, math.ceil(model["gradient_bytes"] / bucket_bytes))
+    comm = {
+        name: comm_seconds(mode, testbed.workers, model["gradient_bytes"], model["tensors"], buckets, a, b, c_there)
+        for name, (a, b) in testbed_costs(calibration, testbed).items()
+    }
+    return Projection(model["name"], mode, testbed.workers, compute, comm)
+
+
+def sweep(
+    model: dict[str, Any], mode: str, calibration: dict[str, Any], testbed: Testbed, workers: list[int]
+) -> list[dict[str, Any]]:
+    """Per-worker throughput and speed-ups at each cluster size (the testbed's hardware, more servers)."""
+    rows = []
+    for n in workers:
+        p = project(model, mode, calibration, Testbed(**{**asdict(testbed), "workers": n}))
+        rate = {t: p.rate(t) for t in p.comm_s}
+        rows.append({"workers": n, "rates": rate, "compute_s": p.compute_s, "comm_s": p.comm_s})
+    return rows

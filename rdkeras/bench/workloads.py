@@ -1,0 +1,293 @@
+"""What the paper suite runs inside each worker: the seed's models on synthetic data, timed.
+
+Model sizes come from the recipes' model configs (``conf/model/NAME.yaml``),
+optionally overridden; the data is synthetic (random inputs and labels, as
+TensorFlow's tf_cnn_benchmarks), shaped from the model. Every worker is pinned
+to one core with one TensorFlow thread for math, so per-worker compute is the
+same in every configuration and only communication differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import itertools
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+SEED_MODELS = ("vgg16", "lstm", "fcn5", "alexnet", "inception_v3", "gru")
+
+# Sizes for the test's tiny run (seconds per configuration, not meaning).
+TINY_SIZES: dict[str, dict[str, Any]] = {
+    "fcn5": {"input_dim": 256, "hidden": 128},
+    "lstm": {"vocab_size": 200, "seq_len": 8, "embed_dim": 16, "hidden": 16},
+    "gru": {"vocab_size": 200, "seq_len": 8, "embed_dim": 16, "hidden": 16},
+    "vgg16": {"image_size": 32, "width": 0.0625, "fc_units": 64},
+    "alexnet": {"image_size": 64, "width": 0.0625},
+    "inception_v3": {"image_size": 75},
+}
+
+
+PROBE = {"_target_": "rdkeras.bench.workloads.probe_model"}
+
+
+def probe_model() -> Any:
+    """A 300-parameter MLP: its distributed step minus its local step is the fixed cost of a distributed step
+    (the exchange's hops through Python and TensorFlow), which the scale model needs."""
+    import keras
+
+    inputs = keras.Input((16,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu", name="fc1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, activation="softmax", name="predictions")(hidden), name="probe")
+
+
+def model_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The recipe's model config (``conf/model/NAME.yaml``) with `overrides` applied."""
+    from omegaconf import OmegaConf
+
+    from rdkeras.train.config import config_dirs
+
+    if name == "probe":
+        return dict(PROBE)
+    path = config_dirs()[0] / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no model config {path.name}; the seed's models are {', '.join(SEED_MODELS)}")
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert isinstance(cfg, dict)
+    unknown = set(overrides or {}) - set(cfg)
+    if unknown:
+        raise ValueError(
+            f"model {name} has no option(s) {sorted(unknown)}; it has {sorted(k for k in cfg if k[0] != '_')}"
+        )
+    cfg.update(overrides or {})
+    return cfg
+
+
+def build_model(cfg: dict[str, Any]) -> Any:
+    """The Keras model a model config describes (its ``_target_`` called with the other keys)."""
+    module, func = cfg["_target_"].rsplit(".", 1)
+    return getattr(importlib.import_module(module), func)(**{k: v for k, v in cfg.items() if k != "_target_"})
+
+
+def synthetic_data(model: Any, samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random inputs and class labels shaped for `model` (token ids where its input is an integer)."""
+    import keras
+
+    rng = np.random.default_rng(seed)
+    inp, out = model.inputs[0], model.outputs[0]
+    shape = (samples, *inp.shape[1:])
+    if "int" in str(inp.dtype):
+        vocab = next(layer.input_dim for layer in model.layers if isinstance(layer, keras.layers.Embedding))
+        x = rng.integers(0, vocab, shape).astype(np.int32)
+    else:
+        x = rng.random(shape, dtype=np.float32)
+    y = rng.integers(0, out.shape[-1], (samples, *out.shape[1:-1])).astype(np.int32)
+    return x, y
+
+
+def forward_flops(model: Any) -> int:
+    """Multiply-adds x 2 of one example's forward pass, from the layers' shapes (Dense, Conv2D, LSTM,
+    GRU; pooling, normalization and activations are negligible and not counted)."""
+    import keras
+
+    total = 0
+    for layer in model.layers:
+        try:
+            ins, outs = layer.input.shape, layer.output.shape
+        except (AttributeError, ValueError):
+            continue
+        if isinstance(layer, keras.layers.Dense):
+            positions = int(np.prod(ins[1:-1])) if len(ins) > 2 else 1
+            total += 2 * ins[-1] * layer.units * positions
+        elif isinstance(layer, keras.layers.Conv2D):
+            kh, kw = layer.kernel_size
+            total += 2 * kh * kw * ins[-1] * layer.filters * outs[1] * outs[2] // layer.groups
+        elif isinstance(layer, (keras.layers.LSTM, keras.layers.GRU)):
+            gates = 4 if isinstance(layer, keras.layers.LSTM) else 3
+            total += 2 * gates * (ins[-1] + layer.units) * layer.units * ins[1]
+    return int(total)
+
+
+def pin_and_thread(rank: int, inter_op: int) -> None:
+    """This worker on one core (rank mod cores), TensorFlow with one math thread."""
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+
+
+def next_job(strategy: Any, i: int) -> None:
+    """Before closing a strategy: rank 0 picks the next one's rendezvous port and tells everyone."""
+    from rdkeras.launch import free_port
+
+    store = strategy.engine.store
+    if strategy.worker_index == 0:
+        store.set(f"next_port/{i}", str(free_port()).encode())
+    (port,) = store.get([f"next_port/{i}"], waiting_for=[0])
+    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
+
+
+def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
+    """fit() once over (x, y); the steps after `warmup` are timed, with the engine's traffic over them.
+
+    ``step_seconds`` is the median step (from one batch's end to the next): robust to the bursts of other
+    work on a shared machine, which a mean is not. ``mean_step_seconds`` is the mean.
+    """
+    import keras
+
+    marks: dict[str, Any] = {"ends": []}
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
+            if b == warmup:
+                marks["t0"] = time.perf_counter()
+                marks["before"] = engine.traffic() if engine is not None else None
+
+        def on_train_batch_end(self, b: int, logs: Any = None) -> None:
+            if b >= warmup - 1:  # the last one wins; epoch-end work stays outside
+                marks["ends"].append(time.perf_counter())
+            marks["steps"] = b + 1 - warmup
+
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
+    ends = marks["ends"]
+    steps = [b - a for a, b in itertools.pairwise(ends)]
+    out: dict[str, Any] = {
+        "step_seconds": float(np.median(steps)),
+        "mean_step_seconds": (ends[-1] - marks["t0"]) / marks["steps"],
+        "steps": marks["steps"],
+    }
+    if engine is not None:
+        after = engine.traffic()
+        for key in ("bytes_written", "bytes_received", "wait_seconds", "copy_seconds", "wire_seconds"):
+            if key in after:
+                out[f"{key}_per_step"] = (after[key] - marks["before"][key]) / marks["steps"]
+    return out
+
+
+def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, steps: int, inter_op: int = 1) -> dict:
+    """Times model.fit for each run ({"mode", "model", "config", "batch", "overlap"}), in order.
+
+    `batch` is the per-worker batch (the seed's convention): fit gets the global batch, batch x workers.
+    Consecutive runs with the same data-parallel mode share one RDMAStrategy. Returns this rank's results.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    pin_and_thread(rank, inter_op)
+    import keras
+
+    import rdkeras
+    from rdkeras.parallel import collectives
+
+    results: list[dict[str, Any]] = []
+    groups: list[list[dict[str, Any]]] = []
+    for run in runs:
+        if groups and groups[-1][0]["mode"] == run["mode"]:
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    transport = "none"
+    for g, group in enumerate(groups):
+        strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"]) if distributed else None
+        workers = strategy.num_workers if strategy else 1
+        transport = strategy.transport if strategy else "none"
+        for run in group:
+            collectives.OVERLAP_BYTES = run.get("overlap")  # read when the model is attached (None: the default)
+            with strategy.scope() if strategy else contextlib.nullcontext():
+                keras.utils.set_random_seed(1)
+                model = build_model(run["config"])
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False
+                )
+            x, y = synthetic_data(model, run["batch"] * workers * (warmup + steps))
+            timed = _timed_fit(model, x, y, run["batch"] * workers, warmup, strategy.engine if strategy else None)
+            params = int(model.count_params())
+            results.append(
+                {
+                    **{k: v for k, v in run.items() if k != "config"},
+                    **timed,
+                    "rate": 1.0 / timed["step_seconds"],
+                    "params": params,
+                    "gradient_bytes": int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)),
+                    "tensors": len(model.trainable_weights),
+                    "forward_flops": forward_flops(model),
+                    "workers": workers,
+                    "transport": transport,
+                }
+            )
+            del model, x, y
+            gc.collect()
+        if strategy:
+            if g + 1 < len(groups):
+                next_job(strategy, g)
+            strategy.close()
+    return {"rank": rank, "results": results}
+
+
+def convergence_rank(
+    task: str, steps: int, batch: int, distributed: bool, limit: int | None = None, inter_op: int = 1
+) -> dict:
+    """Trains a real-data recipe's model for `steps` steps and returns (seconds, loss) after every step.
+
+    task "fashion_mnist_cnn": the 2-conv CNN on Fashion-MNIST (the CIFAR stand-in), loss;
+    task "lstm_lm": the character LSTM on Shakespeare (the Seq2Seq stand-in), perplexity = exp(loss).
+    `batch` is per worker. Every worker sees the same data in the same order as one process would.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    pin_and_thread(rank, inter_op)
+    import keras
+
+    import rdkeras
+    from rdkeras import data as datasets
+    from rdkeras.parallel import collectives
+
+    collectives.OVERLAP_BYTES = 0  # the exchange after backprop, for every transport alike
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    workers = strategy.num_workers if strategy else 1
+    global_batch = batch * workers
+    if task == "fashion_mnist_cnn":
+        data = datasets.fashion_mnist(limit=limit or steps * global_batch)
+        cfg = model_config("fashion_cnn")
+        lr = 1e-3
+    elif task == "lstm_lm":
+        data = datasets.shakespeare(limit=limit or steps * global_batch)
+        cfg = model_config("char_lm", {"vocab_size": data.info["vocab_size"]})
+        lr = 3e-3
+    else:
+        raise ValueError(f"unknown convergence task {task!r}: fashion_mnist_cnn or lstm_lm")
+    n = min(len(data.x), steps * global_batch)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        keras.utils.set_random_seed(1)
+        model = build_model(cfg)
+        model.compile(optimizer=keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy", jit_compile=False)
+    curve: list[tuple[float, float]] = []
+
+    class Curve(keras.callbacks.Callback):
+        def on_train_batch_end(self, b: int, logs: Any = None) -> None:
+            # Time from the end of the first step: TensorFlow's tracing (seconds, alike for every transport) is
+            # not training. The loss Keras logs is the running mean over the epoch.
+            now = time.perf_counter()
+            if b == 0:
+                self.t0 = now
+            curve.append((now - self.t0, float(logs["loss"])))
+
+    model.fit(data.x[:n], data.y[:n], batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Curve()])
+    transport = strategy.transport if strategy else "none"
+    if strategy:
+        strategy.close()
+    return {
+        "rank": rank,
+        "task": task,
+        "curve": curve,
+        "transport": transport,
+        "workers": workers,
+        "global_batch": global_batch,
+        "samples": n,
+        "data": data.description,
+    }

@@ -1,0 +1,660 @@
+"""rpc+shm, rpc+tcp, rpc+verbs: the RPC baseline carried over the engine's own fast transports.
+
+The seed's "gRPC.RDMA" (TensorFlow's ``grpc+verbs``): the same wire as rdkeras,
+with RPC's abstraction on top of it. Every tensor becomes a TensorProto-style
+message (the grpc baseline's ``TensorMessage``: dtype, shape,
+tensor_content), and what it costs is what the seed blames RPC for:
+
+1. serialization: the sender copies header and tensor into its RPC-managed
+   send buffer (one copy; the header is protobuf-encoded, the tensor bytes
+   follow as the ``tensor_content`` field, so the bytes are a valid message);
+2. packet split: the message goes out in frames of at most ``FRAME_BYTES``,
+   each one write into the receiver's RPC-managed receive buffer (a ring of
+   frame slots in its registered arena) plus a flag, over the inner
+   transport (shm: a memcpy into the peer's arena; tcp: a socket; verbs: RDMA
+   WRITE);
+3. merge and deserialization on arrival: the receiver parses the header
+   (protobuf) and copies each frame's bytes into a freshly allocated tensor
+   (one copy, as TensorFlow's ``TensorResponse`` parses gRPC's slices
+   straight into the tensor), then acks the frame slot.
+
+So a tensor is copied three times (rdkeras: once), and the receiver's CPU
+parses every message (rdkeras: polls a flag). Nothing else is made slower than
+it must be: buffers are registered and reused (no page faults per message),
+copies are single memcpy calls that release the GIL, frames pipeline (the
+receiver parses frame k while frame k+1 is written), and a channel's receive
+buffer holds two whole messages so, as with the native channels, a send waits
+only when two messages are unread.
+
+One-sided region access (``write``/``read``/``write_flag``, the parameter
+server's push and pull) becomes unary RPCs, as in the grpc baseline: a request
+stream to the target, served in order by a server thread there (started once
+this rank registers memory, the only thing requests can address), and a reply
+stream back that the caller reads itself. ``RpcBackend`` implements
+``rdkeras.transports.base.Backend``; ``rdkeras.transports`` registers it once
+per inner transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rdkeras import _engine
+from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras.transports.base import BackendConfig
+from rdkeras.transports.grpc import TensorMessage
+
+INNER = ("shm", "tcp", "verbs")  # what "rpc+NAME" may carry over
+FRAME_BYTES = 1 << 20  # the largest frame: messages are split into frames this size
+SERVICE_FRAMES = 8  # frame slots of a request/reply stream or a dynamic channel (8 MiB of buffer)
+_HEADER = 64  # per frame slot: the flag word, alone in its cache line
+_SLOT = _HEADER + FRAME_BYTES
+_PREFIX = struct.Struct("<IIQ")  # header length, length of the content field's tag+varint, content bytes
+_META_MAX = 4096  # a message's prefix + header + field prefix stays below this (in its first frame)
+_CONTENT_TAG = b"\x1a"  # TensorMessage field 3 (tensor_content), wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _bytes_of(data: Any) -> np.ndarray:
+    """A uint8 view of any C-contiguous buffer (numpy of any dtype, bytes, memoryview)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if src.nbytes >= 1 << 16:
+        _engine.memcpy(dst, src, False)  # glibc memcpy with the GIL released
+    elif src.nbytes:
+        dst[...] = src
+
+
+def _frames_for(nbytes: int) -> int:
+    return max(1, math.ceil((nbytes + _META_MAX) / FRAME_BYTES))
+
+
+def _fields(descriptor: str) -> dict[str, str]:
+    """ "kind a=1 b=2" -> {"a": "1", "b": "2"}."""
+    return dict(kv.split("=", 1) for kv in descriptor.split()[1:])
+
+
+class _SendStream:
+    """The sending half of one RPC connection: serializes messages and writes their frames into the
+    receiver's frame slots (``_RecvStream``), waiting for a slot only when all are unread."""
+
+    def __init__(self, backend: RpcBackend, peer: int, initial_bytes: int = 0):
+        self.backend, self.peer = backend, peer
+        inner = backend.inner
+        self.ack = inner.alloc(64).view(np.uint64)  # frames the receiver has released
+        self.ack[:] = 0
+        self.ack_key = inner.register(self.ack)
+        self.key = 0  # the receiver's slots, and how many
+        self.slots = 0
+        self.sent = 0
+        self._buffer = inner.alloc(initial_bytes + _META_MAX) if initial_bytes else None
+        if self._buffer is not None:
+            self._buffer[:] = 0  # fault the pages in now, not on the first message
+
+    def connect(self, key: int, slots: int) -> None:
+        self.key, self.slots = key, slots
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._buffer = self.backend.inner.alloc(
+                max(nbytes, 2 * (0 if self._buffer is None else self._buffer.nbytes))
+            )
+        return self._buffer
+
+    def send(self, header: Any, content: np.ndarray | None = None) -> None:
+        """Serializes `header` (a TensorMessage without tensor_content) and `content` (uint8) and sends them."""
+        if not self.key:
+            raise EngineError(f"rpc: the stream to rank {self.peer} is not connected")
+        head = header.SerializeToString()
+        n = 0 if content is None else content.nbytes
+        field = _CONTENT_TAG + _varint(n) if n else b""
+        meta = _PREFIX.pack(len(head), len(field), n) + head + field
+        if len(meta) > _META_MAX:
+            raise EngineError(f"rpc: a message header of {len(meta)} bytes exceeds {_META_MAX}")
+        total = len(meta) + n
+        buf = self._staging(total)
+        t0 = time.perf_counter()
+        buf[: len(meta)] = np.frombuffer(meta, np.uint8)
+        if n:
+            _copy(buf[len(meta) : total], content)  # serialization: the tensor into the RPC buffer
+        t1 = time.perf_counter()
+        for start in range(0, total, FRAME_BYTES):
+            self._frame(buf[start : min(total, start + FRAME_BYTES)])
+        self.backend.count_time(copy=t1 - t0, wire=time.perf_counter() - t1)
+
+    def _frame(self, piece: np.ndarray) -> None:
+        inner, n = self.backend.inner, self.sent
+        if n >= self.slots:  # every slot holds an unread frame: wait for the oldest to be released
+            inner.wait_flag(self.ack, 0, n - self.slots + 1, self.peer)
+        at = (n % self.slots) * _SLOT
+        inner.write(self.peer, piece, self.key, at + _HEADER)
+        inner.write_flag(self.peer, self.key, at, (n + 1) << 32 | piece.nbytes)  # ordered after the data
+        self.sent += 1
+
+
+class _RecvStream:
+    """The receiving half: frame slots in registered memory the sender writes into, parsed on arrival."""
+
+    def __init__(self, backend: RpcBackend, peer: int, slots: int):
+        self.backend, self.peer, self.slots = backend, peer, slots
+        inner = backend.inner
+        self.block = inner.alloc(slots * _SLOT)
+        self.flags = self.block.view(np.uint64)
+        for s in range(slots):
+            self.flags[s * _SLOT // 8] = 0
+        self.key = inner.register(self.block)
+        self.ack_key = 0  # the sender's ack word
+        self.received = 0
+        self.last_copy_seconds = 0.0
+
+    def connect(self, ack_key: int) -> None:
+        self.ack_key = ack_key
+
+    def poke(self) -> None:
+        """Wakes whoever waits for the next frame (closing: it finds no frame and gives up)."""
+        self.flags[(self.received % self.slots) * _SLOT // 8] = np.uint64(1 << 63)
+
+    def _next_frame(self) -> np.ndarray:
+        n = self.received
+        at = (n % self.slots) * _SLOT
+        self.backend.inner.wait_flag(self.block, at, (n + 1) << 32, self.peer)
+        flag = int(self.flags[at // 8])
+        if flag >> 32 != n + 1:
+            raise EngineError(f"rpc: the stream from rank {self.peer} was closed")
+        return self.block[at + _HEADER : at + _HEADER + (flag & 0xFFFFFFFF)]
+
+    def _release(self) -> None:
+        self.received += 1
+        self.backend.inner.write_flag(self.peer, self.ack_key, 0, self.received)
+
+    def recv(self, destination: Callable[[Any, int], np.ndarray | None]) -> tuple[Any, np.ndarray | None]:
+        """The next message: its header (parsed) and its content, deserialized into
+        ``destination(header, nbytes)`` (a uint8 array; None: drop the content)."""
+        frame = self._next_frame()
+        head_len, field_len, n = _PREFIX.unpack_from(frame.data, 0)
+        at = _PREFIX.size
+        header = TensorMessage.FromString(frame[at : at + head_len].tobytes())
+        at += head_len + field_len
+        dest = destination(header, n)
+        filled, copying = 0, 0.0
+        while True:
+            take = min(frame.nbytes - at, n - filled)
+            if take and dest is not None:
+                t0 = time.perf_counter()
+                _copy(dest[filled : filled + take], frame[at : at + take])  # merge + deserialize
+                copying += time.perf_counter() - t0
+            filled += take
+            self._release()
+            if filled >= n:
+                self.backend.count_time(copy=copying)
+                self.last_copy_seconds = copying  # callers count the rest of the receive as waiting
+                return header, dest
+            frame, at = self._next_frame(), 0
+
+
+class RpcBackend:
+    """The Backend interface as RPC over a native transport (see the module docstring)."""
+
+    def __init__(self, config: BackendConfig, inner: str, native: Any):
+        """`native` is the inner transport's backend (rdkeras._engine.Engine), listening, not connected."""
+        if inner not in INNER:
+            raise ValueError(f"rpc: cannot carry RPC over {inner!r}; choose one of {', '.join(INNER)}")
+        self.rank, self.world_size, self.timeout = config.rank, config.world_size, config.timeout
+        self.inner_name = inner
+        self.inner: Any = native  # Any: numpy arrays are buffers, which the stub's typing misses
+        self._regions: dict[int, np.ndarray] = {}
+        self._next_key = itertools.count(1)
+        self._regions_lock = threading.Lock()
+        self._traffic: dict[str, float] = dict.fromkeys(
+            ("bytes_written", "bytes_read", "writes", "reads", "flags", "bytes_received", "wait_seconds"), 0
+        )
+        self._traffic.update(copy_seconds=0.0, wire_seconds=0.0)  # where an RPC's time goes (benchmarks)
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        # Per peer: requests to it and their replies, requests from it and our replies.
+        self._requests = {p: _SendStream(self, p) for p in peers}
+        self._replies_in = {p: _RecvStream(self, p, SERVICE_FRAMES) for p in peers}
+        self._requests_in = {p: _RecvStream(self, p, SERVICE_FRAMES) for p in peers}
+        self._replies = {p: _SendStream(self, p) for p in peers}
+        self._call_locks = {p: threading.Lock() for p in peers}
+        self._servers: list[threading.Thread] = []
+        self._server_error: dict[int, BaseException] = {}
+        self._closing = False
+        self._channels: list[Any] = []
+        service = ",".join(
+            f"{p}:{self._requests[p].ack_key}:{self._replies_in[p].key}:{self._requests_in[p].key}:"
+            f"{self._replies[p].ack_key}"
+            for p in peers
+        )
+        self.descriptor = f"rpc+{inner} service={service or '-'} inner={self.inner.descriptor}"
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
+        inner_descriptors, service = [], {}
+        for r, d in enumerate(descriptors):
+            kind, rest = d.split(" ", 1)
+            if kind != f"rpc+{self.inner_name}":
+                raise EngineError(f"rpc: rank {r} runs transport {kind!r}, this rank rpc+{self.inner_name}")
+            svc, inner = rest.split(" inner=", 1)
+            inner_descriptors.append(inner)
+            entries = svc.split("=", 1)[1]
+            service[r] = {
+                int(e.split(":")[0]): [int(k) for k in e.split(":")[1:]] for e in entries.split(",") if e != "-"
+            }
+        self.inner.connect(inner_descriptors, key, watch)  # the native handshake authenticates the peers
+        for p in self._requests:
+            # Peer p's entry for this rank: its requests' ack, its reply inbox, its request inbox, its replies' ack.
+            req_ack, reply_inbox, request_inbox, reply_ack = service[p][self.rank]
+            self._requests[p].connect(request_inbox, SERVICE_FRAMES)
+            self._replies_in[p].connect(reply_ack)
+            self._requests_in[p].connect(req_ack)
+            self._replies[p].connect(reply_inbox, SERVICE_FRAMES)
+
+    def _start_servers(self) -> None:
+        if self._servers or self._closing:
+            return
+        for p in self._requests_in:
+            t = threading.Thread(target=self._serve, args=(p,), name=f"rdkeras-rpc-server-{p}", daemon=True)
+            t.start()
+            self._servers.append(t)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for stream in self._requests_in.values():
+            stream.poke()
+        for t in self._servers:
+            t.join(timeout=10)
+        self.inner.close()
+
+    # -- failures: the inner engine's root-cause protocol (a peer's death is seen on its wire) ----
+
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        return self.inner.failure
+
+    def report_failure(self, rank: int, why: str) -> None:
+        self.inner.report_failure(rank, why)
+
+    # -- what happened ---------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()
+
+    def traffic(self) -> dict[str, float]:
+        return dict(self._traffic)
+
+    def count_received(self, nbytes: int) -> None:
+        self._traffic["bytes_received"] += nbytes
+
+    def count(self, kind: str, nbytes: int) -> None:
+        self._traffic["bytes_written" if kind == "writes" else "bytes_read"] += nbytes
+        self._traffic[kind] += 1
+
+    def count_wait(self, seconds: float) -> None:
+        self._traffic["wait_seconds"] += seconds
+
+    def count_time(self, copy: float = 0.0, wire: float = 0.0) -> None:
+        """Seconds spent (de)serializing (copies) and writing frames (the inner wire, slot waits included)."""
+        self._traffic["copy_seconds"] += copy
+        self._traffic["wire_seconds"] += wire
+
+    # -- registered memory -------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return self.inner.alloc(nbytes)
+
+    def register(self, buffer: Any) -> int:
+        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)  # holds the buffer alive
+        if view.flags.writeable is False:
+            raise EngineError("register: the buffer is read-only (peers write into registered memory)")
+        with self._regions_lock:
+            key = next(self._next_key) << 32 | 1
+            self._regions[key] = view
+        self._start_servers()  # requests can address this rank from now on
+        return key
+
+    def deregister(self, key: int) -> None:
+        with self._regions_lock:
+            if self._regions.pop(key, None) is None:
+                raise EngineError(f"deregister: no region with key {key:#x}")
+
+    # -- one-sided access, as unary RPCs -----------------------------------------------------
+
+    def _call(self, peer: int, request: Any, content: np.ndarray | None = None, into: np.ndarray | None = None) -> Any:
+        """Sends `request` to `peer`'s server and waits for its reply (whose content lands in `into`)."""
+        if peer not in self._requests:
+            raise EngineError(f"rpc: no connection to rank {peer}")
+        with self._call_locks[peer]:
+            self._requests[peer].send(request, content)
+
+            def destination(reply: Any, n: int) -> np.ndarray | None:
+                return into[:n] if into is not None and n <= into.nbytes else None
+
+            start = time.monotonic()  # from here on, the server's turn: serving, replying
+            reply, _ = self._replies_in[peer].recv(destination)
+            self.count_wait(time.monotonic() - start - self._replies_in[peer].last_copy_seconds)
+        if reply.dtype == "RemoteAccessError":
+            raise RemoteAccessError(reply.channel)
+        if reply.dtype:
+            raise EngineError(reply.channel)
+        return reply
+
+    def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
+        data = _bytes_of(src)
+        self._call(peer, TensorMessage(key=key, offset=offset, length=data.nbytes, channel="Write"), data)
+        self.count("writes", data.nbytes)
+
+    def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
+        view = _bytes_of(dst)
+        if not view.flags.writeable:
+            raise EngineError("read: the destination is read-only")
+        self._call(peer, TensorMessage(key=key, offset=offset, length=view.nbytes, channel="Read"), into=view)
+        self.count("reads", view.nbytes)
+
+    def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
+        self._call(peer, TensorMessage(key=key, offset=offset, value=value, channel="Flag"))
+        self._traffic["flags"] += 1
+
+    def flush(self, peer: int) -> None:
+        self.check_peer(peer)  # every call above waited for its reply
+
+    def check_peer(self, peer: int) -> None:
+        self.inner.check_peer(peer)
+
+    def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
+        start = time.monotonic()
+        try:
+            self.inner.wait_flag(buffer, offset, value, peer)
+        finally:
+            self.count_wait(time.monotonic() - start)
+
+    # -- the server side -----------------------------------------------------------------
+
+    def _region(self, op: str, req: Any, length: int) -> np.ndarray:
+        with self._regions_lock:
+            region = self._regions.get(req.key)
+        if region is None:
+            raise RemoteAccessError(
+                f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, or never registered)"
+            )
+        if req.offset > region.nbytes or length > region.nbytes - req.offset:
+            raise RemoteAccessError(
+                f"{op} of {length} bytes at offset {req.offset} is out of bounds of rank {self.rank}'s region "
+                f"{req.key:#x} ({region.nbytes} bytes)"
+            )
+        return region
+
+    def _serve(self, peer: int) -> None:
+        """Serves `peer`'s requests in order until the backend closes or the peer dies."""
+        inbox, replies = self._requests_in[peer], self._replies[peer]
+        failure: list[BaseException] = []  # what the request being received did wrong
+
+        def destination(req: Any, n: int) -> np.ndarray | None:
+            if req.channel != "Write":
+                return None
+            try:
+                region = self._region("write", req, n)
+            except RemoteAccessError as e:
+                failure.append(e)
+                return None
+            return region[req.offset : req.offset + n]  # deserialized straight into the region
+
+        while not self._closing:
+            failure.clear()
+            try:
+                req, _ = inbox.recv(destination)
+            except TimeoutError:
+                continue  # idle: nobody asked for anything within the timeout
+            except (PeerError, EngineError) as e:
+                if not self._closing:
+                    self._server_error[peer] = e
+                return
+            reply, content = TensorMessage(), None
+            try:
+                if failure:
+                    raise failure[0]
+                if req.channel == "Write":
+                    self.count_received(req.length)
+                elif req.channel == "Read":
+                    region = self._region("read", req, req.length)
+                    content = region[req.offset : req.offset + req.length]
+                elif req.channel == "Flag":
+                    if req.offset % 8:
+                        raise RemoteAccessError(f"flag offset {req.offset} is not 8-byte aligned")
+                    region = self._region("writeFlag", req, 8)
+                    region[req.offset : req.offset + 8].view(np.uint64)[0] = req.value
+                else:
+                    raise EngineError(f"rpc: rank {peer} sent an unknown request {req.channel!r}")
+            except EngineError as e:
+                reply = TensorMessage(dtype=type(e).__name__, channel=str(e))
+            try:
+                replies.send(reply, content)
+            except EngineError as e:
+                if not self._closing:
+                    self._server_error[peer] = e
+                return
+
+    # -- channels and rings -------------------------------------------------------------
+
+    def static_channel(self, sender: bool, peer: int, nbytes: int) -> RpcStaticChannel:
+        return RpcStaticChannel(self, sender, peer, nbytes)
+
+    def dynamic_channel(self, sender: bool, peer: int) -> RpcDynamicChannel:
+        return RpcDynamicChannel(self, sender, peer)
+
+    def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> RpcRing:
+        return RpcRing(self, capacity_bytes, list(members))
+
+
+class _RpcChannel:
+    """One end of a channel: the sender's half of a stream, or the receiver's (which owns the slots).
+
+    Descriptors: the receiver's says where its slots are, the sender's where its ack word is.
+    """
+
+    def __init__(self, backend: RpcBackend, sender: bool, peer: int, slots: int, message_bytes: int = 0):
+        self.backend, self.sender, self.peer = backend, sender, peer
+        self.sequence = 0
+        if sender:
+            self._tx: _SendStream | None = _SendStream(backend, peer, message_bytes)
+            self._rx: _RecvStream | None = None
+            self.descriptor = f"rpc-channel ack={self._tx.ack_key}"
+        else:
+            self._tx, self._rx = None, _RecvStream(backend, peer, slots)
+            self.descriptor = f"rpc-channel key={self._rx.key} slots={slots}"
+
+    def connect(self, remote_descriptor: str) -> None:
+        f = _fields(remote_descriptor)
+        if self._tx is not None:
+            self._tx.connect(int(f["key"]), int(f["slots"]))
+        else:
+            assert self._rx is not None
+            self._rx.connect(int(f["ack"]))
+
+    def _send(self, data: np.ndarray, dtype: str, shape: Sequence[int]) -> int:
+        if self._tx is None:
+            raise EngineError("send() called on the receiving end of a channel")
+        self._tx.send(TensorMessage(dtype=dtype, shape=list(shape), seq=self.sequence), data)
+        self.backend.count("writes", data.nbytes)
+        self.sequence += 1
+        return self.sequence - 1
+
+    def _recv(self, destination: Callable[[Any, int], np.ndarray]) -> tuple[Any, np.ndarray]:
+        if self._rx is None:
+            raise EngineError("recv() called on the sending end of a channel")
+        start = time.monotonic()
+        header, data = self._rx.recv(destination)
+        self.backend.count_wait(time.monotonic() - start - self._rx.last_copy_seconds)
+        if header.seq != self.sequence:
+            raise EngineError(f"rpc: expected message {self.sequence} from rank {self.peer}, got {header.seq}")
+        assert data is not None
+        self.backend.count("reads", data.nbytes)
+        self.backend.count_received(data.nbytes)
+        self.sequence += 1
+        return header, data
+
+    # RPC copies the tensor when it is sent: the source is free at once.
+    @property
+    def acked(self) -> int:
+        return self.sequence
+
+    def wait_acked(self, count: int) -> None:
+        if count > self.sequence:
+            raise EngineError(f"wait_acked({count}): only {self.sequence} messages were sent")
+
+
+class RpcStaticChannel(_RpcChannel):
+    """Fixed-size messages; the receive buffer holds two (a send waits only when both are unread)."""
+
+    def __init__(self, backend: RpcBackend, sender: bool, peer: int, nbytes: int):
+        super().__init__(backend, sender, peer, 2 * _frames_for(nbytes), nbytes)
+        self.nbytes = nbytes
+        # Where received tensors land, alternating: each stays valid until the next recv().
+        self._landing = [] if sender else [backend.inner.alloc(max(nbytes, 1)) for _ in range(2)]
+
+    def send(self, data: Any) -> None:
+        a = _bytes_of(data)
+        if a.nbytes != self.nbytes:
+            raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
+        self._send(a, "|u1", [a.nbytes])
+
+    def recv(self) -> np.ndarray:
+        landing = self._landing[self.sequence % 2]
+
+        def destination(header: Any, n: int) -> np.ndarray:
+            if n != self.nbytes:
+                raise EngineError(f"static channel carries {self.nbytes} bytes per message, rank {self.peer} sent {n}")
+            return landing[:n]
+
+        return self._recv(destination)[1]
+
+
+class RpcDynamicChannel(_RpcChannel):
+    """Messages that carry their dtype and shape; each lands in a fresh buffer the array owns."""
+
+    def __init__(self, backend: RpcBackend, sender: bool, peer: int):
+        super().__init__(backend, sender, peer, SERVICE_FRAMES)
+
+    def send(self, data: Any, dtype: str, shape: Sequence[int]) -> int:
+        return self._send(_bytes_of(data), dtype, shape)
+
+    def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        header, data = self._recv(lambda header, n: self.backend.inner.alloc(n))
+        return data, header.dtype, tuple(header.shape)
+
+
+class RpcRing:
+    """Ring allreduce over RPC messages, as TensorFlow's gRPC collective runs it: reduce-scatter then
+    allgather, every chunk a serialized message deserialized on arrival (reductions in numpy)."""
+
+    def __init__(self, backend: RpcBackend, capacity_bytes: int, members: list[int]):
+        n, r = len(members), members.index(backend.rank)
+        self.backend, self.n, self.position, self.capacity = backend, n, r, capacity_bytes
+        chunk = math.ceil(capacity_bytes / n) + 64
+        self._chunk_bytes = chunk
+        if n > 1:
+            left, right = members[(r - 1) % n], members[(r + 1) % n]
+            slots = 2 * _frames_for(chunk)
+            self._tx: _SendStream | None = _SendStream(backend, right, chunk)
+            self._rx: _RecvStream | None = _RecvStream(backend, left, slots)
+            self._scratch = backend.inner.alloc(chunk)
+            self._scratch[:] = 0
+            self.descriptor = (
+                f"rpc-ring rank={backend.rank} capacity={capacity_bytes} rx={self._rx.key} slots={slots} "
+                f"txack={self._tx.ack_key}"
+            )
+        else:
+            self._tx = self._rx = None
+            self.descriptor = f"rpc-ring rank={backend.rank} capacity={capacity_bytes}"
+
+    def connect(self, left: str, right: str) -> None:
+        lf, rf = _fields(left), _fields(right)
+        for f in (lf, rf):
+            if int(f["capacity"]) != self.capacity:
+                raise EngineError(f"allreduce: rank {f['rank']} declared another capacity ({f['capacity']})")
+        assert self._tx is not None and self._rx is not None
+        self._rx.connect(int(lf["txack"]))
+        self._tx.connect(int(rf["rx"]), int(rf["slots"]))
+
+    def _send(self, chunk: np.ndarray) -> None:
+        assert self._tx is not None
+        data = chunk.view(np.uint8)
+        self._tx.send(TensorMessage(dtype=chunk.dtype.str, shape=[chunk.size]), data)
+        self.backend.count("writes", data.nbytes)
+
+    def _recv_into(self, out: np.ndarray) -> None:
+        rx = self._rx
+        assert rx is not None
+        start = time.monotonic()
+
+        def destination(header: Any, n: int) -> np.ndarray:
+            if n != out.nbytes:
+                raise EngineError(f"allreduce: rank {rx.peer} sent a chunk of {n} bytes, expected {out.nbytes}")
+            return out.view(np.uint8)
+
+        rx.recv(destination)
+        self.backend.count_wait(time.monotonic() - start - rx.last_copy_seconds)
+        self.backend.count("reads", out.nbytes)
+        self.backend.count_received(out.nbytes)
+
+    def allreduce(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
+        arrays = [np.asarray(a) for a in arrays]
+        if not arrays:
+            return []
+        dtype = arrays[0].dtype
+        if dtype.kind != "f" or dtype.itemsize not in (4, 8) or any(a.dtype != dtype for a in arrays):
+            raise TypeError("allreduce supports float32 and float64 tensors, all of one dtype")
+        # Each tensor starts on a 64-byte boundary, so TensorFlow can alias the outputs (the padding sums zeros).
+        pad = 64 // dtype.itemsize
+        starts, total = [], 0
+        for a in arrays:
+            starts.append(total)
+            total += -(-a.size // pad) * pad
+        if total * dtype.itemsize > self.capacity:
+            raise EngineError(
+                f"allreduce of {total * dtype.itemsize} bytes exceeds this ring's capacity of {self.capacity}"
+            )
+        flat = self.backend.inner.alloc(max(total * dtype.itemsize, 1)).view(dtype)[:total]
+        for a, at in zip(arrays, starts, strict=True):
+            _copy(flat[at : at + a.size].view(np.uint8), _bytes_of(a))
+            flat[at + a.size : at + -(-a.size // pad) * pad] = 0
+        n, r = self.n, self.position
+        if n > 1:
+            bounds = [total * i // n for i in range(n + 1)]
+            chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+            for s in range(n - 1):  # reduce-scatter
+                self._send(chunk[(r - s) % n])
+                k = (r - s - 1) % n
+                incoming = self._scratch[: chunk[k].nbytes].view(dtype)
+                self._recv_into(incoming)
+                np.add(chunk[k], incoming, out=chunk[k])
+            for s in range(n - 1):  # allgather: straight into the output
+                self._send(chunk[(r + 1 - s) % n])
+                self._recv_into(chunk[(r - s) % n])
+        if average:
+            np.divide(flat, n, out=flat)
+        return [flat[at : at + a.size].reshape(a.shape) for a, at in zip(arrays, starts, strict=True)]

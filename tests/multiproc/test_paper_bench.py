@@ -1,0 +1,86 @@
+"""python -m rdkeras.bench paper: a tiny configuration runs and writes its report, raw figures and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rdkeras.data.fashion_mnist import DEFAULT_PATH as FASHION_MNIST
+from rdkeras.testing import netns
+from tests.conftest import TESTS_DIR
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _paper(out, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR.parent), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {k: v for k, v in env.items() if not k.startswith("RDKERAS_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rdkeras.bench", "paper", "--tiny", "--out", str(out), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+def test_sendrecv_figure_report_and_scale_model_calibration(tmp_path):
+    _paper(tmp_path, "--figures", "sendrecv", timeout=240)
+    results = json.loads((tmp_path / "results.json").read_text())
+    series = {(r["transport"], r["mode"]) for r in results["sendrecv"]["rows"] if r["bytes"] == 1 << 20}
+    assert {("shm", "static"), ("shm", "dynamic"), ("rpc+shm", "rpc"), ("grpc", "rpc"), ("memcpy", "glibc")} <= series
+    assert set(results["sendrecv"]["latency"]) == {"shm", "rpc+shm", "grpc"}
+    assert results["loads"]["sendrecv"]["before"] and results["machine"]["cores"] >= 1
+    costs = results["scale_model"]["calibration"]["transports"]
+    assert set(costs) == {"shm", "rpc+shm", "grpc"} and all(c["b"] > 0 for c in costs.values())
+    report = (tmp_path / "report.md").read_text()
+    assert "## Send/Recv" in report and "RPC over shm" in report and "seed: " in report.lower()
+    assert "rdkeras shm ≥ 2× RPC over shm" in report  # the target, beside its measured value
+    assert _png(tmp_path / "sendrecv.png")
+    # The report can be rebuilt from the raw figures alone.
+    again = tmp_path / "again"
+    done = subprocess.run(
+        [sys.executable, "-m", "rdkeras.bench", "paper", "--from-json", str(tmp_path / "results.json"), "--out",
+         str(again)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (again / "report.md").read_text() == report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_every_figure_in_a_tiny_run(tmp_path):
+    _paper(tmp_path, timeout=1800)
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = results["throughput"]["runs"]
+    configs = {(r["model"], r["mode"], r["transport"]) for r in runs}
+    for t in ("shm", "rpc+shm", "grpc"):
+        assert {("fcn5", "ps", t), ("fcn5", "allreduce", t), ("probe", "ps", t)} <= configs
+    assert ("fcn5", "local", "none") in configs
+    assert all(r["workers"] == 2 and r["rate"] > 0 for r in runs if r["transport"] != "none")
+    for figure in ("sendrecv", "throughput", "scalability"):
+        assert _png(tmp_path / f"{figure}.png"), figure
+    if os.path.isdir(FASHION_MNIST):
+        curves = results["convergence"]["tasks"]["fashion_mnist_cnn"]
+        assert set(curves) == {"shm", "grpc"} and all(len(c["curve"]) == 6 for c in curves.values())
+        assert curves["shm"]["curve"][-1][1] == pytest.approx(curves["grpc"]["curve"][-1][1], rel=1e-3)  # same math
+        assert _png(tmp_path / "convergence.png")
+    if netns.why_not() is None:
+        ov = results["overlap"]
+        assert ov["rate"].endswith("mbit") and ov["buckets"] > 1
+        assert ov["allreduce_breakdown"]["comm_work_s"] > 0
+        assert _png(tmp_path / "overlap.png")
+    sm = results["scale_model"]
+    assert {(v["model"], v["transport"]) for v in sm["validation"]} >= {("fcn5", "shm"), ("fcn5", "grpc")}
+    assert [p["model"] for p in sm["projections"]] == ["fcn5", "fcn5"]
+    assert sorted(sm["sweeps"]["fcn5"][i]["workers"] for i in range(4)) == [8, 64, 256, 1024]
+    report = (tmp_path / "report.md").read_text()
+    for section in ("## Send/Recv", "## Throughput", "## Scalability", "## Scale model", "## Targets"):
+        assert section in report

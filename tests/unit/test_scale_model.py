@@ -1,0 +1,74 @@
+"""The scale model's arithmetic, on inputs built here (no measurement)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rdkeras.bench import scale_model
+
+MB = 1 << 20
+
+
+def _sendrecv(costs: dict[str, tuple[float, float]], memcpy_gbps: float = 10.0) -> dict:
+    """Send/Recv rows of transports whose times are exactly a + size * b."""
+    rows, latency = [], {}
+    for t, (a, b) in costs.items():
+        mode = "static" if t in ("shm", "tcp") else "rpc"
+        for size in (MB, 16 * MB, 64 * MB):
+            rows.append({"transport": t, "mode": mode, "bytes": size, "seconds": a + size * b})
+        latency[t] = [[8, a + 8 * b]]
+    for size in (MB, 64 * MB):
+        rows.append({"transport": "memcpy", "mode": "glibc", "bytes": size, "seconds": size / (memcpy_gbps * 1e9)})
+    return {"rows": rows, "latency": latency}
+
+
+def test_fit_line_recovers_a_line_and_never_a_negative_latency():
+    assert scale_model.fit_line([(1, 3), (2, 5), (4, 9)]) == pytest.approx((1, 2))
+    a, b = scale_model.fit_line([(1, 0.5), (2, 2.5), (3, 4.5)])  # would cross zero at a = -1.5
+    assert a == 0 and b > 0
+
+
+def test_calibration_recovers_each_transports_costs():
+    truth = {"shm": (0.2e-6, 1 / 15e9), "rpc+shm": (50e-6, 1 / 4e9), "grpc": (500e-6, 1 / 0.3e9)}
+    cal = scale_model.calibrate(_sendrecv(truth))
+    for t, (a, b) in truth.items():
+        assert cal["transports"][t]["a"] == pytest.approx(a + 8 * b, rel=1e-6)
+        assert cal["transports"][t]["b"] == pytest.approx(b, rel=1e-3)
+    assert cal["memcpy_per_byte"] == pytest.approx(1 / 10e9)
+
+
+def test_ring_and_parameter_server_costs_for_two_workers():
+    g, a, b, c = 64 * MB, 1e-5, 1e-9, 1e-10
+    # Ring: 2 steps of g/2 bytes, one reduction of g/2 bytes.
+    ring = scale_model.comm_seconds("allreduce", 2, g, 10, 1, a, b, c)
+    assert ring == pytest.approx(2 * (a + g / 2 * b) + g / 2 * c)
+    # PS: push g/2, pull g/2, per-variable messages to one other owner, adds and assignments of g/2.
+    ps = scale_model.comm_seconds("ps", 2, g, 10, 1, a, b, c)
+    assert ps == pytest.approx(2 * (a * 6 + g / 2 * b) + g / 2 * 2 * c)
+    assert scale_model.comm_seconds("allreduce", 1, g, 10, 1, a, b, c) == 0
+
+
+def test_more_workers_than_cores_share_them():
+    cal = {"transports": {"shm": {"a": 0.0, "b": 0.0}}, "memcpy_per_byte": 0.0}
+    run = {"transport": "shm", "workers": 4, "mode": "allreduce", "gradient_bytes": 0, "tensors": 1}
+    assert scale_model.predict_here(run, 0.1, 0.01, cal, cores=2, bucket_bytes=MB) == pytest.approx(0.21)
+    assert scale_model.predict_here({**run, "transport": "tcp"}, 0.1, 0, cal, 2, MB) is None
+
+
+def test_projection_orders_the_transports_and_scales_with_the_cluster():
+    cal = scale_model.calibrate(
+        _sendrecv({"shm": (0.2e-6, 1 / 15e9), "rpc+shm": (50e-6, 1 / 4e9), "grpc": (500e-6, 1 / 0.3e9)})
+    )
+    fcn5 = {"name": "fcn5", "forward_flops": 2 * 118e6, "batch": 32, "gradient_bytes": 472e6, "tensors": 8}
+    p = scale_model.project(fcn5, "ps", cal, scale_model.Testbed())
+    assert p.compute_s == pytest.approx(3 * 2 * 118e6 * 32 / (9.3e12 * 0.35))
+    assert p.rate("rdkeras") > p.rate("rpc_rdma") > p.rate("grpc_tcp")
+    # 100 Gb/s: rdkeras moves 2 x 7/8 of 472 MB in 2 x 7 steps over the link in about 66 ms.
+    expected = 2 * 7 * (3e-6 * 2 + 472e6 / 8 * 8e-11) + 7 / 8 * 472e6 * 2 / 8e9
+    assert p.comm_s["rdkeras"] == pytest.approx(expected, rel=1e-6)
+    rows = scale_model.sweep(fcn5, "allreduce", cal, scale_model.Testbed(), [8, 64, 1024])
+    assert [r["workers"] for r in rows] == [8, 64, 1024]
+    assert all(math.isfinite(v) and v > 0 for r in rows for v in r["rates"].values())
+    assert rows[-1]["rates"]["rdkeras"] < rows[0]["rates"]["rdkeras"]  # per-message costs grow with the ring
