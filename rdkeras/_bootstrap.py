@@ -487,8 +487,8 @@ class Store:
             ranks = ", ".join(map(str, left))
             raise peer_error(left[0], f"rank {ranks} closed its engine (left the job) before setting {missing[0]!r}")
         if waiting_for is not None:
-            ranks = sorted({waiting_for[list(keys).index(k)] for k in missing})
-            who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            waited = sorted({waiting_for[list(keys).index(k)] for k in missing})
+            who = f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))}"
         else:
             who = "keys " + ", ".join(missing)
         raise TimeoutError(f"timed out after {timeout:g} s waiting for {who} ({missing[0]!r})")

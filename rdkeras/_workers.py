@@ -73,7 +73,7 @@ class _Terminal:
 
     HOLD_S = 0.05
 
-    def __init__(self, out: BinaryIO, verbose: bool):
+    def __init__(self, out: BinaryIO | _TextOut, verbose: bool):
         self.out, self.verbose = out, verbose
         self.lock = threading.Lock()
         self.owner: int | None = None  # rank whose line is unfinished on the terminal

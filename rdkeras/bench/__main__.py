@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
     benches = {"sendrecv": sendrecv, "allreduce": allreduce, "fit": fit, "paper": paper}
     for name, module in benches.items():
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
+        module.add_arguments(sub.add_parser(name, help=(module.__doc__ or name).splitlines()[0]))
     args = parser.parse_args(argv)
     return benches[args.bench].run(args)
 

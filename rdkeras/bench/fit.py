@@ -20,6 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,7 @@ def model_parallel_rank(
 
 
 class _Clock:
-    def __new__(cls, warmup: int):
+    def __new__(cls, warmup: int) -> Any:
         import keras
 
         class Clock(keras.callbacks.Callback):

@@ -48,7 +48,7 @@ SEED_RANGES = {
 }
 
 # The paper's sizes, for the projection (the 2016 benchmark's LSTM/GRU: 2 x 256, 32 steps, 10k words).
-PUBLISHED = {
+PUBLISHED: dict[str, dict[str, Any]] = {
     "vgg16": {"image_size": 224, "width": 1.0, "num_classes": 1000},
     "alexnet": {"image_size": 224, "width": 1.0, "num_classes": 1000},
     "inception_v3": {"image_size": 299, "num_classes": 1000},

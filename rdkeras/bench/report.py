@@ -152,9 +152,9 @@ def throughput_table(th: dict) -> tuple[list[str], dict[str, Any]]:
             local = _rate(runs, m, "local", "none")
             rates = {t: _rate(runs, m, mode, t) for t in transports}
             rd = rates.get("shm") or rates.get("tcp")
-            base = "shm" if rates.get("shm") else "tcp"
-            xg = rd / rates["grpc"] if rd and rates.get("grpc") else None
-            xr = rd / rates[f"rpc+{base}"] if rd and rates.get(f"rpc+{base}") else None
+            grpc, rpc = rates.get("grpc"), rates.get(f"rpc+{'shm' if rates.get('shm') else 'tcp'}")
+            xg = rd / grpc if rd and grpc else None
+            xr = rd / rpc if rd and rpc else None
             facts["x_grpc"][(m, mode)], facts["x_rpc"][(m, mode)] = xg, xr
             cells = " | ".join(f"{rates[t]:.2f}" if rates[t] else "–" for t in transports)
             lines.append(
@@ -321,7 +321,7 @@ def scalability_table(sc: dict, cores: int) -> tuple[list[str], dict[str, Any]]:
         "| model | workers | Local (1 process) | rdkeras shm, total | gRPC, total | rdkeras ÷ gRPC | note |",
         "|---|---|---|---|---|---|---|",
     ]
-    facts: dict[str, Any] = {}
+    facts: dict[Any, Any] = {}
     for m in models:
         local = _rate(runs, m, "local", "none")
         for n in sc["workers"]:
@@ -497,12 +497,12 @@ def write(results: dict, out: Path) -> str:
         for err in th.get("errors", []):
             lines.append(f"- {err}")
         grads = {r["model"]: r["gradient_bytes"] for r in th["runs"] if r["model"] != "probe"}
-        biggest = max(grads, key=grads.get) if grads else None
+        biggest = max(grads, key=lambda m: grads[m]) if grads else None
         lines += [
             "Where the step goes (rank 0; the RPC columns are what `rpc+shm` timed itself; blocked time "
             "includes the peer's share of the work):",
             "",
-            *breakdown_table(th, sorted({biggest, "fcn5"} & set(grads))),
+            *breakdown_table(th, sorted({str(biggest), "fcn5"} & set(grads))),
             "",
         ]
         fc = [v for (m, _mode), v in f["x_grpc"].items() if m == "fcn5" and v]

@@ -52,12 +52,12 @@ def _pin(rank: int) -> None:
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
 
 
-def _memcpy_seconds(src: np.ndarray, dst: np.ndarray, iters: int, nontemporal: bool) -> float:
+def _memcpy_seconds(src: Any, dst: Any, iters: int, nontemporal: bool) -> float:
     from rdkeras import _engine
 
     t0 = time.perf_counter()
     for _ in range(iters):
-        _engine.memcpy(dst, src, nontemporal)
+        _engine.memcpy(dst, src, nontemporal)  # type: ignore[arg-type]  # numpy's stubs lack __buffer__
     return (time.perf_counter() - t0) / iters
 
 
@@ -96,7 +96,7 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
                     t0 = time.perf_counter()
                     if sender:
                         if native and mode == "static":
-                            _engine.send_many(ch.channel, src, iters)
+                            _engine.send_many(ch.channel, src, iters)  # type: ignore[arg-type]
                         else:
                             for _ in range(iters):
                                 ch.send(src)
@@ -184,7 +184,7 @@ def measure(
 
 def rows_of(results: dict[str, dict]) -> list[dict]:
     """One row per (transport, mode, size), with the ratios to memcpy, gRPC and RPC over the same wire."""
-    native = next((r for r in results.values() if r["memcpy"]), {"memcpy": [], "memcpy_nt": []})
+    native: dict = next((r for r in results.values() if r["memcpy"]), {"memcpy": [], "memcpy_nt": []})
     memcpy = dict(native["memcpy"])
     memcpy_nt = dict(native["memcpy_nt"])
     grpc = {s: sec for _, s, sec in results.get("grpc", {}).get("bandwidth", [])}
@@ -303,7 +303,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         series.setdefault(f"{row['transport']} {row['mode']}".replace("grpc rpc", "gRPC"), []).append(row)
     for label, pts in sorted(series.items()):
         pts.sort(key=lambda x: x["bytes"])
-        style = (
+        style: dict[str, Any] = (
             {"linestyle": "--" if "glibc" in label else ":", "color": "k"}
             if label.startswith("memcpy")
             else {"marker": "o"}

@@ -56,7 +56,7 @@ def model_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str
     path = config_dirs()[0] / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"no model config {path.name}; the seed's models are {', '.join(SEED_MODELS)}")
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    cfg: dict[str, Any] = OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[assignment]
     assert isinstance(cfg, dict)
     unknown = set(overrides or {}) - set(cfg)
     if unknown:
@@ -80,6 +80,7 @@ def synthetic_data(model: Any, samples: int, seed: int = 0) -> tuple[np.ndarray,
     rng = np.random.default_rng(seed)
     inp, out = model.inputs[0], model.outputs[0]
     shape = (samples, *inp.shape[1:])
+    x: np.ndarray
     if "int" in str(inp.dtype):
         vocab = next(layer.input_dim for layer in model.layers if isinstance(layer, keras.layers.Embedding))
         x = rng.integers(0, vocab, shape).astype(np.int32)

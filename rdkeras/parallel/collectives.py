@@ -325,7 +325,7 @@ class GradientAllreduce:
         tickets = []
         for b, members in enumerate(buckets):
 
-            def start(*arrays: np.ndarray, b: int = b) -> np.ndarray:
+            def start(*arrays: np.ndarray, b: int = b) -> np.int64:
                 pipeline.start(exchange, b, list(arrays))
                 return np.int64(b)
 

@@ -171,7 +171,7 @@ class ParameterServer:
         tickets = []
         for b, members in enumerate(buckets):
 
-            def start(*arrays: np.ndarray, b: int = b) -> np.ndarray:
+            def start(*arrays: np.ndarray, b: int = b) -> np.int64:
                 pipeline.start(exchange, b, list(arrays))
                 return np.int64(b)
 
