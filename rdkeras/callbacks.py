@@ -29,6 +29,12 @@ class TrainingStats(keras.callbacks.Callback):
     (cumulative; flat in a steady state); and, once, the text ``plan``: how the
     model is split and what crosses the wire each step (:func:`plan_text`).
 
+    What happens between epochs (validation, checkpoints, the epoch-end gathering of
+    state, the train function's first call of the next epoch being prepared) is not a
+    step's: it goes to ``epoch_boundary/seconds`` and ``epoch_boundary/wait_ms`` (time
+    blocked on peers in it; a peer that is slower through its boundary shows here),
+    written at the first step of each later epoch, and the steps' scalars start afresh.
+
     Args:
         log_dir: The TensorBoard log folder (the same one as keras.callbacks.TensorBoard's is fine).
         update_freq: Write every this many steps.
@@ -38,7 +44,8 @@ class TrainingStats(keras.callbacks.Callback):
         super().__init__()
         self.log_dir, self.update_freq = log_dir, max(1, int(update_freq))
         self._writer: Any = None
-        self._step = 0
+        self._step = 0  # steps of this fit so far
+        self._since = 0  # steps since the last sample
 
     def _engine(self) -> Any:
         parallel = keras_internals.parallel_of(self.model)
@@ -63,16 +70,32 @@ class TrainingStats(keras.callbacks.Callback):
             sample["registrations"] = engine.counters()["registrations"]
         return sample
 
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        if self._writer is None or self._step == 0:
+            return
+        import tensorflow as tf
+
+        now, last = self._sample(), self._last
+        scalars = {"epoch_boundary/seconds": now["time"] - last["time"]}
+        if "wait_seconds" in now:
+            scalars["epoch_boundary/wait_ms"] = (now["wait_seconds"] - last["wait_seconds"]) * 1e3
+        with self._writer.as_default():
+            for name, value in scalars.items():
+                tf.summary.scalar(name, value, step=self._step)
+        self._last = now
+        self._since = 0  # the next step's scalars cover that step only
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._writer is None:
             return
         self._step += 1
+        self._since += 1
         if self._step % self.update_freq:
             return
         import tensorflow as tf
 
         now, last = self._sample(), self._last
-        steps = self.update_freq
+        steps, self._since = self._since, 0
         seconds = max(now["time"] - last["time"], 1e-9)
         scalars = {"throughput/batches_per_s": steps / seconds}
         batch_size = getattr(keras_internals.parallel_of(self.model), "global_batch_size", None)

@@ -86,7 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "convergence": [("fashion_mnist_cnn", 150), ("lstm_lm", 60)],
         "scalability_models": ["vgg16", "lstm"],
         "scalability_workers": [1, 2, 4],
-        "overlap_steps": 10,
+        "overlap_steps": 6,
     },
     "full": {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB],

@@ -109,6 +109,10 @@ def test_tensorboard_shows_throughput_and_traffic(tmp_path):
     assert all(grads <= r <= grads + 64 * 8 for r in received), received
     regs = scalars["tracker/registrations"]
     assert regs[-1] == regs[steps // 2]  # the second epoch registers nothing (the first set rings up)
+    # The time between the epochs (the epoch-end metric averaging, callbacks) is not the next step's.
+    (boundary,) = scalars["epoch_boundary/seconds"]
+    (boundary_wait,) = scalars["epoch_boundary/wait_ms"]
+    assert boundary > 0 and 0 <= boundary_wait <= boundary * 1e3
     assert results[0].value["traffic"]["bytes_written"] > 0
     (plan,) = scalars["plan"]  # written once, as text
     assert f"one ring allreduce of {grads:,} gradient bytes" in plan
