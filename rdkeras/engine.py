@@ -64,9 +64,10 @@ class Engine:
     Args:
         rank: This process's rank (default: ``RDKERAS_RANK`` or 0).
         world_size: Number of ranks (default: ``RDKERAS_WORLD_SIZE`` or 1).
-        transport: "auto", "shm" (one host), "tcp", "verbs" or "grpc" (default: ``RDKERAS_TRANSPORT``
+        transport: "auto", "shm" (one host), "tcp", "shm+tcp" (shm within a host, tcp between),
+            "verbs", or a baseline: "grpc", "rpc+shm", "rpc+tcp", "rpc+verbs" (default: ``RDKERAS_TRANSPORT``
             or "auto", which picks shm when every rank is on this host, else verbs where every rank
-            has RDMA, else tcp).
+            has RDMA, else shm+tcp where a host has several ranks, else tcp).
         master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
         master_port: Its port (``RDKERAS_MASTER_PORT``).
         token: The job token all ranks share (default: ``rdkeras.jobtoken.resolve``:

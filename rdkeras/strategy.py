@@ -33,7 +33,8 @@ class RDMAStrategy:
         parallelism: "data" (each worker trains the whole model on its part of every batch), "model"
             (a pipeline: each worker trains the layers `placement` gives it) or "hybrid" (world_size /
             stages replicas of a `stages`-worker pipeline, data-parallel among replicas).
-        transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp", "verbs" or "grpc".
+        transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp", "shm+tcp", "verbs", or a
+            baseline ("grpc", "rpc+shm", "rpc+tcp", "rpc+verbs"); see :class:`rdkeras.Engine`.
         mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``) or "ps".
         bucket_bytes: bytes the ring allreduce moves per pass.
         timeout: seconds any wait may take before it fails naming the peer.

@@ -1,5 +1,6 @@
 #include "engine/engine.h"
 
+#include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #ifdef RDKERAS_WITH_VERBS
@@ -10,9 +11,9 @@ namespace rdkeras {
 
 std::vector<std::string> nativeTransports() {
 #ifdef RDKERAS_WITH_VERBS
-  return {"shm", "tcp", "verbs"};
+  return {"shm", "tcp", "shm+tcp", "verbs"};
 #else
-  return {"shm", "tcp"};
+  return {"shm", "tcp", "shm+tcp"};
 #endif
 }
 
@@ -37,6 +38,8 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
     transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_, options.transport_options);
   else if (options.transport == "tcp")
     transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
+  else if (options.transport == "shm+tcp")
+    transport_ = std::make_unique<MixedTransport>(rank, world_size, *arena_, options.transport_options);
 #ifdef RDKERAS_WITH_VERBS
   else if (options.transport == "verbs") {
     auto verbs =

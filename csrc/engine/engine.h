@@ -85,6 +85,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
   double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }
   const TransportStats& transportStats() const { return transport_->stats(); }
+  std::vector<std::pair<std::string, const TransportStats*>> transportParts() const {
+    return transport_->parts();
+  }
   // Bytes that arrived here for this rank to consume: messages peers wrote into its
   // channels and rings (one-sided: the transport never sees them) and reads it made.
   void countReceived(size_t n) { bytes_received_.fetch_add(n, std::memory_order_relaxed); }

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/common.h"
@@ -57,7 +58,9 @@ class Transport {
   virtual const char* name() const = 0;
   // Opaque text peers need to connect to this process.
   virtual std::string localDescriptor() const = 0;
-  // Connects to every peer. descriptors[r] is rank r's localDescriptor(). Every
+  // Connects to every peer. descriptors[r] is rank r's localDescriptor(); an empty one
+  // (r != this rank) says another transport reaches rank r (transport/mixed), so this one
+  // neither connects to nor accepts it. Every
   // connection proves both ends hold `key`, the job's 32-byte transport key,
   // through engine/handshake.h; the key itself never crosses the wire.
   virtual void connect(const std::vector<std::string>& descriptors, const std::string& key,
@@ -78,6 +81,8 @@ class Transport {
   // (the engine's face checks whether the job already failed: a peer that died before
   // it connected would otherwise be waited for until the deadline).
   void setSetupWatch(std::function<void()> watch) { setup_watch_ = std::move(watch); }
+  // A transport made of others (transport/mixed): each part's name and counters.
+  virtual std::vector<std::pair<std::string, const TransportStats*>> parts() const { return {}; }
   // Whether the source of a write must lie in registered memory (verbs: yes).
   virtual bool needsLocalRegistration() const { return false; }
   // Closes connections and stops background threads. Idempotent.

@@ -132,7 +132,8 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<AuthenticationError>(m, "AuthenticationError", engine_error);
 
   m.def("native_transports", &nativeTransports);
-  m.def("host_identity", &hostIdentity, "Equal for processes that can reach each other's shm (see socket_util.h).");
+  m.def("host_identity", &hostIdentity,
+        "Equal for processes that can reach each other's shm (see socket_util.h).");
   m.def("verbs_why_not_viable", &verbsWhyNotViable,
         "Empty when transport='verbs' can run here, else why not.");
   m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");
@@ -270,6 +271,10 @@ PYBIND11_MODULE(_engine, m) {
              d["writes"] = s.writes.load();
              d["reads"] = s.reads.load();
              d["flags"] = s.flags.load();
+             for (const auto& [part, stats] : e.transportParts()) {  // shm+tcp: each link kind's share
+               d[py::str("bytes_written/" + part)] = stats->bytes_written.load();
+               d[py::str("bytes_read/" + part)] = stats->bytes_read.load();
+             }
              d["bytes_received"] = e.bytesReceived();
              d["wait_seconds"] = e.waitSeconds();
              return d;

@@ -66,7 +66,8 @@ def choose_auto(hosts: Sequence[str], facts: Sequence[str]) -> tuple[str, str]:
     """(transport, reason) for ``transport="auto"`` from every rank's host identity and auto_facts().
 
     shm when every rank shares one host (a memcpy beats any NIC's loopback), else verbs when
-    every rank can use it, else tcp.
+    every rank can use it, else shm+tcp where some host has several ranks (shm within each
+    host, tcp between them), else tcp.
     """
     distinct = set(hosts)
     if len(distinct) == 1:
@@ -74,7 +75,10 @@ def choose_auto(hosts: Sequence[str], facts: Sequence[str]) -> tuple[str, str]:
     if all("verbs" in f.split(",") for f in facts):
         return "verbs", f"{len(distinct)} hosts, RDMA on every rank"
     why = _engine.verbs_why_not_viable()
-    return "tcp", f"{len(distinct)} hosts; verbs not viable on every rank" + (f" (here: {why})" if why else "")
+    no_verbs = "verbs not viable on every rank" + (f" (here: {why})" if why else "")
+    if len(distinct) < len(hosts) and "shm+tcp" in names():
+        return "shm+tcp", f"{len(distinct)} hosts, {len(hosts)} ranks: shm within a host, tcp between; {no_verbs}"
+    return "tcp", f"{len(distinct)} hosts; {no_verbs}"
 
 
 def _native(name: str) -> Callable[[BackendConfig], Backend]:
@@ -112,6 +116,14 @@ def _grpc(config: BackendConfig) -> Backend:
 
 register(BackendSpec("shm", "one host: peers map each other's memory", _compiled("shm"), _native("shm")))
 register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))
+register(
+    BackendSpec(
+        "shm+tcp",
+        "several hosts: shm between the ranks of one host, tcp between hosts",
+        _compiled("shm+tcp"),
+        _native("shm+tcp"),
+    )
+)
 register(
     BackendSpec(
         "verbs",

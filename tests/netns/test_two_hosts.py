@@ -104,9 +104,16 @@ def _netns_names() -> list[str]:
 
 
 def test_auto_picks_tcp_between_hosts_and_shm_within_one(two_host_job):
-    assert {r["transport"] for r in two_host_job["across"]} == {"tcp"}
+    assert {r["transport"] for r in two_host_job["across"]} == {"shm+tcp"}
     assert {r["transport"] for r in two_host_job["within"]} == {"shm"}
-    assert "transport=auto chose tcp: 2 hosts" in two_host_job["logs"][0]
+    assert "transport=auto chose shm+tcp: 2 hosts, 4 ranks" in two_host_job["logs"][0]
+    # The ring 0 -> 1 -> 2 -> 3 -> 0 over hosts (0, 1) and (2, 3): each rank writes to its right
+    # neighbour only, over shm from ranks 0 and 2 (same host), over tcp from ranks 1 and 3.
+    for r in two_host_job["across"]:
+        traffic = r["traffic"]
+        local, remote = traffic["bytes_written/shm"], traffic["bytes_written/tcp"]
+        assert (local > 0, remote > 0) == ((True, False) if r["rank"] % 2 == 0 else (False, True)), (r["rank"], traffic)
+        assert local + remote == traffic["bytes_written"]
 
 
 def test_namespaces_are_different_hosts_though_they_share_boot_id(two_host_job):
@@ -168,5 +175,5 @@ def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
         outs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     results = json.loads((tmp_path / "node0" / "results.json").read_text())
-    assert results["workers"] == 4 and results["transport"] == "tcp"
+    assert results["workers"] == 4 and results["transport"] == "shm+tcp"
     assert "[0] summary: fcn5 on 4 worker(s)" in outs[0]

@@ -132,7 +132,7 @@ def test_doctor_reports_every_transport(capsys):
     assert "transport=auto would pick: shm" in out
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "shm+tcp", "grpc"])
 def test_every_backend_implements_the_one_interface(transport):
     from rdkeras.transports.base import Backend, Ring
 
@@ -229,3 +229,20 @@ def test_a_taken_rendezvous_port_is_named():
 def test_channel_ranks_outside_the_world_are_refused(solo):
     with pytest.raises(ValueError, match="rank 5 is not in a world of 1"):
         solo.static_channel("far", 0, 5, (1,), "float32")
+
+
+@pytest.mark.parametrize(
+    ("hosts", "facts", "chosen"),
+    [
+        (["a", "a"], ["", ""], "shm"),
+        (["a", "b"], ["", ""], "tcp"),  # one rank per host: nothing for shm to carry
+        (["a", "a", "b", "b"], ["", "", "", ""], "shm+tcp"),
+        (["a", "a", "b"], ["verbs", "verbs", "verbs"], "verbs"),
+        (["a", "a", "b"], ["verbs", "", "verbs"], "shm+tcp"),  # verbs must be viable on every rank
+    ],
+)
+def test_auto_takes_shm_within_a_host_and_tcp_between_hosts(hosts, facts, chosen):
+    from rdkeras import transports
+
+    assert transports.choose_auto(hosts, facts)[0] == chosen
+

@@ -83,8 +83,9 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("shm: need one descriptor per rank");
   const std::string me = hostIdentity();
+  auto mine = [&](int r) { return r == rank_ || !descriptors[r].empty(); };  // empty: not shm's peer
   for (int r = 0; r < world_size_; ++r) {
-    if (field(descriptors[r], "host") != me)
+    if (mine(r) && field(descriptors[r], "host") != me)
       throw EngineError(strCat("shm transport needs every rank on one host, but rank ", r,
                                " is on another host (or network namespace); use transport='tcp'"));
   }
@@ -93,6 +94,7 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
   // accepts r+1..n-1, so no cycle of waits can form. Arena fds are exchanged
   // only once both sides proved they hold the job's key.
   for (int r = 0; r < rank_; ++r) {
+    if (!mine(r)) continue;
     const std::string name = field(descriptors[r], "sock");
     auto dial = [&] {
       const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -116,10 +118,10 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
       [&] {
         std::vector<int> left;
         for (int r = rank_ + 1; r < world_size_; ++r)
-          if (!peers_[r]) left.push_back(r);
+          if (mine(r) && !peers_[r]) left.push_back(r);
         return left;
       },
-      [&](int rank, uint32_t channel) { return rank > rank_ && channel == 0 && !peers_[rank]; },
+      [&](int rank, uint32_t channel) { return rank > rank_ && mine(rank) && channel == 0 && !peers_[rank]; },
       [&](int fd, int rank, uint32_t, int arena_fd) { addPeer(rank, fd, arena_fd); }, arena_.fd(),
       [uid](int fd) {  // the abstract socket is open to every local user: only ours get a handshake
         struct ucred cred = {};

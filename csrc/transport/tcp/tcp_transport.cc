@@ -72,8 +72,10 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError("tcp: need one descriptor per rank");
   const HandshakeIdentity id{Link::kTcp, rank_, world_size_, key, setup_watch_};
+  auto mine = [&](int r) { return r != rank_ && !descriptors[r].empty(); };  // empty: not tcp's peer
   // Rank r connects to ranks below it (two sockets each), then accepts from ranks above.
   for (int r = 0; r < rank_; ++r) {
+    if (!mine(r)) continue;
     const std::string host = field(descriptors[r], "host"), port = field(descriptors[r], "port");
     for (uint32_t role : {kRoleInitiator, kRoleTarget}) {
       const int fd = connectAuthenticated(
@@ -94,11 +96,12 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
       [&] {
         std::vector<int> left;
         for (int r = rank_ + 1; r < world_size_; ++r)
-          if (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0) left.push_back(r);
+          if (mine(r) && (peers_[r]->in_fd < 0 || peers_[r]->out_fd < 0)) left.push_back(r);
         return left;
       },
       [&](int rank, uint32_t role) {
-        return rank > rank_ && (role == kRoleInitiator || role == kRoleTarget) && slot(rank, role) < 0;
+        return rank > rank_ && mine(rank) && (role == kRoleInitiator || role == kRoleTarget) &&
+               slot(rank, role) < 0;
       },
       [&](int fd, int rank, uint32_t role, int) {
         tuneSocket(fd);
@@ -107,7 +110,7 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
   close(listen_fd_);
   listen_fd_ = -1;
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_) continue;
+    if (!mine(r)) continue;
     peers_[r]->serve_thread = std::thread(&TcpTransport::serveLoop, this, r);
     peers_[r]->reply_thread = std::thread(&TcpTransport::replyLoop, this, r);
   }
