@@ -289,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"rank 0's rendezvous port (default: a free one on one node, {DEFAULT_MASTER_PORT} on several)",
     )
-    parser.add_argument("--transport", help="sets RDKERAS_TRANSPORT for every worker (auto, shm, tcp, shm+tcp, verbs, grpc, rpc+...)")
+    parser.add_argument(
+        "--transport", help="sets RDKERAS_TRANSPORT for every worker (auto, shm, tcp, shm+tcp, verbs, grpc, rpc+...)"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped")
     parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")

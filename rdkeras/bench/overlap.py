@@ -3,11 +3,12 @@
 Two workers in two network namespaces joined by a veth pair capped with ``tc tbf`` (rdkeras.testing.netns),
 transport tcp, 500 Mbit/s by default (``rate``): slow enough that the wire, not the kernel's TCP copies on the
 same core as the compute, is the limit (at 2 Gbit/s those copies, which cannot overlap the compute on a shared
-core, left the overlapped allreduce step 1.41 x max(compute, communication); at 500 Mbit/s 1.07 x). The model is an MLP of equal layers (every gradient bucket is ready at
-a different point of the backward pass; the first layer's, the last one backprop produces, is a sixth of the
-bytes). The workers choose the per-worker batch from their own compute times at two batch sizes so that one
-step's gradient bytes take about 0.6 x one step's compute on the wire: similar sizes, the communication no
-longer than the backward pass it can hide behind.
+core, left the overlapped allreduce step 1.41 x max(compute, communication); at 500 Mbit/s 1.07 x).
+The model is an MLP of equal layers (every gradient bucket is ready at a different point of the backward
+pass; the first layer's, the last one backprop produces, is a sixth of the bytes). The workers choose the
+per-worker batch from their own compute times at two batch sizes so that one step's gradient bytes take
+about 0.6 x one step's compute on the wire: similar sizes, the communication no longer than the backward
+pass it can hide behind.
 
 Measured in the same two processes, one after another: compute alone (the same model without
 distribution), communication alone (the same bucketed ring allreduces without the model), then training

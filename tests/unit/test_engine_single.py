@@ -245,4 +245,3 @@ def test_auto_takes_shm_within_a_host_and_tcp_between_hosts(hosts, facts, chosen
     from rdkeras import transports
 
     assert transports.choose_auto(hosts, facts)[0] == chosen
-
