@@ -13,7 +13,8 @@ recorded, and every wait on the store, now or later, fails naming that rank.
 The server is one thread and one selector: a connection that has not proven
 itself gets at most ``_MAX_HELLO`` bytes read and ``_HANDSHAKE_S`` seconds, at
 most ``_MAX_STRANGERS`` such connections exist at once (the oldest is dropped
-first), and none of them can mark a rank as gone.
+first; a rank whose handshake was cut off so connects again), and none of them
+can mark a rank as gone.
 """
 
 from __future__ import annotations
@@ -406,27 +407,36 @@ class Store:
     def _connect(self, host: str, port: int, token: bytes) -> socket.socket:
         deadline = time.monotonic() + self.timeout
         last: Exception | None = None
-        while time.monotonic() < deadline:
+        me, world = str(self.rank).encode(), str(self.world_size).encode()
+        while True:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"could not reach the job's store at {host}:{port} within {self.timeout:g} s ({last})"
+                )
             try:
                 sock = socket.create_connection((host, port), timeout=min(5.0, self.timeout))
-                break
             except OSError as e:  # the store may not listen yet
                 last = e
                 time.sleep(0.05)
-        else:
-            raise TimeoutError(f"could not reach the job's store at {host}:{port} within {self.timeout:g} s ({last})")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        me, world = str(self.rank).encode(), str(self.world_size).encode()
-        try:
-            sock.settimeout(min(self.timeout, _HANDSHAKE_S))
-            challenge = _recv(sock)
-            nonce = os.urandom(32)
-            mac = _mac(token, b"client", bytes.fromhex(challenge["nonce"]), me, world)
-            sock.sendall(_frame({"rank": self.rank, "world": self.world_size, "nonce": nonce.hex(), "mac": mac}))
-            reply = _recv(sock)
-        except (ConnectionError, OSError, ValueError, KeyError) as e:
-            sock.close()
-            raise AuthenticationError(f"the job's store at {host}:{port} broke the handshake: {e}") from None
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.settimeout(min(self.timeout, _HANDSHAKE_S))
+                challenge = _recv(sock)
+                nonce = os.urandom(32)
+                mac = _mac(token, b"client", bytes.fromhex(challenge["nonce"]), me, world)
+                sock.sendall(_frame({"rank": self.rank, "world": self.world_size, "nonce": nonce.hex(), "mac": mac}))
+                reply = _recv(sock)
+                break
+            except (ConnectionError, OSError) as e:
+                # Closed before it answered: a store under a flood of strangers drops the oldest
+                # unauthenticated connection, which may be ours; nothing was agreed yet, so try again.
+                sock.close()
+                last = e
+                time.sleep(0.05)
+            except (ValueError, KeyError) as e:
+                sock.close()
+                raise AuthenticationError(f"the job's store at {host}:{port} broke the handshake: {e}") from None
         if not reply.get("ok"):
             sock.close()
             error = str(reply.get("error"))
