@@ -2,18 +2,21 @@
 
 Its inputs are what ``python -m rdkeras.bench paper`` measured here (``results.json``):
 
-- per transport, from Send/Recv: a per-message cost ``a`` (s) and a per-byte cost ``b`` (s/B), a
-  least-squares line through (message size, time per transfer); memcpy's per-byte cost on one core;
+- per transport, from Send/Recv: the measured time per transfer at each message size, interpolated
+  between sizes (a transport's cost per byte depends on the size: gRPC's halves from 4 to 64 MB, caches
+  help the copies of small messages), and its summary as a per-message cost ``a`` (s) and a per-byte cost
+  ``b`` (s/B), which the projection uses; memcpy's per-byte cost on one core;
 - per model, from the runs without communication: compute time per step, gradient bytes and tensors,
   forward FLOPs per example.
 
-Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in ``buckets`` pieces):
+Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in ``buckets`` pieces;
+``t(x)`` the time of one transfer of x bytes, ``a + b·x`` where only the summary is known):
 
-- ring allreduce: ``compute + 2(N-1)(a·buckets + G/N·b) + (N-1)/N·G·c`` (2(N-1) sequential ring steps of
-  G/N bytes each; the reduction reads every received chunk once: c = memcpy's cost per byte);
-- parameter servers sharded over the N workers: ``compute + 2(N-1)(a·(K/N+1) + G/N·b) + (N-1)/N·G·2c``
-  (every worker pushes its gradients of the variables others own, then pulls their new values; the
-  owners add N contributions and the pullers assign what they read).
+- ring allreduce: ``compute + 2(N-1)·buckets·t(G/(N·buckets)) + (N-1)/N·G·c`` (2(N-1) sequential ring
+  steps of G/N bytes each; the reduction reads every received chunk once: c = memcpy's cost per byte);
+- parameter servers sharded over the N workers: ``compute + 2(N-1)(m·t(G/(N·m)) + t(0)) + (N-1)/N·G·2c``
+  with m = ⌈K/N⌉ messages per owner (every worker pushes its gradients of the variables others own and a
+  flag, then pulls their new values; the owners add N contributions and the pullers assign what they read).
 
 Here every byte moves by CPU (no NIC), so with more workers than cores each worker gets cores/N of one:
 compute and communication are scaled by N/cores.
@@ -29,7 +32,9 @@ stragglers, which make real clusters slower at scale.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -87,22 +92,44 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
             a = latency[small]  # the ping-pong is the better measure of a message's fixed cost
             big = [(x, y) for x, y in points if x >= MB]
             b = sum((y - a) for _, y in big) / sum(x for x, _ in big) if big else b
-        costs[t] = {"a": a, "b": b, "GBps": 1 / b / 1e9, "latency_us": a * 1e6}
+        costs[t] = {"a": a, "b": b, "GBps": 1 / b / 1e9, "latency_us": a * 1e6, "points": sorted(points)}
     memcpy = [r for r in rows if r["transport"] == "memcpy" and r["mode"] == "glibc" and r["bytes"] >= MB]
     c = sum(r["seconds"] for r in memcpy) / sum(r["bytes"] for r in memcpy) if memcpy else 1 / 10e9
     return {"transports": costs, "memcpy_per_byte": c}
 
 
+def transfer_seconds(cost: dict[str, Any], nbytes: float) -> float:
+    """One transfer of `nbytes` with a calibrated transport: the measured times interpolated between
+    the measured sizes, the smallest one's below them, the last per-byte slope beyond them (``a + b·x``
+    where no curve was measured)."""
+    points = cost.get("points") or []
+    if len(points) < 2:
+        return cost["a"] + cost["b"] * nbytes
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if nbytes <= x1:
+            return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) / (x1 - x0) * (nbytes - x1)
+
+
+def line(a: float, b: float) -> Callable[[float], float]:
+    """t(x) = a + b·x: a transport known only by its per-message and per-byte costs."""
+    return lambda nbytes: a + b * nbytes
+
+
 def comm_seconds(
-    mode: str, workers: int, gradient_bytes: float, tensors: int, buckets: int, a: float, b: float, c: float
+    mode: str, workers: int, gradient_bytes: float, tensors: int, buckets: int, t: Callable[[float], float], c: float
 ) -> float:
-    """Communication of one step without overlap (see the module docstring)."""
+    """Communication of one step without overlap (see the module docstring); `t(x)`: one transfer of x bytes."""
     n, g = workers, gradient_bytes
     if n <= 1:
         return 0.0
     if mode == "allreduce":
-        return 2 * (n - 1) * (a * buckets + g / n * b) + (n - 1) / n * g * c
-    return 2 * (n - 1) * (a * (math.ceil(tensors / n) + 1) + g / n * b) + (n - 1) / n * g * 2 * c
+        return 2 * (n - 1) * buckets * t(g / n / buckets) + (n - 1) / n * g * c
+    m = math.ceil(tensors / n)
+    return 2 * (n - 1) * (m * t(g / n / m) + t(0)) + (n - 1) / n * g * 2 * c
 
 
 def predict_here(
@@ -124,8 +151,7 @@ def predict_here(
         run["gradient_bytes"],
         run["tensors"],
         buckets,
-        cost["a"],
-        cost["b"],
+        lambda nbytes: transfer_seconds(cost, nbytes),
         calibration["memcpy_per_byte"],
     )
     return max(1.0, n / cores) * (compute_s + comm) + fixed_s
@@ -177,7 +203,9 @@ def project(
     c_there = 1 / (testbed.memcpy_gb_per_s * 1e9)
     buckets = max(1, math.ceil(model["gradient_bytes"] / bucket_bytes))
     comm = {
-        name: comm_seconds(mode, testbed.workers, model["gradient_bytes"], model["tensors"], buckets, a, b, c_there)
+        name: comm_seconds(
+            mode, testbed.workers, model["gradient_bytes"], model["tensors"], buckets, line(a, b), c_there
+        )
         for name, (a, b) in testbed_costs(calibration, testbed).items()
     }
     return Projection(model["name"], mode, testbed.workers, compute, comm)

@@ -42,12 +42,24 @@ def test_calibration_recovers_each_transports_costs():
 def test_ring_and_parameter_server_costs_for_two_workers():
     g, a, b, c = 64 * MB, 1e-5, 1e-9, 1e-10
     # Ring: 2 steps of g/2 bytes, one reduction of g/2 bytes.
-    ring = scale_model.comm_seconds("allreduce", 2, g, 10, 1, a, b, c)
+    t = scale_model.line(a, b)
+    ring = scale_model.comm_seconds("allreduce", 2, g, 10, 1, t, c)
     assert ring == pytest.approx(2 * (a + g / 2 * b) + g / 2 * c)
     # PS: push g/2, pull g/2, per-variable messages to one other owner, adds and assignments of g/2.
-    ps = scale_model.comm_seconds("ps", 2, g, 10, 1, a, b, c)
+    ps = scale_model.comm_seconds("ps", 2, g, 10, 1, t, c)
     assert ps == pytest.approx(2 * (a * 6 + g / 2 * b) + g / 2 * 2 * c)
-    assert scale_model.comm_seconds("allreduce", 1, g, 10, 1, a, b, c) == 0
+    assert scale_model.comm_seconds("allreduce", 1, g, 10, 1, t, c) == 0
+
+
+def test_a_transfer_between_measured_sizes_follows_the_measured_curve():
+    # A transport twice as fast per byte at 4 MB as at 64 MB (gRPC here): no one line fits both.
+    cost = {"a": 5e-4, "b": 8e-9, "points": [[8, 5e-4], [4 * MB, 0.017], [64 * MB, 0.55]]}
+    assert scale_model.transfer_seconds(cost, 4 * MB) == pytest.approx(0.017)
+    assert scale_model.transfer_seconds(cost, 34 * MB) == pytest.approx((0.017 + 0.55) / 2)
+    assert scale_model.transfer_seconds(cost, 2) == pytest.approx(5e-4)  # below the smallest: its time
+    slope = (0.55 - 0.017) / (60 * MB)
+    assert scale_model.transfer_seconds(cost, 128 * MB) == pytest.approx(0.55 + slope * 64 * MB)
+    assert scale_model.transfer_seconds({"a": 1e-3, "b": 1e-9}, 1e6) == pytest.approx(2e-3)  # no curve: a + b x
 
 
 def test_more_workers_than_cores_share_them():
