@@ -79,7 +79,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
     """Per transport (a, b) from the Send/Recv rows and latencies; memcpy's per-byte cost."""
     rows = sendrecv["rows"]
-    costs: dict[str, dict[str, float]] = {}
+    costs: dict[str, dict[str, Any]] = {}
     for t in {r["transport"] for r in rows if r["transport"] != "memcpy"}:
         mode = "static" if any(r["transport"] == t and r["mode"] == "static" for r in rows) else "rpc"
         points = [(r["bytes"], r["seconds"]) for r in rows if r["transport"] == t and r["mode"] == mode]
