@@ -67,7 +67,7 @@ def test_channel_to_self_is_refused(solo):
 
 
 def test_unknown_transport_is_named():
-    with pytest.raises(ValueError, match=r"unknown transport 'carrier-pigeon'.*auto, shm, tcp, verbs, grpc"):
+    with pytest.raises(ValueError, match=r"unknown transport 'carrier-pigeon'; choose one of auto, shm, tcp, shm\+tcp, verbs, grpc"):
         rdkeras.Engine(rank=0, world_size=1, transport="carrier-pigeon")
 
 
