@@ -119,6 +119,8 @@ def test_engine_memory_goes_out_through_dlpack(solo):
 
 
 def test_verbs_explains_why_it_is_not_viable():
+    if not _engine.verbs_why_not_viable():
+        pytest.skip("verbs is viable on this machine: the conformance tests run over it")
     with pytest.raises(rdkeras.EngineError, match=r"transport='verbs' is not viable here: .*rdkeras doctor"):
         rdkeras.Engine(rank=0, world_size=1, transport="verbs")
 
