@@ -199,6 +199,22 @@ class BucketPipeline:
         self._current: dict[int, list[float]] = {}
         _PIPELINES.add(self)
 
+    def start_ops(self, exchange: int, buckets: list[list[int]], tensors: list[Any], name: str) -> list[Any]:
+        """One stateful op per bucket, its only inputs that bucket's `tensors`, that starts the bucket and
+        returns a ticket: TensorFlow runs each as soon as its gradients exist, in bucket order."""
+        import tensorflow as tf
+
+        tickets = []
+        for b, members in enumerate(buckets):
+
+            def start(*arrays: np.ndarray, b: int = b) -> np.int64:
+                self.start(exchange, b, list(arrays))
+                return np.int64(b)
+
+            inputs = [tensors[i] for i in members]
+            tickets.append(tf.numpy_function(start, inputs, Tout=tf.int64, stateful=True, name=f"{name}{b}"))
+        return tickets
+
     def start(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> None:
         if bucket == 0:
             self._current[exchange] = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0]
@@ -322,18 +338,7 @@ class GradientAllreduce:
             self._pipeline = BucketPipeline(self._reduce_bucket, "allreduce-buckets", self.collectives.engine.timeout)
         pipeline, exchange = self._pipeline, next(self._exchanges)  # one exchange per trace
         buckets = reverse_buckets([g.shape.num_elements() * g.dtype.size for g in wire], self.overlap_bytes)
-        tickets = []
-        for b, members in enumerate(buckets):
-
-            def start(*arrays: np.ndarray, b: int = b) -> np.int64:
-                pipeline.start(exchange, b, list(arrays))
-                return np.int64(b)
-
-            tickets.append(
-                tf.numpy_function(
-                    start, [wire[i] for i in members], Tout=tf.int64, stateful=True, name=f"rdkeras_allreduce_start{b}"
-                )
-            )
+        tickets = pipeline.start_ops(exchange, buckets, wire, "rdkeras_allreduce_start")
 
         def wait(*_inputs: np.ndarray) -> list[np.ndarray]:
             out: list[np.ndarray] = [None] * len(wire)  # type: ignore[list-item]

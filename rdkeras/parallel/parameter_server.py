@@ -168,18 +168,7 @@ class ParameterServer:
         pipeline, exchange = self._pipeline, len(self._buckets)
         buckets = reverse_buckets([g.shape.num_elements() * g.dtype.size for g in grads], self.overlap_bytes)
         self._buckets.append(buckets)
-        tickets = []
-        for b, members in enumerate(buckets):
-
-            def start(*arrays: np.ndarray, b: int = b) -> np.int64:
-                pipeline.start(exchange, b, list(arrays))
-                return np.int64(b)
-
-            tickets.append(
-                tf.numpy_function(
-                    start, [grads[i] for i in members], Tout=tf.int64, stateful=True, name=f"rdkeras_ps_push{b}"
-                )
-            )
+        tickets = pipeline.start_ops(exchange, buckets, grads, "rdkeras_ps_push")
 
         def reduce(*inputs: np.ndarray) -> list[np.ndarray]:
             pipeline.wait(exchange, len(buckets))
