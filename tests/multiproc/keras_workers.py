@@ -94,8 +94,6 @@ def _fit_model_with(strategy, kind: str, batch: int, epochs: int = 2) -> dict:
         "weights": [w.tolist() for w in model.get_weights()],
         "evaluate": results,
         "transport": strategy.transport if strategy else None,
-        "rank": rank,
-        "traffic": strategy.engine.traffic() if strategy else {},
     }
 
 

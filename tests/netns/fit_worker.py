@@ -1,12 +1,17 @@
-"""One worker of the two-host job: tests.multiproc.keras_workers.fit_model, its result written as JSON."""
+"""One worker of the two-host job: tests.multiproc.keras_workers' fit, its result (and what went over
+which link) written as JSON."""
 
 import json
 import os
 import sys
 
-from tests.multiproc.keras_workers import fit_model
+import rdkeras
+from tests.multiproc.keras_workers import _fit_model_with
 
 out, batch = sys.argv[1], int(sys.argv[2])
-result = fit_model(kind="mlp", batch=batch)
+strategy = rdkeras.RDMAStrategy()
+result = _fit_model_with(strategy, "mlp", batch)
+result.update(rank=strategy.worker_index, traffic=strategy.engine.traffic())
+strategy.close()
 with open(os.path.join(out, f"rank-{os.environ['RDKERAS_RANK']}.json"), "w") as f:
     json.dump(result, f)
