@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -150,9 +151,8 @@ def overlap_bytes(transport: str) -> int:
     if OVERLAP_BYTES is not None:
         return OVERLAP_BYTES
     if transport in ("shm", "rpc+shm"):
-        import tensorflow as tf
-
-        if not tf.config.list_physical_devices("GPU"):
+        tf = sys.modules.get("tensorflow")  # not imported: no TensorFlow compute (the engine-only tests)
+        if tf is None or not tf.config.list_physical_devices("GPU"):
             return 0
     return BUCKET_BYTES
 
