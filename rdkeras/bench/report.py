@@ -34,6 +34,11 @@ def _load(results: dict, part: str) -> str:
 # -- Send/Recv ----------------------------------------------------------------------------------------------
 
 
+def _section(title: str, intro: str, table: list[str], png: str) -> list[str]:
+    """A figure's section of the report: heading, what was measured, its table, its plot."""
+    return [f"## {title}", "", intro, "", *table, "", f"![{title}]({png})", ""]
+
+
 def sendrecv_table(sr: dict) -> tuple[list[str], dict[str, Any]]:
     rows = sr["rows"]
     series = [
@@ -455,16 +460,12 @@ def write(results: dict, out: Path) -> str:
     if sr and "rows" in sr:
         table, f = sendrecv_table(sr)
         plot_sendrecv(sr, out / "sendrecv.png")
-        lines += [
-            "## Send/Recv",
-            "",
+        lines += _section(
+            "Send/Recv",
             f"Seed: {SEED['sendrecv']}. " + _load(results, "sendrecv"),
-            "",
-            *table,
-            "",
-            "![Send/Recv](sendrecv.png)",
-            "",
-        ]
+            table,
+            "sendrecv.png",
+        )
         size = _size(f["size"])
         if "shm_x_grpc" in f:
             targets.append(
@@ -482,18 +483,14 @@ def write(results: dict, out: Path) -> str:
     if th and th.get("runs"):
         table, f = throughput_table(th)
         plot_throughput(th, out / "throughput.png")
-        lines += [
-            "## Throughput",
-            "",
+        lines += _section(
+            "Throughput",
             f"Seed: {SEED['throughput']}. Per-worker mini-batches/s at batch 32 per worker "
             f"(global batch 32 × {th['workers']}), {th['workers']} workers, each pinned to its own core; the "
             "recipes' model sizes (conf/model/*.yaml). " + _load(results, "throughput"),
-            "",
-            *table,
-            "",
-            "![Throughput](throughput.png)",
-            "",
-        ]
+            table,
+            "throughput.png",
+        )
         for err in th.get("errors", []):
             lines.append(f"- {err}")
         grads = {r["model"]: r["gradient_bytes"] for r in th["runs"] if r["model"] != "probe"}
@@ -524,33 +521,25 @@ def write(results: dict, out: Path) -> str:
         table, f = convergence_table(cv)
         if cv.get("tasks"):
             plot_convergence(cv, out / "convergence.png")
-        lines += [
-            "## Convergence",
-            "",
+        lines += _section(
+            "Convergence",
             f"Seed: {SEED['convergence']}. {cv['workers']} workers, batch 32 per worker, "
             "Adam; the same steps on the same data in both runs (so the same losses), so the speed-up is "
             "the time per step. " + _load(results, "convergence"),
-            "",
-            *table,
-            "",
-            "![Convergence](convergence.png)",
-            "",
-        ]
+            table,
+            "convergence.png",
+        )
     sc = results.get("scalability")
     if sc and sc.get("runs"):
         table, f = scalability_table(sc, results.get("machine", {}).get("cores", 2))
         plot_scalability(sc, out / "scalability.png")
-        lines += [
-            "## Scalability",
-            "",
+        lines += _section(
+            "Scalability",
             f"Seed: {SEED['scalability']}. Parameter-server mode (the seed's), batch 32 "
             "per worker; total mini-batches/s of all workers. " + _load(results, "scalability"),
-            "",
-            *table,
-            "",
-            "![Scalability](scalability.png)",
-            "",
-        ]
+            table,
+            "scalability.png",
+        )
     ov = results.get("overlap")
     if ov:
         lines += ["## Communication overlapping backprop", ""]

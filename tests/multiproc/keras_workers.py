@@ -60,12 +60,26 @@ def fit_model_many(configs: list, batch: int) -> dict:
     strategy after another; then rank 0 trains each kind in one plain Keras process (the same global batch)."""
     import rdkeras
 
+    def run(config):
+        kind, transport, mode = config
+        return "/".join(config), kind, rdkeras.RDMAStrategy(transport=transport, mode=mode)
+
+    return fit_in_turn(configs, batch, run, "many")
+
+
+def fit_in_turn(configs: list, batch: int, start, tag: str, measured=None) -> dict:
+    """One strategy after another in this one set of processes (TensorFlow imports once): `start(config)` gives
+    (key, kind, strategy); `measured(strategy, before)` adds to the result what the engine did, if given. Then
+    rank 0 trains each kind in one plain Keras process (the same global batch)."""
     out, rank = {}, 0
-    for i, (kind, transport, mode) in enumerate(configs):
-        strategy = rdkeras.RDMAStrategy(transport=transport, mode=mode)
-        out["/".join((kind, transport, mode))] = _fit_model_with(strategy, kind, batch)
+    for i, config in enumerate(configs):
+        key, kind, strategy = start(config)
+        before = strategy.engine.traffic()
+        out[key] = _fit_model_with(strategy, kind, batch)
+        if measured is not None:
+            out[key].update(measured(strategy, before))
         if i + 1 < len(configs):
-            next_port(strategy, f"many{i}")
+            next_port(strategy, f"{tag}{i}")
         rank = strategy.worker_index
         strategy.close()
     if rank == 0:

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-from tests.multiproc.keras_workers import _fit_model_with, next_port
+from tests.multiproc.keras_workers import fit_in_turn
 
 
 def fit_bucketed_many(configs: list, batch: int) -> dict:
     """For each (kind, mode, overlap_bytes): fit with rdkeras.parallel.collectives.OVERLAP_BYTES set, in this one
-    set of processes; also the bytes the engine wrote. Then rank 0 trains each kind in one plain process."""
+    set of processes; also the writes the engine made. Then rank 0 trains each kind in one plain process."""
     import rdkeras
     from rdkeras.parallel import collectives
 
-    out, rank = {}, 0
-    for i, (kind, mode, overlap) in enumerate(configs):
+    def start(config):
+        kind, mode, overlap = config
         collectives.OVERLAP_BYTES = overlap
-        strategy = rdkeras.RDMAStrategy(mode=mode)
-        before = strategy.engine.traffic()["writes"]
-        result = _fit_model_with(strategy, kind, batch)
-        result["writes"] = strategy.engine.traffic()["writes"] - before
-        out[f"{kind}/{mode}/{overlap}"] = result
-        if i + 1 < len(configs):
-            next_port(strategy, f"bucketed{i}")
-        rank = strategy.worker_index
-        strategy.close()
-    if rank == 0:
-        for kind in sorted({c[0] for c in configs}):
-            out[f"{kind}/reference"] = _fit_model_with(None, kind, batch)
-    return out
+        return f"{kind}/{mode}/{overlap}", kind, rdkeras.RDMAStrategy(mode=mode)
+
+    def writes(strategy, before):
+        return {"writes": strategy.engine.traffic()["writes"] - before["writes"]}
+
+    return fit_in_turn(configs, batch, start, "bucketed", writes)
