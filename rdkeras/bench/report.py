@@ -177,12 +177,14 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
     measured: time blocked on peers, and for RPC its (de)serialization copies and frame writes."""
     runs = th["runs"]
     lines = [
-        "| model | mode | transport | step | compute (Local) | blocked on peers | RPC copies | RPC frames "
-        "(wire) | rest (Keras/TF hops, reductions, assignments) |",
+        "| model | mode | transport | step | compute (Local, every core at once) | blocked on peers | RPC copies | "
+        "RPC frames (wire) | rest (Keras/TF hops, reductions, assignments) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    loaded = {r["model"]: r["step_seconds"] for r in th.get("loaded", [])}
     for m in models:
         local = next((r["step_seconds"] for r in runs if r["model"] == m and r["transport"] == "none"), None)
+        local = loaded.get(m, local)  # the compute of a step while the other workers compute too
         for r in runs:
             if r["model"] != m or r["transport"] == "none" or local is None:
                 continue
@@ -487,7 +489,8 @@ def write(results: dict, out: Path) -> str:
             "Throughput",
             f"Seed: {SEED['throughput']}. Per-worker mini-batches/s at batch 32 per worker "
             f"(global batch 32 × {th['workers']}), {th['workers']} workers, each pinned to its own core; the "
-            "recipes' model sizes (conf/model/*.yaml). " + _load(results, "throughput"),
+            "recipes' model sizes (conf/model/*.yaml); NAME@published: the paper's size. "
+            + _load(results, "throughput"),
             table,
             "throughput.png",
         )
@@ -499,14 +502,18 @@ def write(results: dict, out: Path) -> str:
             "Where the step goes (rank 0; the RPC columns are what `rpc+shm` timed itself; blocked time "
             "includes the peer's share of the work):",
             "",
-            *breakdown_table(th, sorted({str(biggest), "fcn5"} & set(grads))),
+            *breakdown_table(th, sorted({str(biggest), "fcn5", "inception_v3"} & set(grads))),
             "",
         ]
         by_mode = lambda d, model: {mode: v for (m, mode), v in d.items() if m == model and v}  # noqa: E731
         each = lambda d: ", ".join(f"{mode} {v:.2f}×" for mode, v in sorted(d.items()))  # noqa: E731
-        fc = by_mode(f["x_grpc"], "fcn5")
-        if fc:
-            targets.append(("fit: FCN-5 ≥ 5× gRPC.TCP (every mode)", min(fc.values()) >= 5, each(fc)))
+        # The seed measured FCN-5 at its published size; where that ran, it is the target, the recipe's reported.
+        fcn5 = [("fcn5@published", "at its published size"), ("fcn5", "at the recipe's size")]
+        fcn5 = [(m, what) for m, what in fcn5 if by_mode(f["x_grpc"], m)]
+        for k, (m, what) in enumerate(fcn5):
+            fc = by_mode(f["x_grpc"], m)
+            ok = min(fc.values()) >= 5 if k == 0 else None
+            targets.append((f"fit: FCN-5 {what} ≥ 5× gRPC.TCP (every mode)", ok, each(fc)))
         xr = by_mode(f["x_rpc"], biggest)
         if xr:
             targets.append(
@@ -626,7 +633,8 @@ def scale_sections(sm: dict) -> list[str]:
         "",
         "Calibrated on this run's Send/Recv (per transport: the time of a transfer at each measured size, "
         "interpolated between them; summarised below as a per-message cost a and a per-byte cost b, which the "
-        "projection uses) and the Local runs' compute times; see docs/scale-model.md.",
+        "projection uses), its exchange (both ways at once) and the Local runs' compute times; see "
+        "docs/scale-model.md.",
         "",
         "| transport | a (per message) | 1/b (per byte) |",
         "|---|---|---|",
@@ -634,6 +642,37 @@ def scale_sections(sm: dict) -> list[str]:
     for t, c in sorted(cal["transports"].items()):
         lines.append(f"| {LABEL.get(t, t)} | {c['latency_us']:.1f} µs | {c['GBps']:.2f} GB/s |")
     lines.append(f"| memcpy (reduction, assignment) | | {1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s |")
+    both = {t: c for t, c in sorted(cal["transports"].items()) if c.get("exchange_points")}
+    if both:
+        sizes = sorted({x for c in both.values() for x, _ in c["exchange_points"]})
+        lines += [
+            "",
+            "What the predictions here use: an exchange, both ranks sending x bytes to each other at once (as in "
+            "every ring step and parameter-server push or pull), against one transfer of x bytes:",
+            "",
+            "| transport | " + " | ".join(_size(x) for x in sizes) + " |",
+            "|---|" + "---|" * len(sizes),
+        ]
+        for t, c in both.items():
+            one, two = dict(c["points"]), dict(c["exchange_points"])
+            exchanges = [
+                f"{two[x] * 1e3:.2f} ms ({two[x] / one[x]:.2f}× one way)" if x in two and x in one else "–"
+                for x in sizes
+            ]
+            lines.append(f"| {LABEL.get(t, t)} | " + " | ".join(exchanges) + " |")
+    computes = {m: c for m, c in cal.get("compute_seconds", {}).items() if c.get("all_cores") and m != "probe"}
+    if computes:
+        lines += [
+            "",
+            "Compute per step, one process alone and one per core at once (no communication; the predictions use "
+            "the second):",
+            "",
+            "| model | alone | every core at once | |",
+            "|---|---|---|---|",
+        ]
+        for m, c in computes.items():
+            alone, every = c["alone"], c["all_cores"]
+            lines.append(f"| {m} | {alone * 1e3:.1f} ms | {every * 1e3:.1f} ms | {every / alone:.2f}× |")
     if sm["validation"]:
         lines += [
             "",

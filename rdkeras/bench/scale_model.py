@@ -5,12 +5,15 @@ Its inputs are what ``python -m rdkeras.bench paper`` measured here (``results.j
 - per transport, from Send/Recv: the measured time per transfer at each message size, interpolated
   between sizes (a transport's cost per byte depends on the size: gRPC's halves from 4 to 64 MB, caches
   help the copies of small messages), and its summary as a per-message cost ``a`` (s) and a per-byte cost
-  ``b`` (s/B), which the projection uses; memcpy's per-byte cost on one core;
-- per model, from the runs without communication: compute time per step, gradient bytes and tensors,
-  forward FLOPs per example.
+  ``b`` (s/B), which the projection uses; the same curve for an exchange (both ranks send at once, as in
+  every step of a ring or a parameter-server push or pull: an RPC's serialize and parse then share each
+  core with the other direction's), which the predictions here use; memcpy's per-byte cost on one core;
+- per model, from the runs without communication: compute time per step with every core computing at
+  once (one process per core, as in a distributed run: they share caches and memory bandwidth, 10-35%
+  slower here than one process alone), gradient bytes and tensors, forward FLOPs per example.
 
 Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in ``buckets`` pieces;
-``t(x)`` the time of one transfer of x bytes, ``a + b·x`` where only the summary is known):
+``t(x)`` the time of one exchange of x bytes each way, ``a + b·x`` where only the summary is known):
 
 - ring allreduce: ``compute + 2(N-1)·buckets·t(G/(N·buckets)) + (N-1)/N·G·c`` (2(N-1) sequential ring
   steps of G/N bytes each; the reduction reads every received chunk once: c = memcpy's cost per byte);
@@ -92,17 +95,26 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
             a = latency[small]  # the ping-pong is the better measure of a message's fixed cost
             big = [(x, y) for x, y in points if x >= MB]
             b = sum((y - a) for _, y in big) / sum(x for x, _ in big) if big else b
-        costs[t] = {"a": a, "b": b, "GBps": 1 / b / 1e9, "latency_us": a * 1e6, "points": sorted(points)}
+        both = [(x, y) for x, y in sendrecv.get("exchange", {}).get(t, [])]
+        costs[t] = {
+            "a": a,
+            "b": b,
+            "GBps": 1 / b / 1e9,
+            "latency_us": a * 1e6,
+            "points": sorted(points),
+            "exchange_points": sorted(both),
+        }
     memcpy = [r for r in rows if r["transport"] == "memcpy" and r["mode"] == "glibc" and r["bytes"] >= MB]
     c = sum(r["seconds"] for r in memcpy) / sum(r["bytes"] for r in memcpy) if memcpy else 1 / 10e9
     return {"transports": costs, "memcpy_per_byte": c}
 
 
-def transfer_seconds(cost: dict[str, Any], nbytes: float) -> float:
+def transfer_seconds(cost: dict[str, Any], nbytes: float, both_ways: bool = False) -> float:
     """One transfer of `nbytes` with a calibrated transport: the measured times interpolated between
     the measured sizes, the smallest one's below them, the last per-byte slope beyond them (``a + b·x``
-    where no curve was measured)."""
-    points = cost.get("points") or []
+    where no curve was measured). `both_ways`: while the peer sends as many bytes back (the exchange
+    curve, where it was measured; every step of a ring or a parameter-server push/pull is one)."""
+    points = (both_ways and cost.get("exchange_points")) or cost.get("points") or []
     if len(points) < 2:
         return cost["a"] + cost["b"] * nbytes
     if nbytes <= points[0][0]:
@@ -137,9 +149,9 @@ def predict_here(
 ) -> float | None:
     """Predicted step seconds of a measured run on this machine (None: its transport was not calibrated).
 
-    `compute_s` is the model's step alone on one core, `fixed_s` the fixed cost of a distributed step of
-    this transport, mode and worker count (measured with a 300-parameter model: it includes any sharing of
-    cores already)."""
+    `compute_s` is the model's step on one core while every core computes, `fixed_s` the fixed cost of a
+    distributed step of this transport, mode and worker count (measured with a 300-parameter model: it
+    includes any sharing of cores already)."""
     cost = calibration["transports"].get(run["transport"])
     if cost is None:
         return None
@@ -151,7 +163,7 @@ def predict_here(
         run["gradient_bytes"],
         run["tensors"],
         buckets,
-        lambda nbytes: transfer_seconds(cost, nbytes),
+        lambda nbytes: transfer_seconds(cost, nbytes, both_ways=True),
         calibration["memcpy_per_byte"],
     )
     return max(1.0, n / cores) * (compute_s + comm) + fixed_s

@@ -4,7 +4,8 @@ For each transport (shm, tcp, grpc, and rpc+shm / rpc+tcp: RPC messages over the
 same wires) and channel mode (static: one remote write
 into a pre-registered slot; dynamic: metadata write, then a remote read), two
 processes pinned to separate cores send messages of 1 MB ... 256 MB back to
-back; 8 B ... 64 KB messages go in a ping-pong for one-way latency. Single-core
+back, then both send to each other at once (the exchange, what a training step does); 8 B ... 64 KB
+messages go in a ping-pong for one-way latency. Single-core
 memcpy of the same sizes, timed in the sending process right before each
 transfer, is the physical limit. Prints a table, writes JSON and a log-log plot.
 """
@@ -68,7 +69,7 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
 
     rounds = 5 if quick else 7
     native = transport in NATIVE
-    out: dict[str, Any] = {"bandwidth": [], "latency": [], "memcpy": [], "memcpy_nt": []}
+    out: dict[str, Any] = {"bandwidth": [], "exchange": [], "latency": [], "memcpy": [], "memcpy_nt": []}
     with rdkeras.Engine(transport=transport) as eng:
         _pin(eng.rank)
         sender = eng.rank == 0
@@ -118,6 +119,27 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
                 if mode == "dynamic" and sender:
                     ch.flush()
                 del ch, src, copy_dst
+        # Exchange: both ranks send a message to each other at once, as every rank does in a ring step or a
+        # parameter-server push/pull; RPC's serialize and parse then share each core with the other side's.
+        for size in sizes:
+            fwd = eng.static_channel(f"xa-{size}", 0, 1, (size,), np.uint8)
+            bwd = eng.static_channel(f"xb-{size}", 1, 0, (size,), np.uint8)
+            tx, rx = (fwd, bwd) if sender else (bwd, fwd)
+            iters = _iterations(size, transport, quick)
+            msg = eng.empty(size) if native else np.empty(size, np.uint8)
+            msg[:] = 7
+            times = []
+            for r in range(rounds + 1):
+                eng.barrier(f"x-{size}-{r}")
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    tx.send(msg)
+                    got = rx.recv()
+                times.append((time.perf_counter() - t0) / iters)
+                assert got[0] == 7 and got[-1] == 7, "payload corrupted"
+            if sender:
+                out["exchange"].append([size, statistics.median(times[1:])])
+            del fwd, bwd, tx, rx, msg, got
         # One-way latency: ping-pong over a pair of static channels.
         for size in latency_sizes:
             fwd = eng.static_channel(f"ping-{size}", 0, 1, (size,), np.uint8)

@@ -172,7 +172,8 @@ def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any 
 
 
 def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, steps: int, inter_op: int = 1) -> dict:
-    """Times model.fit for each run ({"mode", "model", "config", "batch", "overlap"}), in order.
+    """Times model.fit for each run ({"mode", "model", "config", "batch", "overlap"}, and optionally its own
+    "warmup" and "steps"), in order.
 
     `batch` is the per-worker batch (the seed's convention): fit gets the global batch, batch x workers.
     Consecutive runs with the same data-parallel mode share one RDMAStrategy. Returns this rank's results.
@@ -205,8 +206,9 @@ def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, 
                 model.compile(
                     optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False
                 )
-            x, y = synthetic_data(model, run["batch"] * workers * (warmup + steps))
-            timed = _timed_fit(model, x, y, run["batch"] * workers, warmup, strategy.engine if strategy else None)
+            warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
+            x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
+            timed = _timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
             params = int(model.count_params())
             results.append(
                 {

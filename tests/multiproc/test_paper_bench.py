@@ -37,12 +37,15 @@ def test_sendrecv_figure_report_and_scale_model_calibration(tmp_path):
     series = {(r["transport"], r["mode"]) for r in results["sendrecv"]["rows"] if r["bytes"] == 1 << 20}
     assert {("shm", "static"), ("shm", "dynamic"), ("rpc+shm", "rpc"), ("grpc", "rpc"), ("memcpy", "glibc")} <= series
     assert set(results["sendrecv"]["latency"]) == {"shm", "rpc+shm", "grpc"}
+    exchange = results["sendrecv"]["exchange"]  # both ranks sending at once, what the scale model uses here
+    assert set(exchange) == {"shm", "rpc+shm", "grpc"} and all(sec > 0 for v in exchange.values() for _, sec in v)
     assert results["loads"]["sendrecv"]["before"] and results["machine"]["cores"] >= 1
     costs = results["scale_model"]["calibration"]["transports"]
     assert set(costs) == {"shm", "rpc+shm", "grpc"} and all(c["b"] > 0 for c in costs.values())
     report = (tmp_path / "report.md").read_text()
     assert "## Send/Recv" in report and "RPC over shm" in report and "seed: " in report.lower()
     assert "rdkeras shm ≥ 2× RPC over shm" in report  # the target, beside its measured value
+    assert "both ranks sending x bytes to each other at once" in report
     assert _png(tmp_path / "sendrecv.png")
     # The report can be rebuilt from the raw figures alone.
     again = tmp_path / "again"
@@ -64,6 +67,10 @@ def test_every_figure_in_a_tiny_run(tmp_path):
     for t in ("shm", "rpc+shm", "grpc"):
         assert {("fcn5", "ps", t), ("fcn5", "allreduce", t), ("probe", "ps", t)} <= configs
     assert ("fcn5", "local", "none") in configs
+    loaded = {r["model"]: r for r in results["throughput"]["loaded"]}  # every core computing at once
+    assert set(loaded) == {"probe", "fcn5"} and loaded["fcn5"]["concurrent"] == 2
+    computes = results["scale_model"]["calibration"]["compute_seconds"]
+    assert computes["fcn5"]["all_cores"] == loaded["fcn5"]["step_seconds"]
     assert all(r["workers"] == 2 and r["rate"] > 0 for r in runs if r["transport"] != "none")
     for figure in ("sendrecv", "throughput", "scalability"):
         assert _png(tmp_path / f"{figure}.png"), figure

@@ -248,3 +248,16 @@ def test_auto_takes_shm_within_a_host_and_tcp_between_hosts(hosts, facts, chosen
     from rdkeras import transports
 
     assert transports.choose_auto(hosts, facts)[0] == chosen
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 4 * 4096 - 1, 4 * 4096 + 129, 3 * (1 << 20) + 17])
+@pytest.mark.parametrize("shift", [0, 1, 63])
+def test_streaming_copy_moves_every_byte_and_none_past_the_end(size, shift):
+    from rdkeras import _engine
+
+    rng = np.random.default_rng(size + shift)
+    src = rng.integers(0, 256, size + 64, np.uint8)
+    dst = np.zeros(size + 128, np.uint8)
+    _engine.memcpy(dst[shift : shift + size], src[shift : shift + size], True)  # type: ignore[arg-type]
+    assert np.array_equal(dst[shift : shift + size], src[shift : shift + size])
+    assert not dst[:shift].any() and not dst[shift + size :].any()

@@ -84,3 +84,27 @@ def test_projection_orders_the_transports_and_scales_with_the_cluster():
     assert [r["workers"] for r in rows] == [8, 64, 1024]
     assert all(math.isfinite(v) and v > 0 for r in rows for v in r["rates"].values())
     assert rows[-1]["rates"]["rdkeras"] < rows[0]["rates"]["rdkeras"]  # per-message costs grow with the ring
+
+
+def test_predictions_here_use_the_exchange_curve_where_it_was_measured():
+    # RPC's exchange (both ways at once) costs twice its one-way transfer: the cores serialize and parse both.
+    one_way = [[MB, 1e-3], [64 * MB, 64e-3]]
+    cost = {"a": 0.0, "b": 1e-3 / MB, "points": one_way, "exchange_points": [[x, 2 * y] for x, y in one_way]}
+    assert scale_model.transfer_seconds(cost, 32 * MB) == pytest.approx(32e-3, rel=0.02)
+    assert scale_model.transfer_seconds(cost, 32 * MB, both_ways=True) == pytest.approx(64e-3, rel=0.02)
+    assert scale_model.transfer_seconds({**cost, "exchange_points": []}, 32 * MB, both_ways=True) == pytest.approx(
+        32e-3, rel=0.02
+    )  # not measured: the one-way curve
+    cal = {"transports": {"rpc+shm": cost}, "memcpy_per_byte": 0.0}
+    run = {"transport": "rpc+shm", "workers": 2, "mode": "allreduce", "gradient_bytes": 64 * MB, "tensors": 4}
+    # Two ring steps of 32 MB, each an exchange.
+    assert scale_model.predict_here(run, 0.1, 0.0, cal, cores=2, bucket_bytes=MB) == pytest.approx(
+        0.1 + 2 * 64e-3, rel=0.02
+    )
+
+
+def test_calibration_keeps_the_exchange_curve():
+    sr = _sendrecv({"shm": (0.2e-6, 1 / 15e9)})
+    sr["exchange"] = {"shm": [[MB, 1e-4], [64 * MB, 6e-3]]}
+    cal = scale_model.calibrate(sr)
+    assert cal["transports"]["shm"]["exchange_points"] == [(MB, 1e-4), (64 * MB, 6e-3)]
