@@ -181,14 +181,20 @@ def _fmt_size(n: int) -> str:
 
 
 def measure(
-    transports: list[str], sizes: list[int], latency_sizes: list[int], quick: bool, timeout: float
+    transports: list[str],
+    sizes: list[int],
+    latency_sizes: list[int],
+    quick: bool,
+    timeout: float,
+    grpc_max: int | None = GRPC_QUICK_MAX,
 ) -> dict[str, dict] | None:
-    """Runs the benchmark for each transport (two fresh processes each): {transport: rank 0's timings}."""
+    """Runs the benchmark for each transport (two fresh processes each): {transport: rank 0's timings}.
+    With `quick`, gRPC stops at `grpc_max` bytes (None: every size)."""
     from rdkeras.bench import run_ranks
 
     results: dict[str, dict] = {}
     for t in transports:
-        mine = [s for s in sizes if not (t == "grpc" and quick and s > GRPC_QUICK_MAX)]
+        mine = [s for s in sizes if not (t == "grpc" and quick and grpc_max is not None and s > grpc_max)]
         print(f"[sendrecv] {t}: {len(mine)} sizes ...", flush=True)
         ranks = run_ranks(
             "sendrecv",
