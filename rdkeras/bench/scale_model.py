@@ -9,8 +9,8 @@ Its inputs are what ``python -m rdkeras.bench paper`` measured here (``results.j
   every step of a ring or a parameter-server push or pull: an RPC's serialize and parse then share each
   core with the other direction's), which the predictions here use; memcpy's per-byte cost on one core;
 - per model, from the runs without communication: compute time per step with every core computing at
-  once (one process per core, as in a distributed run: they share caches and memory bandwidth, 10-35%
-  slower here than one process alone), gradient bytes and tensors, forward FLOPs per example.
+  once (one process per core, as in a distributed run: they share caches and memory bandwidth, up to
+  35% slower here than one process alone), gradient bytes and tensors, forward FLOPs per example.
 
 Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in ``buckets`` pieces;
 ``t(x)`` the time of one exchange of x bytes each way, ``a + b·x`` where only the summary is known):
