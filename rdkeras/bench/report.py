@@ -220,7 +220,7 @@ def plot_throughput(th: dict, path: Path) -> None:
                     g = _rate(runs, m, mode, "grpc")
                     if g and vals[j]:
                         ax.annotate(f"{vals[j] / g:.1f}×", (xs[j], vals[j]), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(models)), models)
+        ax.set_xticks(range(len(models)), models, rotation=25, ha="right")  # long names (fcn5@published) overlap
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
         ax.set_ylabel("mini-batches/s per worker")
         ax.set_title(
