@@ -62,6 +62,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sendrecv_sizes": [1 * MB],
         "latency_sizes": [8],
         "sendrecv_transports": ["shm", "rpc+shm", "grpc"],
+        "sendrecv_grpc_max": 64 * MB,
         "models": ["fcn5"],
         "sizes": "tiny",
         "modes": ["allreduce", "ps"],
@@ -77,6 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB],
         "latency_sizes": [8, 4096],
         "sendrecv_transports": ["shm", "rpc+shm", "tcp", "rpc+tcp", "grpc"],
+        "sendrecv_grpc_max": 64 * MB,
         "models": ["vgg16", "lstm", "fcn5"],
         "sizes": "recipe",
         "modes": ["ps", "allreduce"],
@@ -92,6 +94,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB],
         "latency_sizes": [8, 512, 4096, 65536],
         "sendrecv_transports": ["shm", "rpc+shm", "tcp", "rpc+tcp", "grpc"],
+        "sendrecv_grpc_max": None,  # gRPC at 256 MB too: FCN-5 at its published size sends 219 MB tensors
         # FCN-5 at its published size too: the one seed model whose published size this machine can train
         # (118 M parameters, 472 MB of gradients a step: the largest gradients here), in fewer steps.
         "models": [*workloads.SEED_MODELS, "fcn5@published"],
@@ -164,14 +167,13 @@ def _save(results: dict[str, Any], out: Path) -> None:
 def _sendrecv(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from rdkeras.bench import sendrecv
 
-    # The full run times gRPC at 256 MB too: FCN-5 at its published size sends 219 MB tensors.
     raw = sendrecv.measure(
         preset["sendrecv_transports"],
         preset["sendrecv_sizes"],
         preset["latency_sizes"],
         True,
         args.timeout,
-        grpc_max=None if preset is PRESETS["full"] else sendrecv.GRPC_QUICK_MAX,
+        grpc_max=preset["sendrecv_grpc_max"],
     )
     if raw is None:
         return {"error": "a transport failed (its output is above)"}
@@ -200,14 +202,13 @@ def _runs(
     """Fit configurations; the exchange after backprop (overlap 0) for every transport alike, as the seed's
     comparisons (the overlap figure measures overlap on its own). `few_steps`: (warm-up, timed) steps for
     the models too slow for the preset's."""
-    runs = []
-    for m in modes:
-        for n in names:
-            run = {"mode": m, "model": n, "config": cfgs[n], "batch": batch, "overlap": overlap}
-            if n in (few_steps or {}):
-                run["warmup"], run["steps"] = few_steps[n]  # type: ignore[index]
-            runs.append(run)
-    return runs
+    few = few_steps or {}
+    return [
+        {"mode": m, "model": n, "config": cfgs[n], "batch": batch, "overlap": overlap}
+        | ({"warmup": few[n][0], "steps": few[n][1]} if n in few else {})
+        for m in modes
+        for n in names
+    ]
 
 
 def _fit_group(
@@ -271,13 +272,12 @@ def _throughput(preset: dict, args: Any, names: list[str], workers: int) -> dict
     few = preset.get("few_steps")
     # The probe (the scale model's fixed cost per step) goes with the first model.
     for part in [["probe", *names[:1]], *[[n] for n in names[1:]]]:
-        label = "+".join(part)
-        local = _fit_group(f"throughput {label}: Local, 1 process", _runs(part, cfgs, ["local"], 32, 0, few), 1, None,
-                           preset, args)  # fmt: skip
+        label, alone = "+".join(part), _runs(part, cfgs, ["local"], 32, 0, few)
+        local = _fit_group(f"throughput {label}: Local, 1 process", alone, 1, None, preset, args)
         # The same on every core at once, no communication: the compute of a distributed step, whose workers
         # share the caches and memory bandwidth (the scale model's compute; the figure's Local is the one above).
-        loaded = _fit_group(f"throughput {label}: Local, {workers} processes at once",
-                            _runs(part, cfgs, ["local"], 32, 0, few), workers, None, preset, args)  # fmt: skip
+        loaded = _fit_group(f"throughput {label}: Local, {workers} processes at once", alone, workers, None, preset,
+                            args)  # fmt: skip
         if isinstance(loaded, str):
             out["errors"].append(loaded)
         else:

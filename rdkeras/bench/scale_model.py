@@ -95,7 +95,7 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
             a = latency[small]  # the ping-pong is the better measure of a message's fixed cost
             big = [(x, y) for x, y in points if x >= MB]
             b = sum((y - a) for _, y in big) / sum(x for x, _ in big) if big else b
-        both = [(x, y) for x, y in sendrecv.get("exchange", {}).get(t, [])]
+        both = [(x, y) for x, y in sendrecv.get("exchange", {}).get(t, [])]  # JSON pairs as tuples
         if both and small is not None:  # a tiny exchange costs a message's latency, as a tiny transfer does
             both.append((small, latency[small]))
         costs[t] = {

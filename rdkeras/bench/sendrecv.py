@@ -62,6 +62,13 @@ def _memcpy_seconds(src: Any, dst: Any, iters: int, nontemporal: bool) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _pair(eng: Any, name: str, size: int) -> tuple[Any, Any]:
+    """Static channels of `size` bytes between ranks 0 and 1, one each way: (this rank's out, its in)."""
+    fwd = eng.static_channel(f"{name}-{size}-fwd", 0, 1, (size,), np.uint8)
+    bwd = eng.static_channel(f"{name}-{size}-bwd", 1, 0, (size,), np.uint8)
+    return (fwd, bwd) if eng.rank == 0 else (bwd, fwd)
+
+
 def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list[int]) -> dict:
     """Runs inside each of the two ranks; rank 0 (the sender) returns the timings."""
     import rdkeras
@@ -122,9 +129,7 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
         # Exchange: both ranks send a message to each other at once, as every rank does in a ring step or a
         # parameter-server push/pull; RPC's serialize and parse then share each core with the other side's.
         for size in sizes:
-            fwd = eng.static_channel(f"xa-{size}", 0, 1, (size,), np.uint8)
-            bwd = eng.static_channel(f"xb-{size}", 1, 0, (size,), np.uint8)
-            tx, rx = (fwd, bwd) if sender else (bwd, fwd)
+            tx, rx = _pair(eng, "exchange", size)
             iters = _iterations(size, transport, quick)
             msg = eng.empty(size) if native else np.empty(size, np.uint8)
             msg[:] = 7
@@ -139,12 +144,10 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
                 assert got[0] == 7 and got[-1] == 7, "payload corrupted"
             if sender:
                 out["exchange"].append([size, statistics.median(times[1:])])
-            del fwd, bwd, tx, rx, msg, got
+            del tx, rx, msg, got
         # One-way latency: ping-pong over a pair of static channels.
         for size in latency_sizes:
-            fwd = eng.static_channel(f"ping-{size}", 0, 1, (size,), np.uint8)
-            bwd = eng.static_channel(f"pong-{size}", 1, 0, (size,), np.uint8)
-            tx, rx = (fwd, bwd) if sender else (bwd, fwd)
+            tx, rx = _pair(eng, "ping", size)
             iters = {"shm": 2000, "tcp": 2000, "rpc+shm": 500, "rpc+tcp": 500}.get(transport, 50)  # verbs: a VM
             msg = np.ones(size, np.uint8)
             best = float("inf")
@@ -186,15 +189,15 @@ def measure(
     latency_sizes: list[int],
     quick: bool,
     timeout: float,
-    grpc_max: int | None = GRPC_QUICK_MAX,
+    grpc_max: int | None = None,
 ) -> dict[str, dict] | None:
     """Runs the benchmark for each transport (two fresh processes each): {transport: rank 0's timings}.
-    With `quick`, gRPC stops at `grpc_max` bytes (None: every size)."""
+    gRPC stops at `grpc_max` bytes (None: every size)."""
     from rdkeras.bench import run_ranks
 
     results: dict[str, dict] = {}
     for t in transports:
-        mine = [s for s in sizes if not (t == "grpc" and quick and grpc_max is not None and s > grpc_max)]
+        mine = [s for s in sizes if not (t == "grpc" and grpc_max is not None and s > grpc_max)]
         print(f"[sendrecv] {t}: {len(mine)} sizes ...", flush=True)
         ranks = run_ranks(
             "sendrecv",
@@ -255,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
     bandwidth_sizes = [int(float(s) * MB) for s in args.sizes.split(",")] if args.sizes else BANDWIDTH_SIZES
     latency_sizes = [int(s) for s in args.latency_sizes.split(",")] if args.latency_sizes else LATENCY_SIZES
     started = time.time()
-    results = measure(transports, bandwidth_sizes, latency_sizes, args.quick, args.timeout)
+    grpc_max = GRPC_QUICK_MAX if args.quick else None
+    results = measure(transports, bandwidth_sizes, latency_sizes, args.quick, args.timeout, grpc_max)
     if results is None:
         return 1
     rows = rows_of(results)
