@@ -3,6 +3,8 @@
 
 #include <sched.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <sstream>
@@ -79,11 +81,37 @@ inline void cpuRelax() {
 #endif
 }
 
+// Wakes the waits of this process when one of its own threads has delivered
+// something they may be polling for (tcp's progress threads after a flag, a read's
+// payload or a fence ack). Waits that only a peer process or a NIC can end (shm,
+// verbs) are not woken: they sleep their time out and poll again.
+class LocalWakeup {
+ public:
+  // The current generation: read before polling, sleep on it after.
+  uint32_t generation() const { return generation_.load(std::memory_order_acquire); }
+  // After the store that a waiter polls for: a syscall only while someone sleeps.
+  void notify();
+  // Sleeps up to `ns` unless notify() ran since `seen` was read.
+  void sleep(uint32_t seen, long ns);
+
+ private:
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<int> sleepers_{0};
+};
+LocalWakeup& localWakeup();
+
 // Polls `ready()` until it returns true: spins first (a peer on another core
-// answers in well under a microsecond), then yields, then sleeps briefly so an
-// idle waiter does not burn a core. `check()` runs about every millisecond once
-// the spin phase is over (peer liveness); it throws to abort the wait.
-// Returns false if the deadline passed.
+// answers in well under a microsecond), yields until a millisecond has passed,
+// then sleeps a thirty-second of the time waited so far (20 us to 1 ms), or
+// until a thread of this process delivers (LocalWakeup). A long wait -- a
+// gradient bucket on a slow link -- so wakes up at most a thousand times a
+// second, not ten thousand: on a core shared with backprop each wake-up takes
+// the core from the compute (fixed 50 us sleeps after 5 ms of yielding cost the
+// overlapped step's communication thread 80 ms of CPU a step, these 50 ms); a
+// flag a peer process writes is seen at most ~3% of the wait late, one tcp's
+// progress thread stores at once. `check()` runs about every millisecond once
+// the spin phase is over (peer liveness); it throws to abort the wait. Returns
+// false if the deadline passed.
 template <typename Ready, typename Check>
 bool pollUntil(Ready&& ready, const Deadline& deadline, Check&& check) {
   for (int i = 0; i < 2048; ++i) {
@@ -93,6 +121,7 @@ bool pollUntil(Ready&& ready, const Deadline& deadline, Check&& check) {
   const auto start = Clock::now();
   auto next_check = start;
   while (true) {
+    const uint32_t seen = localWakeup().generation();  // before ready(): a delivery after it ends the sleep
     if (ready()) return true;
     const auto now = Clock::now();
     if (now >= next_check) {
@@ -103,11 +132,12 @@ bool pollUntil(Ready&& ready, const Deadline& deadline, Check&& check) {
     const auto waited = now - start;
     if (waited < std::chrono::microseconds(200)) {
       for (int i = 0; i < 64; ++i) cpuRelax();
-    } else if (waited < std::chrono::milliseconds(5)) {
+    } else if (waited < std::chrono::milliseconds(1)) {
       sched_yield();
     } else {
-      struct timespec ts = {0, 50 * 1000};
-      nanosleep(&ts, nullptr);
+      const long ns = std::clamp<long>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count() / 32, 20 * 1000, 1000 * 1000);
+      localWakeup().sleep(seen, ns);
     }
   }
 }

@@ -125,6 +125,7 @@ void TcpTransport::markDead(int peer, const std::string& why) {
     int expected = 0;
     if (pending->state.compare_exchange_strong(expected, 2)) pending->error = p.dead_reason;
   }
+  localWakeup().notify();
 }
 
 void TcpTransport::checkPeer(int peer) {
@@ -284,10 +285,12 @@ void TcpTransport::serveLoop(int peer) {
           }
           break;
         case kFlag:
-          if (target)
+          if (target) {
             storeRelease(target, h.length);
-          else
+            localWakeup().notify();  // the waits for flags are this process's
+          } else {
             reply(kError, h.id, error.data(), error.size(), h.op);
+          }
           break;
         case kReadReq:
           if (target)
@@ -316,6 +319,7 @@ void TcpTransport::replyLoop(int peer) {
   while (recvAll(fd, &h, sizeof(h))) {
     if (h.op == kFenceAck) {
       p.fences_acked.store(h.id, std::memory_order_release);
+      localWakeup().notify();
       continue;
     }
     std::shared_ptr<PendingRead> pending;
@@ -334,6 +338,7 @@ void TcpTransport::replyLoop(int peer) {
       if (!ok) pending->error = error;
       pending->busy = false;
       pending->state.store(ok ? 1 : 2, std::memory_order_release);
+      localWakeup().notify();
     };
     if (h.op == kReadResp) {
       if (!pending || pending->length != h.length) {
