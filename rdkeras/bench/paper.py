@@ -107,7 +107,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "convergence": [("fashion_mnist_cnn", 600), ("lstm_lm", 300)],
         "scalability_models": ["vgg16", "lstm"],
         "scalability_workers": [1, 2, 4, 8],
-        "overlap_steps": 16,
+        "overlap_steps": 10,
     },
 }
 FIGURES = ("sendrecv", "throughput", "convergence", "scalability", "overlap")
@@ -396,7 +396,7 @@ def _published_models(names: list[str]) -> list[dict[str, Any]]:
     import keras
 
     out = []
-    for n in names:
+    for n in dict.fromkeys(n.partition("@")[0] for n in names):  # fcn5@published is fcn5 here
         model = workloads.build_model(workloads.model_config(n, PUBLISHED[n]))
         out.append(
             {
