@@ -223,6 +223,8 @@ def _fit_group(
         "warmup": preset["warmup"],
         "steps": preset["steps"],
         "inter_op": 2,
+        # The compute of these very runs, for the scale model (where each rank has a core of its own).
+        "compute_first": transport is not None and workers <= len(os.sched_getaffinity(0)),
     }
     env = {"RDKERAS_TRANSPORT": transport} if transport else {"RDKERAS_WORLD_SIZE": ""}
     print(f"[paper] {label} ...", flush=True)
@@ -248,6 +250,8 @@ def _fit_group(
     merged = []
     for i, first in enumerate(per_rank[0]):
         slowest = max((rank[i] for rank in per_rank), key=lambda x: x["step_seconds"])
+        if "compute_s" in first:  # a synchronous step waits for the slowest rank's compute
+            first = {**first, "compute_s": max(rank[i]["compute_s"] for rank in per_rank)}
         merged.append(
             {
                 **first,
@@ -431,7 +435,7 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
     cal["compute_seconds"] = {m: {"alone": s, "all_cores": loaded.get(m)} for m, s in compute.items()}
     # The fixed cost of a distributed step, per (transport, mode, workers): the probe's step minus its local one.
     fixed = {
-        (r["transport"], r["mode"], r["workers"]): max(0.0, r["step_seconds"] - compute["probe"])
+        (r["transport"], r["mode"], r["workers"]): max(0.0, r["step_seconds"] - r.get("compute_s", compute["probe"]))
         for r in runs
         if r["model"] == "probe" and r["transport"] != "none" and "probe" in compute
     }
@@ -443,7 +447,8 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
             continue
         seen.add(key)
         overhead = fixed.get((r["transport"], r["mode"], r["workers"]), 0.0)
-        step_compute = loaded.get(r["model"], compute[r["model"]])
+        # The compute measured in the run's own processes just before it; older results: every core, or alone.
+        step_compute = r.get("compute_s") or loaded.get(r["model"], compute[r["model"]])
         predicted = scale_model.predict_here(r, step_compute, overhead, cal, cores, collectives.BUCKET_BYTES)
         if predicted is None:
             continue
@@ -453,6 +458,7 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
                 "mode": r["mode"],
                 "transport": r["transport"],
                 "workers": r["workers"],
+                "compute_s": step_compute,
                 "measured_s": r["step_seconds"],
                 "predicted_s": predicted,
                 "error": predicted / r["step_seconds"] - 1,

@@ -173,11 +173,13 @@ def throughput_table(th: dict) -> tuple[list[str], dict[str, Any]]:
 
 
 def breakdown_table(th: dict, models: list[str]) -> list[str]:
-    """Where each step's time went (rank 0, per step): compute alone (Local), and what the transports
-    measured: time blocked on peers, and for RPC its (de)serialization copies and frame writes."""
+    """Where each step's time went (rank 0, per step): the compute its own processes measured undistributed just
+    before it (older results: Local on every core at once), and what the transports measured: time blocked on
+    peers, and for RPC its (de)serialization copies and frame writes."""
     runs = th["runs"]
     lines = [
-        "| model | mode | transport | step | compute (Local, every core at once) | blocked on peers | RPC copies | "
+        "| model | mode | transport | step | compute (the same processes, undistributed, just before) | "
+        "blocked on peers | RPC copies | "
         "RPC frames (wire) | rest (Keras/TF hops, reductions, assignments) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -188,13 +190,14 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
         for r in runs:
             if r["model"] != m or r["transport"] == "none" or local is None:
                 continue
+            compute = r.get("compute_s", local)  # measured in the run's own processes just before it
             wait = r.get("wait_seconds_per_step", 0.0)
             copy, wire = r.get("copy_seconds_per_step"), r.get("wire_seconds_per_step")
-            rest = r["step_seconds"] - local - wait - (copy or 0) - (wire or 0)
+            rest = r["step_seconds"] - compute - wait - (copy or 0) - (wire or 0)
             ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "–"  # noqa: E731
             lines.append(
                 f"| {m} | {r['mode']} | {LABEL.get(r['transport'], r['transport'])} | {ms(r['step_seconds'])} | "
-                f"{ms(local)} | {ms(wait)} | {ms(copy)} | {ms(wire)} | {ms(rest)} |"
+                f"{ms(compute)} | {ms(wait)} | {ms(copy)} | {ms(wire)} | {ms(rest)} |"
             )
     return lines
 
@@ -664,8 +667,9 @@ def scale_sections(sm: dict) -> list[str]:
     if computes:
         lines += [
             "",
-            "Compute per step, one process alone and one per core at once (no communication; the predictions use "
-            "the second):",
+            "Compute per step, one process alone and one per core at once (no communication). The predictions use "
+            "the compute each distributed run's own processes measured undistributed just before it (the "
+            "validation's compute column), this table's second column where a run has none:",
             "",
             "| model | alone | every core at once | |",
             "|---|---|---|---|",
@@ -678,13 +682,15 @@ def scale_sections(sm: dict) -> list[str]:
             "",
             "Validation: every run measured here, predicted from the calibration alone.",
             "",
-            "| model | mode | transport | workers | measured s/step | predicted | error |",
-            "|---|---|---|---|---|---|---|",
+            "| model | mode | transport | workers | compute | measured s/step | predicted | error |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for v in sm["validation"]:
+            compute = f"{v['compute_s'] * 1e3:.1f} ms" if v.get("compute_s") else "–"
             lines.append(
                 f"| {v['model']} | {v['mode']} | {LABEL.get(v['transport'], v['transport'])} | {v['workers']} | "
-                f"{v['measured_s'] * 1e3:.1f} ms | {v['predicted_s'] * 1e3:.1f} ms | {v['error'] * 100:+.0f}% |"
+                f"{compute} | {v['measured_s'] * 1e3:.1f} ms | {v['predicted_s'] * 1e3:.1f} ms | "
+                f"{v['error'] * 100:+.0f}% |"
             )
     if sm.get("projections"):
         tb = sm["testbed"]

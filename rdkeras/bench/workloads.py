@@ -171,12 +171,23 @@ def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any 
     return out
 
 
-def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, steps: int, inter_op: int = 1) -> dict:
+def throughput_rank(
+    runs: list[dict[str, Any]],
+    distributed: bool,
+    warmup: int,
+    steps: int,
+    inter_op: int = 1,
+    compute_first: bool = False,
+) -> dict:
     """Times model.fit for each run ({"mode", "model", "config", "batch", "overlap"}, and optionally its own
     "warmup" and "steps"), in order.
 
     `batch` is the per-worker batch (the seed's convention): fit gets the global batch, batch x workers.
     Consecutive runs with the same data-parallel mode share one RDMAStrategy. Returns this rank's results.
+    With `compute_first` (distributed, a core per rank), each model is first timed without distribution in
+    these same processes, every rank at once (``compute_s`` of its runs): the compute of their steps in the
+    same minute and processes -- what a prediction of these runs needs on a shared machine, whose speed moves
+    by tens of percent from one minute to the next.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     rank = int(os.environ.get("RDKERAS_RANK", 0))
@@ -193,6 +204,18 @@ def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, 
             groups[-1].append(run)
         else:
             groups.append([run])
+    compute: dict[str, float] = {}
+    for run in runs if distributed and compute_first else []:
+        if run["model"] in compute:
+            continue
+        keras.utils.set_random_seed(1)
+        model = build_model(run["config"])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+        warm, timed_steps = run.get("warmup", warmup), max(3, run.get("steps", steps) // 2)
+        x, y = synthetic_data(model, run["batch"] * (warm + timed_steps))
+        compute[run["model"]] = _timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
+        del model, x, y
+        gc.collect()
     transport = "none"
     for g, group in enumerate(groups):
         strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"]) if distributed else None
@@ -221,6 +244,7 @@ def throughput_rank(runs: list[dict[str, Any]], distributed: bool, warmup: int, 
                     "forward_flops": forward_flops(model),
                     "workers": workers,
                     "transport": transport,
+                    **({"compute_s": compute[run["model"]]} if run["model"] in compute else {}),
                 }
             )
             del model, x, y

@@ -72,6 +72,12 @@ def test_every_figure_in_a_tiny_run(tmp_path):
     computes = results["scale_model"]["calibration"]["compute_seconds"]
     assert computes["fcn5"]["all_cores"] == loaded["fcn5"]["step_seconds"]
     assert all(r["workers"] == 2 and r["rate"] > 0 for r in runs if r["transport"] != "none")
+    # Each distributed run carries the compute its own processes measured just before it, and the scale
+    # model predicts it from that.
+    distributed = {(r["model"], r["mode"], r["transport"]): r for r in runs if r["transport"] != "none"}
+    assert all(r["compute_s"] > 0 for r in distributed.values())
+    by_config = {(v["model"], v["mode"], v["transport"]): v for v in results["scale_model"]["validation"]}
+    assert by_config[("fcn5", "ps", "grpc")]["compute_s"] == distributed[("fcn5", "ps", "grpc")]["compute_s"]
     for figure in ("sendrecv", "throughput", "scalability"):
         assert _png(tmp_path / f"{figure}.png"), figure
     if os.path.isdir(FASHION_MNIST):
