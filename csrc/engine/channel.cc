@@ -138,10 +138,9 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
 
 uint64_t DynamicChannel::acked() const { return loadAcquire(local_); }
 
-DynamicChannel::~DynamicChannel() {
-  if (role_ != Role::kSender) return;
+void ChannelBase::awaitLastAck(uint64_t value) const {
   const auto until = Clock::now() + std::chrono::seconds(5);
-  while (acked() < seq_ && Clock::now() < until) {
+  while (loadAcquire(local_) < value && Clock::now() < until) {
     try {
       engine_->transport().checkPeer(peer_);  // a peer that is gone acks nothing more
     } catch (const std::exception&) {
@@ -150,6 +149,16 @@ DynamicChannel::~DynamicChannel() {
     struct timespec ts = {0, 100 * 1000};
     nanosleep(&ts, nullptr);
   }
+}
+
+StaticChannel::~StaticChannel() {
+  // The receiver releases message n-1 when it starts to receive message n: the last release it
+  // writes is seq_ - 1, possibly after it has the last message -- and after this side is done.
+  if (role_ == Role::kSender && seq_ >= 2) awaitLastAck(seq_ - 1);
+}
+
+DynamicChannel::~DynamicChannel() {
+  if (role_ == Role::kSender) awaitLastAck(seq_);
 }
 
 void DynamicChannel::waitAcked(uint64_t count) {

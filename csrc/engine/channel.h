@@ -46,6 +46,9 @@ class ChannelBase {
 
  protected:
   void requireConnected(Role role, const char* op) const;
+  // A sender's block takes the receiver's acks, one-sided writes: it waits (5 s at most, less if the
+  // peer is gone) until the ack word reads `value` before the block is deregistered under them.
+  void awaitLastAck(uint64_t value) const;
 
   std::shared_ptr<Engine> engine_;
   Role role_;
@@ -62,6 +65,8 @@ class StaticChannel : public ChannelBase {
   static constexpr size_t kReuseWaitBytes = 2 << 20;
 
   StaticChannel(std::shared_ptr<Engine> engine, Role role, int peer, size_t nbytes);
+  // A sender waits (a few seconds at most) for the receiver's release of the last-but-one message.
+  ~StaticChannel() override;
 
   size_t nbytes() const { return nbytes_; }
   // Sender: copies `nbytes` bytes into the receiver's slot (one remote write).

@@ -46,6 +46,12 @@ def test_channels_round_trip_dtypes_and_shapes(transport, mode):
     assert results[0].value == {"mismatches": []}
 
 
+@pytest.mark.parametrize("transport", NATIVE)
+def test_a_sender_keeps_its_channel_until_the_last_release_landed(transport):
+    for r in run_ranks("exchange_then_teardown", transport=transport, pairs=200, messages=3):
+        assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
+
+
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
 def test_dynamic_channel_shape_changes_every_step(transport):
     assert run_ranks("dynamic_changing_shapes", transport=transport, steps=40)[1].value == {"wrong": 0}

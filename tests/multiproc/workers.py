@@ -160,6 +160,28 @@ def channel_roundtrip(mode: str) -> dict:
     return {"mismatches": mismatches}
 
 
+def exchange_then_teardown(pairs: int, messages: int) -> dict:
+    """Both ranks send to each other at once over a fresh pair of static channels, then drop them at once:
+    the last release a receiver writes lands in a sender that is done sending (and must still hold it)."""
+    errors = []
+    with rdkeras.Engine() as eng:
+        for p in range(pairs):
+            fwd = eng.static_channel(f"x{p}-fwd", 0, 1, (1024,), np.uint8)
+            bwd = eng.static_channel(f"x{p}-bwd", 1, 0, (1024,), np.uint8)
+            tx, rx = (fwd, bwd) if eng.rank == 0 else (bwd, fwd)
+            try:
+                for m in range(messages):
+                    tx.send(np.full(1024, m % 251, np.uint8))
+                    if int(rx.recv()[0]) != m % 251:
+                        errors.append(["wrong payload", p, m])
+            except EngineError as e:  # a release that hit a deregistered block is reported on a later write
+                errors.append([type(e).__name__, p, str(e)])
+                break
+            del tx, rx, fwd, bwd
+        eng.barrier("end")
+    return {"errors": errors}
+
+
 def dynamic_changing_shapes(steps: int) -> dict:
     """A dynamic channel whose shape changes every step (like a variable-length batch)."""
     wrong = 0
