@@ -3,9 +3,10 @@
 Two workers in two network namespaces joined by a veth pair capped with ``tc tbf`` (rdkeras.testing.netns),
 transport tcp, 250 Mbit/s by default (``rate``): slow enough that the wire, not the CPU the communication itself
 needs (the kernel's TCP copies, the ring's sums, the waiting thread's wake-ups, all on the core that computes),
-is the limit. Measured on the Intel Xeon VM: six 1024-wide layers at 500 Mbit/s, that CPU was 13% of the
-compute and the overlapped step 1.23 x max(compute, communication); eight at 250 Mbit/s (the batch, and so
-the compute, about twice as large for the same bytes), 1.13-1.22 x, of which the last bucket was 0.2 s.
+is the limit. Measured on the Intel Xeon VM: six 1024-wide layers on 1024 inputs at 500 Mbit/s, the overlapped
+step was 1.23 x max(compute, communication), the last bucket about 0.1 x of it and that CPU most of the rest;
+eight at 250 Mbit/s (the batch, and so the compute, about twice as large for the same bytes), 1.13-1.22 x,
+0.2 s of it the last bucket.
 The model is an MLP of eight equal 1024-wide layers on 256 input features: every gradient bucket is ready
 at a different point of the backward pass, and the first layer's, the last one backprop produces -- what no
 overlap can hide, the least an overlapped step exceeds the compute by -- is the smallest, as in most

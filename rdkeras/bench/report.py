@@ -406,7 +406,7 @@ def plot_overlap(ov: dict, path: Path) -> None:
     ax.axvline(ov["sum_s"] * 1e3, color="tab:red", ls=":", lw=1, label="compute + communication")
     ax.set_xlabel("ms per step")
     ax.set_title(f"Overlap on the emulated network\ntcp over a {ov['rate']} veth link, {ov['model']}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)  # off the bars
     _save(fig, path)
 
 
