@@ -171,6 +171,16 @@ def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any 
     return out
 
 
+def _compiled(config: dict[str, Any]) -> Any:
+    """A throughput run's model, seeded and compiled alike wherever it is timed."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = build_model(config)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+    return model
+
+
 def throughput_rank(
     runs: list[dict[str, Any]],
     distributed: bool,
@@ -192,7 +202,6 @@ def throughput_rank(
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     rank = int(os.environ.get("RDKERAS_RANK", 0))
     pin_and_thread(rank, inter_op)
-    import keras
 
     import rdkeras
     from rdkeras.parallel import collectives
@@ -208,9 +217,7 @@ def throughput_rank(
     for run in runs if distributed and compute_first else []:
         if run["model"] in compute:
             continue
-        keras.utils.set_random_seed(1)
-        model = build_model(run["config"])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+        model = _compiled(run["config"])
         warm, timed_steps = run.get("warmup", warmup), max(3, run.get("steps", steps) // 2)
         x, y = synthetic_data(model, run["batch"] * (warm + timed_steps))
         compute[run["model"]] = _timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
@@ -224,11 +231,7 @@ def throughput_rank(
         for run in group:
             collectives.OVERLAP_BYTES = run.get("overlap")  # read when the model is attached (None: the default)
             with strategy.scope() if strategy else contextlib.nullcontext():
-                keras.utils.set_random_seed(1)
-                model = build_model(run["config"])
-                model.compile(
-                    optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False
-                )
+                model = _compiled(run["config"])
             warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
             x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
             timed = _timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
