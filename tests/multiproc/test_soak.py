@@ -62,6 +62,10 @@ def test_engines_created_and_closed_in_a_row_leave_nothing(transport, world, cyc
     for r in run_ranks("engine_cycles", world, transport=transport, timeout=240, cycles=cycles):
         before, after = r.value["before"], r.value["after"]
         for key in ("fds", "threads", "py_threads", "dev_shm"):
-            assert after[key] == before[key], f"rank {r.rank}: {key} {before[key]} -> {after[key]} after {cycles}"
+            assert after[key] == before[key], (
+                f"rank {r.rank}: {key} {before[key]} -> {after[key]} after {cycles}; threads "
+                f"{before['thread_names']} {before['os_thread_names']} -> "
+                f"{after['thread_names']} {after['os_thread_names']}"
+            )
         assert after["rss_mb"] - before["rss_mb"] < 16, (before, after)
         assert r.value["open_engines"] == 0, r.value  # every closed engine left the exit hook's list

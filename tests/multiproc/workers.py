@@ -417,6 +417,14 @@ def ring_disagreement(odd_rank: int, how: str) -> dict:
         return {"error": _error(e)}
 
 
+def _comm(task: str) -> str:
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread ended meanwhile
+        return "(ended)"
+
+
 def _resources(eng: rdkeras.Engine | None = None) -> dict:
     """What could leak: resident memory, file descriptors, threads, /dev/shm files, registrations."""
     import threading
@@ -429,6 +437,9 @@ def _resources(eng: rdkeras.Engine | None = None) -> dict:
         "threads": int(status["Threads"]),
         "py_threads": threading.active_count(),
         "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
+        # Which threads, when a count moves: Python's names, and the OS's for the engine's own.
+        "thread_names": sorted(t.name for t in threading.enumerate()),
+        "os_thread_names": sorted(_comm(t) for t in os.listdir("/proc/self/task")),
     }
     if eng is not None:
         c = eng.counters()
@@ -498,7 +509,12 @@ def engine_cycles(cycles: int) -> dict:
         gc.collect()
         if i == 0:  # the first engine warms up imports, pools and caches
             before = _resources()
-    after = _resources()
+    # Python's join() returns once a thread's Python state is gone, a moment before the OS thread
+    # itself has ended (the store's thread is joined so): one still ending is no leak.
+    after, settle = _resources(), time.monotonic() + 2.0
+    while after["threads"] > before["threads"] and time.monotonic() < settle:
+        time.sleep(0.01)
+        after = _resources()
     from rdkeras import engine as engine_module
 
     return {"before": before, "after": after, "open_engines": len(engine_module._OPEN)}
