@@ -7,18 +7,20 @@ is the limit. Measured on the Intel Xeon VM: six 1024-wide layers on 1024 inputs
 step was 1.23 x max(compute, communication), the last bucket about 0.1 x of it and that CPU most of the rest;
 eight at 250 Mbit/s (the batch, and so the compute, about twice as large for the same bytes), 1.13-1.22 x,
 0.2 s of it the last bucket.
-The model is an MLP of eight equal 1024-wide layers on 256 input features: every gradient bucket is ready
+The model is an MLP of eight equal 1024-wide layers (``width``) on 256 input features (a quarter of the
+width), a gradient bucket per layer (4 MB, collectives.BUCKET_BYTES, at that width): every bucket is ready
 at a different point of the backward pass, and the first layer's, the last one backprop produces -- what no
 overlap can hide, the least an overlapped step exceeds the compute by -- is the smallest, as in most
 networks (a quarter of the others: with 1024 inputs it was as large as they and left 0.2 s exposed).
-The workers choose the per-worker batch from their own compute times
-at two batch sizes so that one step's gradient bytes take about 0.6 x one step's compute on the wire: similar
-sizes, the communication no longer than the backward pass it can hide behind.
+The workers choose the per-worker batch from their own compute times at two batch sizes, then at the one
+a line through them gives (a line through the nearest two decides), so that one step's gradient bytes take
+about 0.6 x one step's compute on the wire: similar sizes, the communication no longer than the backward
+pass it can hide behind. The quick run halves the width: a quarter of the bytes and of the compute.
 
 Measured in the same two processes, one after another: compute alone (the same model without
 distribution), communication alone (the same bucketed ring allreduces without the model), then training
 with the exchange after the backward pass and with it overlapped (allreduce and parameter servers),
-alternately, twice each (the better of each pair counts).
+alternately, twice each, and compute alone again (the better of each pair counts).
 """
 
 from __future__ import annotations
@@ -30,20 +32,24 @@ from typing import Any
 
 import numpy as np
 
-FEATURES, WIDTH, LAYERS = 256, 1024, 8
+WIDTH, LAYERS = 1024, 8  # the full run's; the quick one halves the width (a quarter of the bytes and compute)
 BATCH = 256  # BATCH and 4 x BATCH: the batch sizes the workers time first (smaller ones underrate the slope)
 TARGET_COMM_SHARE = 0.6  # communication / compute, by the choice of the batch
 MAX_RATE = 2.5e8  # rate="auto": 250 Mbit/s
 
 
-def _model() -> Any:
+def _features(width: int) -> int:
+    return max(1, width // 4)
+
+
+def _model(width: int) -> Any:
     import keras
 
     keras.utils.set_random_seed(1)
-    inputs = keras.Input((FEATURES,), name="features")
+    inputs = keras.Input((_features(width),), name="features")
     x = inputs
     for i in range(LAYERS):
-        x = keras.layers.Dense(WIDTH, activation="relu", name=f"fc{i + 1}")(x)
+        x = keras.layers.Dense(width, activation="relu", name=f"fc{i + 1}")(x)
     outputs = keras.layers.Dense(10, name="logits")(x)
     return keras.Model(inputs, outputs, name="overlap_mlp")
 
@@ -63,15 +69,24 @@ def _fit_seconds(model: Any, batch: int, steps: int, warmup: int = 3) -> float:
     from rdkeras.bench.workloads import _timed_fit
 
     rng = np.random.default_rng(0)
-    x = rng.random((batch * (steps + warmup), FEATURES), dtype=np.float32)
+    x = rng.random((batch * (steps + warmup), model.input_shape[-1]), dtype=np.float32)
     y = rng.integers(0, 10, len(x))
     return _timed_fit(model, x, y, batch, warmup)["step_seconds"]
 
 
-def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dict:
+def _toward(timed: dict[int, float], goal: float) -> int:
+    """The batch (a multiple of 16) whose step takes `goal` seconds, on the line through the two timed
+    batches nearest to it."""
+    (b0, t0), (b1, t1) = sorted(timed.items(), key=lambda kv: abs(kv[1] - goal))[:2]
+    per_example = max(1e-9, (t1 - t0) / (b1 - b0)) if b1 != b0 else t0 / b0
+    return int(math.ceil(max(16.0, b0 + (goal - t0) / per_example) / 16) * 16)
+
+
+def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width: int = WIDTH) -> dict:
     """Inside each of the two workers (see the module docstring). `batch` 0: the per-worker batch is chosen
-    here, from this process's own compute times at two batch sizes, so that one step's gradient bytes take
-    TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree on the larger choice."""
+    here, from this process's own compute times at two batch sizes and the one they point to, so that one
+    step's gradient bytes take TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree
+    on the larger choice."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from rdkeras.bench.workloads import next_job, pin_and_thread
 
@@ -81,14 +96,18 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dic
     from rdkeras.parallel import collectives
 
     out: dict[str, Any] = {"rank": rank}
-    model = _compile(_model())
+    model = _compile(_model(width))
+    bucket_bytes = width * width * 4  # a bucket per layer, as the product's 4 MB buckets give at width 1024
     gradient_bytes = int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights))
     proposal = float(batch)
     if not batch:
-        t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
-        per_example = max(1e-9, (t[4 * BATCH] - t[BATCH]) / (3 * BATCH))
         goal = gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE
-        proposal = max(16.0, BATCH + (goal - t[BATCH]) / per_example)
+        t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
+        # Then once more through the batch that proposes: the time per example changes with the batch as
+        # activations outgrow the caches (one line from 256 and 1024 rows to ~4000 was a third off either way).
+        first = _toward(t, goal)
+        t[first] = _fit_seconds(model, first, max(3, steps // 2))
+        proposal = float(_toward(t, goal))
         out["calibration"] = {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
     jobs = iter(range(10))
     strategy = rdkeras.RDMAStrategy()
@@ -104,7 +123,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dic
         if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
             grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
             coll = strategy._parallel.collectives
-            buckets = collectives.reverse_buckets([a.nbytes for a in grads], collectives.BUCKET_BYTES)
+            buckets = collectives.reverse_buckets([a.nbytes for a in grads], bucket_bytes)
             times = []
             for _ in range(steps + 2):
                 t0 = time.perf_counter()
@@ -115,11 +134,11 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dic
             out["buckets"] = len(buckets)
         default = collectives.OVERLAP_BYTES
         for _trial in range(2):
-            for label, bucket in (("sequential", 0), ("overlapped", collectives.BUCKET_BYTES)):
+            for label, bucket in (("sequential", 0), ("overlapped", bucket_bytes)):
                 collectives.OVERLAP_BYTES = bucket
                 existing = set(map(id, collectives.pipelines()))
                 with strategy.scope():
-                    distributed = _compile(_model())
+                    distributed = _compile(_model(width))
                 seconds = _fit_seconds(distributed, batch * workers, steps)
                 key = f"{mode}_{label}_s"
                 if seconds < out.get(key, float("inf")):
@@ -132,6 +151,9 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE) -> dic
         if mode == "allreduce":
             next_job(strategy, next(jobs))
         strategy.close()
+    # Compute alone once more, after the trainings: like them, the better of two (this machine's speed
+    # moves by tens of percent from one minute to the next).
+    out["compute_s"] = min(out["compute_s"], _fit_seconds(model, batch, steps))
     return out
 
 
@@ -157,15 +179,15 @@ def _bits(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use tc's units, e.g. 1gbit or 500mbit")
 
 
-def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> dict[str, Any]:
-    """The overlap figure: two namespaces, a `rate` link (auto: 500 Mbit/s); the workers measure everything."""
+def measure(steps: int, rate: str | None, delay: str | None, timeout: float, width: int = WIDTH) -> dict[str, Any]:
+    """The overlap figure: two namespaces, a `rate` link (auto: 250 Mbit/s); the workers measure everything."""
     from rdkeras.bench import run_ranks_on_hosts
     from rdkeras.testing import netns
 
     why = netns.why_not()
     if why:
         return {"skipped": f"no emulated network here: {why}"}
-    model = f"MLP {FEATURES}-{WIDTH}x{LAYERS}"
+    model = f"MLP {_features(width)}-{width}x{LAYERS}"
     out: dict[str, Any] = {"model": model, "workers": 2, "transport": "tcp", "delay": delay}
     batch = 0  # chosen by the workers from their own compute times
     if rate in (None, "", "auto"):
@@ -180,7 +202,7 @@ def measure(steps: int, rate: str | None, delay: str | None, timeout: float) -> 
                 "overlap",
                 "rdkeras.bench.overlap:overlap_rank",
                 2,
-                {"steps": steps, "batch": batch, "rate_bits": bits},
+                {"steps": steps, "batch": batch, "rate_bits": bits, "width": width},
                 hosts,
                 env={"RDKERAS_TRANSPORT": "tcp"},
                 timeout=timeout,

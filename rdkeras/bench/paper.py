@@ -73,6 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_models": ["lstm"],
         "scalability_workers": [1, 2],
         "overlap_steps": 4,
+        "overlap_width": 256,
     },
     "quick": {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB],
@@ -89,6 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_models": ["vgg16", "lstm"],
         "scalability_workers": [1, 2, 4],
         "overlap_steps": 6,
+        "overlap_width": 512,  # a quarter of the full run's bytes and compute: steps of ~0.4 s
     },
     "full": {
         "sendrecv_sizes": [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB],
@@ -108,6 +110,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_models": ["vgg16", "lstm"],
         "scalability_workers": [1, 2, 4, 8],
         "overlap_steps": 10,
+        "overlap_width": 1024,
     },
 }
 FIGURES = ("sendrecv", "throughput", "convergence", "scalability", "overlap")
@@ -174,6 +177,7 @@ def _sendrecv(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         True,
         args.timeout,
         grpc_max=preset["sendrecv_grpc_max"],
+        collectives_up_to=_largest_gradients(preset),
     )
     if raw is None:
         return {"error": "a transport failed (its output is above)"}
@@ -181,7 +185,21 @@ def _sendrecv(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "rows": sendrecv.rows_of(raw),
         "latency": {t: r["latency"] for t, r in raw.items()},
         "exchange": {t: r["exchange"] for t, r in raw.items()},
+        "collectives": {t: {"ring": r["ring"], "ps": r["ps"]} for t, r in raw.items()},
     }
+
+
+def _largest_gradients(preset: dict[str, Any]) -> int:
+    """The gradient bytes of the preset's largest model (the scale model's collectives are measured up to them)."""
+    import keras
+
+    largest = 0
+    for cfg in _model_cfgs(preset["models"], preset["sizes"]).values():
+        model = workloads.build_model(cfg)
+        largest = max(largest, int(sum(int(math.prod(w.shape)) * 4 for w in model.trainable_weights)))
+        del model
+        keras.backend.clear_session()
+    return largest
 
 
 def _model_cfgs(names: list[str], sizes: str) -> dict[str, dict[str, Any]]:
@@ -366,7 +384,7 @@ def _convergence(preset: dict, args: Any, workers: int) -> dict[str, Any]:
 def _overlap(preset: dict, args: Any) -> dict[str, Any]:
     from rdkeras.bench import overlap
 
-    return overlap.measure(preset["overlap_steps"], args.rate, args.delay, args.timeout)
+    return overlap.measure(preset["overlap_steps"], args.rate, args.delay, args.timeout, preset["overlap_width"])
 
 
 def _emulated(preset: dict, args: Any, names: list[str], rate: str | None) -> dict[str, Any]:
@@ -409,6 +427,7 @@ def _published_models(names: list[str]) -> list[dict[str, Any]]:
                 "batch": 32,
                 "gradient_bytes": int(sum(int(math.prod(w.shape)) * 4 for w in model.trainable_weights)),
                 "tensors": len(model.trainable_weights),
+                "tensor_bytes": [int(math.prod(w.shape)) * 4 for w in model.trainable_weights],
                 "params": int(model.count_params()),
                 "sizes": PUBLISHED[n],
             }

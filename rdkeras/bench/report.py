@@ -663,6 +663,25 @@ def scale_sections(sm: dict) -> list[str]:
                 for x in sizes
             ]
             lines.append(f"| {LABEL.get(t, t)} | " + " | ".join(exchanges) + " |")
+    beyond = {t: c["beyond_transfers"] for t, c in sorted(cal["transports"].items()) if c.get("beyond_transfers")}
+    if beyond:
+        sizes = sorted({x for b in beyond.values() for points in b.values() for x, _ in points})
+        lines += [
+            "",
+            "What one collective between two workers took beyond its transfers and sums (measured, minus what the "
+            "exchange curve predicts for them: an RPC ring's concatenations and fresh arrays, the servers' copies); "
+            "the predictions add it, interpolated by gradient bytes (never below 0):",
+            "",
+            "| transport | collective | " + " | ".join(_size(x) for x in sizes) + " |",
+            "|---|---|" + "---|" * len(sizes),
+        ]
+        for t, b in beyond.items():
+            for kind, points in b.items():
+                row = dict(points)
+                entries = [f"{row[x] * 1e3:+.1f} ms" if x in row else "–" for x in sizes]
+                lines.append(
+                    f"| {LABEL.get(t, t)} | {'ring' if kind == 'ring' else 'PS'} | " + " | ".join(entries) + " |"
+                )
     computes = {m: c for m, c in cal.get("compute_seconds", {}).items() if c.get("all_cores") and m != "probe"}
     if computes:
         lines += [

@@ -8,6 +8,7 @@ Its inputs are what ``python -m rdkeras.bench paper`` measured here (``results.j
   ``b`` (s/B), which the projection uses; the same curve for an exchange (both ranks send at once, as in
   every step of a ring or a parameter-server push or pull: an RPC's serialize and parse then share each
   core with the other direction's), which the predictions here use; memcpy's per-byte cost on one core;
+  one ring allreduce and one parameter-server step between two workers, by size;
 - per model, from the runs without communication: compute time per step with every core computing at
   once (one process per core, as in a distributed run: they share caches and memory bandwidth, up to
   35% slower here than one process alone), gradient bytes and tensors, forward FLOPs per example.
@@ -17,9 +18,13 @@ Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in
 
 - ring allreduce: ``compute + 2(N-1)·buckets·t(G/(N·buckets)) + (N-1)/N·G·c`` (2(N-1) sequential ring
   steps of G/N bytes each; the reduction reads every received chunk once: c = memcpy's cost per byte);
-- parameter servers sharded over the N workers: ``compute + 2(N-1)(m·t(G/(N·m)) + t(0)) + (N-1)/N·G·2c``
-  with m = ⌈K/N⌉ messages per owner (every worker pushes its gradients of the variables others own and a
-  flag, then pulls their new values; the owners add N contributions and the pullers assign what they read).
+- parameter servers sharded over the N workers, the variables dealt out as the servers deal them
+  (``owned_o`` the bytes rank o serves): ``compute + max_r Σ_{i not r's} t(s_i) + max_o owned_o·(N-1)·c +
+  max_r (Σ_{o≠r} t(owned_o) + (G - owned_r)·c) + 2(N-1)·t(0)`` (every worker pushes its gradient of each
+  variable another rank owns, a message each, and a flag; the owners add N contributions; every worker
+  reads each other owner's shard in one message and assigns it);
+- plus, for both, what the collective costs beyond those transfers and sums, measured by size between
+  two workers (``beyond_transfers``: an RPC ring's concatenations and fresh arrays, a server's copies).
 
 Here every byte moves by CPU (no NIC), so with more workers than cores each worker gets cores/N of one:
 compute and communication are scaled by N/cores.
@@ -37,9 +42,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from rdkeras.parallel.parameter_server import deal
 
 MB = 1 << 20
 
@@ -108,7 +115,43 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
         }
     memcpy = [r for r in rows if r["transport"] == "memcpy" and r["mode"] == "glibc" and r["bytes"] >= MB]
     c = sum(r["seconds"] for r in memcpy) / sum(r["bytes"] for r in memcpy) if memcpy else 1 / 10e9
+    for t, measured in sendrecv.get("collectives", {}).items():
+        if t in costs:
+            costs[t]["beyond_transfers"] = _beyond_transfers(measured, costs[t], c)
     return {"transports": costs, "memcpy_per_byte": c}
+
+
+def _beyond_transfers(measured: dict[str, list], cost: dict[str, Any], c: float) -> dict[str, list]:
+    """Per collective ("ring", "ps"), by size: what one call of it between two workers took beyond what
+    its transfers and sums predict (measured minus comm_seconds; an RPC ring's concatenations and fresh
+    arrays, the owners' copies), the seconds and their share of the prediction."""
+    t = lambda nbytes: transfer_seconds(cost, nbytes, both_ways=True)  # noqa: E731
+    out: dict[str, list] = {}
+    for kind, points in measured.items():
+        mode = "allreduce" if kind == "ring" else "ps"
+        rows = []
+        for x, seconds in points:
+            halves = [x // 2, x - x // 2]  # the calibration's tensors: one (ring), one per rank (ps)
+            predicted = comm_seconds(
+                mode, 2, x, 1 if kind == "ring" else 2, 1, t, c, None if kind == "ring" else halves
+            )
+            rows.append([x, seconds - predicted])
+        out[kind] = rows
+    return out
+
+
+def beyond_transfers(cost: dict[str, Any], mode: str, nbytes: float) -> float:
+    """The collective's cost beyond its transfers for `nbytes` of gradients (0 where not calibrated):
+    interpolated between the calibrated sizes, in proportion to the bytes outside them, never below 0."""
+    points = cost.get("beyond_transfers", {}).get("ring" if mode == "allreduce" else "ps") or []
+    if not points:
+        return 0.0
+    if nbytes <= points[0][0]:
+        return max(0.0, points[0][1] * nbytes / points[0][0])
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if nbytes <= x1:
+            return max(0.0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0))
+    return max(0.0, points[-1][1] * nbytes / points[-1][0])
 
 
 def transfer_seconds(cost: dict[str, Any], nbytes: float, both_ways: bool = False) -> float:
@@ -134,16 +177,34 @@ def line(a: float, b: float) -> Callable[[float], float]:
 
 
 def comm_seconds(
-    mode: str, workers: int, gradient_bytes: float, tensors: int, buckets: int, t: Callable[[float], float], c: float
+    mode: str,
+    workers: int,
+    gradient_bytes: float,
+    tensors: int,
+    buckets: int,
+    t: Callable[[float], float],
+    c: float,
+    tensor_bytes: Sequence[int] | None = None,
 ) -> float:
-    """Communication of one step without overlap (see the module docstring); `t(x)`: one transfer of x bytes."""
+    """Communication of one step without overlap (see the module docstring); `t(x)`: one transfer of x bytes.
+    `tensor_bytes` (each variable's gradient bytes, where known): the parameter servers' real shards."""
     n, g = workers, gradient_bytes
     if n <= 1:
         return 0.0
     if mode == "allreduce":
         return 2 * (n - 1) * buckets * t(g / n / buckets) + (n - 1) / n * g * c
-    m = math.ceil(tensors / n)
-    return 2 * (n - 1) * (m * t(g / n / m) + t(0)) + (n - 1) / n * g * 2 * c
+    if not tensor_bytes:  # shards of equal bytes, m equal variables each
+        m = math.ceil(tensors / n)
+        return 2 * (n - 1) * (m * t(g / n / m) + t(0)) + (n - 1) / n * g * 2 * c
+    owner = deal(tensor_bytes, n)
+    owned = [sum(s for s, o in zip(tensor_bytes, owner, strict=True) if o == k) for k in range(n)]
+    # Every rank writes each gradient another rank owns, one message a variable, and a flag per owner;
+    # the owners wait for the last push, add the n contributions; every rank reads each other owner's
+    # shard in one message (after its version flag) and assigns it.
+    push = max(sum(t(s) for s, o in zip(tensor_bytes, owner, strict=True) if o != r) for r in range(n))
+    add = max(owned) * (n - 1) * c
+    pull = max(sum(t(owned[o]) for o in range(n) if o != r) + (sum(owned) - owned[r]) * c for r in range(n))
+    return push + add + pull + 2 * (n - 1) * t(0)
 
 
 def predict_here(
@@ -167,7 +228,10 @@ def predict_here(
         buckets,
         lambda nbytes: transfer_seconds(cost, nbytes, both_ways=True),
         calibration["memcpy_per_byte"],
+        run.get("tensor_bytes"),
     )
+    if n > 1:
+        comm += beyond_transfers(cost, run["mode"], run["gradient_bytes"])
     return max(1.0, n / cores) * (compute_s + comm) + fixed_s
 
 
@@ -212,13 +276,20 @@ def testbed_costs(calibration: dict[str, Any], testbed: Testbed) -> dict[str, tu
 def project(
     model: dict[str, Any], mode: str, calibration: dict[str, Any], testbed: Testbed, bucket_bytes: int = 4 * MB
 ) -> Projection:
-    """A model ({"name", "forward_flops", "gradient_bytes", "tensors", "batch"}) on the testbed."""
+    """A model ({"name", "forward_flops", "gradient_bytes", "tensors", "batch", "tensor_bytes"}) on the testbed."""
     compute = 3 * model["forward_flops"] * model["batch"] / testbed.gpu_flops  # forward + backward ~ 3x forward
     c_there = 1 / (testbed.memcpy_gb_per_s * 1e9)
     buckets = max(1, math.ceil(model["gradient_bytes"] / bucket_bytes))
     comm = {
         name: comm_seconds(
-            mode, testbed.workers, model["gradient_bytes"], model["tensors"], buckets, line(a, b), c_there
+            mode,
+            testbed.workers,
+            model["gradient_bytes"],
+            model["tensors"],
+            buckets,
+            line(a, b),
+            c_there,
+            model.get("tensor_bytes"),
         )
         for name, (a, b) in testbed_costs(calibration, testbed).items()
     }

@@ -69,8 +69,48 @@ def _pair(eng: Any, name: str, size: int) -> tuple[Any, Any]:
     return (fwd, bwd) if eng.rank == 0 else (bwd, fwd)
 
 
-def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list[int]) -> dict:
-    """Runs inside each of the two ranks; rank 0 (the sender) returns the timings."""
+def _collectives(eng: Any, sizes: list[int], rounds: int) -> dict[str, list]:
+    """By size: one ring allreduce (averaging, as a data-parallel step calls it) of one tensor of x bytes,
+    and one parameter-server step (push, reduce, publish, pull) of two tensors of x/2 bytes, one owned by
+    each rank -- what a collective costs beyond its transfers (an RPC ring's concatenations and fresh
+    arrays, the owners' sums) is in these and not in the exchange."""
+    from rdkeras.parallel.parameter_server import ParameterServer
+
+    out: dict[str, list] = {"ring": [], "ps": []}
+    ring = eng.ring("calibration-ring", max(sizes) + 4096)
+    for size in sizes:
+        grad = np.full(size // 4, 1.0, np.float32)
+        out["ring"].append([size, _median_seconds(eng, f"ring-{size}", rounds, ring, [grad], True)])
+        ps = ParameterServer(eng, f"calibration-ps-{size}")
+        halves = np.array_split(grad, 2)
+        ps._setup([h.shape for h in halves], [np.dtype(np.float32)] * 2)
+        out["ps"].append([size, _median_seconds(eng, f"ps-{size}", rounds, _ps_step, ps, halves)])
+        eng.barrier(f"ps-{size}-done")  # the peer's last pull and flag have landed in this block
+        eng.deregister(ps.key)
+        del ps, grad, halves
+    return out
+
+
+def _ps_step(ps: Any, grads: list[np.ndarray]) -> None:
+    ps.publish_and_pull(*ps.push_and_reduce(*grads))
+
+
+def _median_seconds(eng: Any, label: str, rounds: int, step: Any, *args: Any) -> float:
+    """The median of `rounds` calls of ``step(*args)`` after one to warm up, the ranks starting each together."""
+    times = []
+    for r in range(rounds + 1):
+        eng.barrier(f"{label}-{r}")
+        t0 = time.perf_counter()
+        step(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def rank_main(
+    transport: str, quick: bool, sizes: list[int], latency_sizes: list[int], collectives: list[int] | None = None
+) -> dict:
+    """Runs inside each of the two ranks; rank 0 (the sender) returns the timings (`collectives`: the ring
+    and the parameter servers at these sizes too)."""
     import rdkeras
     from rdkeras import _engine
 
@@ -145,6 +185,8 @@ def rank_main(transport: str, quick: bool, sizes: list[int], latency_sizes: list
             if sender:
                 out["exchange"].append([size, statistics.median(times[1:])])
             del tx, rx, msg, got
+        if collectives:
+            out.update(_collectives(eng, collectives, 3))
         # One-way latency: ping-pong over a pair of static channels.
         for size in latency_sizes:
             tx, rx = _pair(eng, "ping", size)
@@ -190,21 +232,24 @@ def measure(
     quick: bool,
     timeout: float,
     grpc_max: int | None = None,
+    collectives_up_to: int | None = None,
 ) -> dict[str, dict] | None:
     """Runs the benchmark for each transport (two fresh processes each): {transport: rank 0's timings}.
-    gRPC stops at `grpc_max` bytes (None: every size)."""
+    gRPC stops at `grpc_max` bytes (None: every size). `collectives_up_to`: the ring and the parameter
+    servers too, at the same sizes and at this one where it is larger (the largest gradients trained)."""
     from rdkeras.bench import run_ranks
 
     results: dict[str, dict] = {}
     for t in transports:
         mine = [s for s in sizes if not (t == "grpc" and grpc_max is not None and s > grpc_max)]
+        collectives = None if collectives_up_to is None else sorted({*mine, max([collectives_up_to, *mine])})
         print(f"[sendrecv] {t}: {len(mine)} sizes ...", flush=True)
         ranks = run_ranks(
             "sendrecv",
             t,
             "rdkeras.bench.sendrecv:rank_main",
             2,
-            {"transport": t, "quick": quick, "sizes": mine, "latency_sizes": latency_sizes},
+            {"transport": t, "quick": quick, "sizes": mine, "latency_sizes": latency_sizes, "collectives": collectives},
             timeout=timeout,
         )
         if ranks is None:

@@ -244,6 +244,7 @@ def throughput_rank(
                     "params": params,
                     "gradient_bytes": int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)),
                     "tensors": len(model.trainable_weights),
+                    "tensor_bytes": [int(np.prod(w.shape)) * 4 for w in model.trainable_weights],
                     "forward_flops": forward_flops(model),
                     "workers": workers,
                     "transport": transport,

@@ -36,6 +36,18 @@ def _aligned(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
+def deal(sizes: Sequence[int], n: int) -> list[int]:
+    """The owner of each of the variables of these byte sizes among `n` ranks: largest first, each to
+    the least loaded rank (ties to the lowest); the same on every worker (and in the scale model)."""
+    load = [0] * n
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        o = min(range(n), key=lambda k: (load[k], k))
+        owner[i] = o
+        load[o] += sizes[i]
+    return owner
+
+
 class ParameterServer:
     """One per distributed optimizer; set up on the first step, identically on every worker.
 
@@ -58,12 +70,7 @@ class ParameterServer:
     def _setup(self, shapes: list[tuple], dtypes: list[np.dtype]) -> None:
         n, r = self.n, self.rank
         sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)]
-        load = [0] * n
-        self.owner = [0] * len(sizes)
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):  # largest first, to the least loaded
-            o = min(range(n), key=lambda k: (load[k], k))
-            self.owner[i] = o
-            load[o] += sizes[i]
+        self.owner = deal(sizes, n)
         self.shapes, self.dtypes, self.sizes = shapes, [np.dtype(d) for d in dtypes], sizes
         # Offsets of each variable inside its owner's packed layout.
         self.offset = [0] * len(sizes)

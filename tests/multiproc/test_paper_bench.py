@@ -39,6 +39,13 @@ def test_sendrecv_figure_report_and_scale_model_calibration(tmp_path):
     assert set(results["sendrecv"]["latency"]) == {"shm", "rpc+shm", "grpc"}
     exchange = results["sendrecv"]["exchange"]  # both ranks sending at once, what the scale model uses here
     assert set(exchange) == {"shm", "rpc+shm", "grpc"} and all(sec > 0 for v in exchange.values() for _, sec in v)
+    # The collectives by size too (the scale model's cost beyond the transfers), at 1 MB here.
+    collectives = results["sendrecv"]["collectives"]
+    assert set(collectives) == {"shm", "rpc+shm", "grpc"}
+    assert all(
+        [x for x, _ in c[k]] == [1 << 20] and c[k][0][1] > 0 for c in collectives.values() for k in ("ring", "ps")
+    )
+    assert "beyond its transfers" in (tmp_path / "report.md").read_text()
     assert results["loads"]["sendrecv"]["before"] and results["machine"]["cores"] >= 1
     costs = results["scale_model"]["calibration"]["transports"]
     assert set(costs) == {"shm", "rpc+shm", "grpc"} and all(c["b"] > 0 for c in costs.values())

@@ -51,6 +51,22 @@ def test_ring_and_parameter_server_costs_for_two_workers():
     assert scale_model.comm_seconds("allreduce", 1, g, 10, 1, t, c) == 0
 
 
+def test_parameter_servers_with_one_large_variable_wait_for_its_owner():
+    # FCN-5's shape: one variable most of the bytes. Dealt out as the parameter servers do (largest first,
+    # to the least loaded), rank 0 owns it alone: rank 1 pushes it and pulls it back, one message each way.
+    sizes, a, b, c = [100 * MB, 10 * MB, 10 * MB, MB], 1e-5, 1e-9, 1e-10
+    assert scale_model.deal(sizes, 2) == [0, 1, 1, 1]
+    t = scale_model.line(a, b)
+    ps = scale_model.comm_seconds("ps", 2, sum(sizes), 4, 1, t, c, sizes)
+    assert ps == pytest.approx(2 * (a + 100 * MB * b) + 2 * a + 2 * 100 * MB * c)
+    assert ps > scale_model.comm_seconds("ps", 2, sum(sizes), 4, 1, t, c)  # equal shards: half the bytes
+    # Equal variables: the same as equal shards, but a rank pulls an owner's shard in one message.
+    even = [8 * MB] * 4
+    assert scale_model.comm_seconds("ps", 2, 32 * MB, 4, 1, t, c, even) == pytest.approx(
+        2 * (a + 8 * MB * b) + (a + 16 * MB * b) + 2 * a + 16 * MB * 2 * c
+    )
+
+
 def test_a_transfer_between_measured_sizes_follows_the_measured_curve():
     # A transport twice as fast per byte at 4 MB as at 64 MB (gRPC here): no one line fits both.
     cost = {"a": 5e-4, "b": 8e-9, "points": [[8, 5e-4], [4 * MB, 0.017], [64 * MB, 0.55]]}
@@ -109,3 +125,27 @@ def test_calibration_keeps_the_exchange_curve():
     cal = scale_model.calibrate(sr)
     small = 8 / 15e9 + 0.2e-6  # the ping-pong: below the exchanges, an exchange costs a message's latency
     assert cal["transports"]["shm"]["exchange_points"] == [(8, pytest.approx(small)), (MB, 1e-4), (64 * MB, 6e-3)]
+
+
+def test_a_collectives_cost_beyond_its_transfers_is_calibrated_and_added():
+    # An exchange of x bytes takes x ns; a ring call of two workers, measured, 2 * (x/2) ns for its two steps
+    # plus 1 ns a byte of copies the exchange does not make (an RPC ring's concatenations): the calibration
+    # keeps the 1 ns a byte, the prediction adds it.
+    sr = _sendrecv({"rpc+shm": (0.0, 1e-9)})
+    sr["exchange"] = {"rpc+shm": [[MB, MB * 1e-9], [64 * MB, 64 * MB * 1e-9]]}
+    sr["collectives"] = {"rpc+shm": {"ring": [[x, 2 * x / 2 * 1e-9 + x * 1e-9] for x in (MB, 16 * MB)], "ps": []}}
+    cal = scale_model.calibrate(sr)
+    cal["memcpy_per_byte"] = 0.0  # (only the transfers predicted, to keep the arithmetic plain)
+    cost = cal["transports"]["rpc+shm"]
+    cost["beyond_transfers"] = scale_model._beyond_transfers(sr["collectives"]["rpc+shm"], cost, 0.0)
+    assert [y for _, y in cost["beyond_transfers"]["ring"]] == [pytest.approx(MB * 1e-9), pytest.approx(16 * MB * 1e-9)]
+    for x in (MB // 2, 8 * MB, 64 * MB):  # below, between and beyond the calibrated sizes: in proportion
+        assert scale_model.beyond_transfers(cost, "allreduce", x) == pytest.approx(x * 1e-9)
+    assert scale_model.beyond_transfers(cost, "ps", 8 * MB) == 0  # not calibrated
+    run = {"transport": "rpc+shm", "workers": 2, "mode": "allreduce", "gradient_bytes": 8 * MB, "tensors": 4}
+    assert scale_model.predict_here(run, 0.1, 0.0, cal, cores=2, bucket_bytes=MB) == pytest.approx(
+        0.1 + 2 * 4 * MB * 1e-9 + 8 * MB * 1e-9, rel=0.01
+    )
+    # A collective faster than its transfers predict adds nothing (never a negative cost).
+    cost["beyond_transfers"]["ps"] = [[MB, -1e-3]]
+    assert scale_model.beyond_transfers(cost, "ps", MB) == 0
