@@ -499,6 +499,20 @@ def write(results: dict, out: Path) -> str:
         )
         for err in th.get("errors", []):
             lines.append(f"- {err}")
+        repeated = [r for r in th["runs"] if r.get("rounds")]
+        if repeated:
+            lines += [
+                "Measured in rounds on fresh processes, interleaved with the other transports' (the table counts "
+                "each configuration's median round): "
+                + "; ".join(
+                    f"{r['model']} {r['mode']} {LABEL.get(r['transport'], r['transport'])} "
+                    + " / ".join(f"{x * 1e3:.0f}" for x in r["rounds"])
+                    + " ms a step"
+                    for r in repeated
+                )
+                + ".",
+                "",
+            ]
         grads = {r["model"]: r["gradient_bytes"] for r in th["runs"] if r["model"] != "probe"}
         biggest = max(grads, key=lambda m: grads[m]) if grads else None
         lines += [

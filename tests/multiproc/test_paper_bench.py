@@ -74,6 +74,11 @@ def test_every_figure_in_a_tiny_run(tmp_path):
     for t in ("shm", "rpc+shm", "grpc"):
         assert {("fcn5", "ps", t), ("fcn5", "allreduce", t), ("probe", "ps", t)} <= configs
     assert ("fcn5", "local", "none") in configs
+    assert len(runs) == len(configs)  # one record a configuration, though shm ran fcn5 in two rounds
+    twice = [r for r in runs if r.get("rounds")]
+    assert {(r["model"], r["transport"]) for r in twice} == {("fcn5", "shm"), ("probe", "shm")}  # (one group)
+    assert all(len(r["rounds"]) == 2 for r in twice)
+    assert all(r["step_seconds"] == min(r["rounds"]) for r in twice)  # the median round of two: the lower
     loaded = {r["model"]: r for r in results["throughput"]["loaded"]}  # every core computing at once
     assert set(loaded) == {"probe", "fcn5"} and loaded["fcn5"]["concurrent"] == 2
     computes = results["scale_model"]["calibration"]["compute_seconds"]
