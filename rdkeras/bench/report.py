@@ -643,6 +643,22 @@ def write(results: dict, out: Path) -> str:
     return text
 
 
+def _size_table(intro: str, first: list[str], rows: list[tuple[list[str], dict[int, str]]]) -> list[str]:
+    """A paragraph and a table with a column per message size: `first` names the leading columns; each row
+    gives their cells and its cell per size ("–" where it has none). Nothing without rows."""
+    if not rows:
+        return []
+    sizes = sorted({x for _, cells in rows for x in cells})
+    return [
+        "",
+        intro,
+        "",
+        "| " + " | ".join([*first, *map(_size, sizes)]) + " |",
+        "|" + "---|" * (len(first) + len(sizes)),
+        *("| " + " | ".join([*lead, *(cells.get(x, "–") for x in sizes)]) + " |" for lead, cells in rows),
+    ]
+
+
 def scale_sections(sm: dict) -> list[str]:
     cal = sm["calibration"]
     lines = [
@@ -659,43 +675,30 @@ def scale_sections(sm: dict) -> list[str]:
     for t, c in sorted(cal["transports"].items()):
         lines.append(f"| {LABEL.get(t, t)} | {c['latency_us']:.1f} µs | {c['GBps']:.2f} GB/s |")
     lines.append(f"| memcpy (reduction, assignment) | | {1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s |")
-    both = {t: c for t, c in sorted(cal["transports"].items()) if c.get("exchange_points")}
-    if both:
-        sizes = sorted({x for c in both.values() for x, _ in c["exchange_points"]})
-        lines += [
-            "",
-            "What the predictions here use: an exchange, both ranks sending x bytes to each other at once (as in "
-            "every ring step and parameter-server push or pull), against one transfer of x bytes:",
-            "",
-            "| transport | " + " | ".join(_size(x) for x in sizes) + " |",
-            "|---|" + "---|" * len(sizes),
-        ]
-        for t, c in both.items():
-            one, two = dict(c["points"]), dict(c["exchange_points"])
-            exchanges = [
-                f"{two[x] * 1e3:.2f} ms ({two[x] / one[x]:.2f}× one way)" if x in two and x in one else "–"
-                for x in sizes
-            ]
-            lines.append(f"| {LABEL.get(t, t)} | " + " | ".join(exchanges) + " |")
-    beyond = {t: c["beyond_transfers"] for t, c in sorted(cal["transports"].items()) if c.get("beyond_transfers")}
-    if beyond:
-        sizes = sorted({x for b in beyond.values() for points in b.values() for x, _ in points})
-        lines += [
-            "",
-            "What one collective between two workers took beyond its transfers and sums (measured, minus what the "
-            "exchange curve predicts for them: an RPC ring's concatenations and fresh arrays, the servers' copies); "
-            "the predictions add it, interpolated by gradient bytes (never below 0):",
-            "",
-            "| transport | collective | " + " | ".join(_size(x) for x in sizes) + " |",
-            "|---|---|" + "---|" * len(sizes),
-        ]
-        for t, b in beyond.items():
-            for kind, points in b.items():
-                row = dict(points)
-                entries = [f"{row[x] * 1e3:+.1f} ms" if x in row else "–" for x in sizes]
-                lines.append(
-                    f"| {LABEL.get(t, t)} | {'ring' if kind == 'ring' else 'PS'} | " + " | ".join(entries) + " |"
-                )
+    exchanges = []
+    for t, c in sorted(cal["transports"].items()):
+        one, two = dict(c["points"]), dict(c.get("exchange_points", []))
+        row = {x: f"{two[x] * 1e3:.2f} ms ({two[x] / one[x]:.2f}× one way)" for x in two if x in one}
+        if row:
+            exchanges.append(([LABEL.get(t, t)], row))
+    lines += _size_table(
+        "What the predictions here use: an exchange, both ranks sending x bytes to each other at once (as in "
+        "every ring step and parameter-server push or pull), against one transfer of x bytes:",
+        ["transport"],
+        exchanges,
+    )
+    beyond = [
+        ([LABEL.get(t, t), "ring" if kind == "ring" else "PS"], {x: f"{y * 1e3:+.1f} ms" for x, y in points})
+        for t, c in sorted(cal["transports"].items())
+        for kind, points in c.get("beyond_transfers", {}).items()
+    ]
+    lines += _size_table(
+        "What one collective between two workers took beyond its transfers and sums (measured, minus what the "
+        "exchange curve predicts for them: an RPC ring's concatenations and fresh arrays, the servers' copies); "
+        "the predictions add it, interpolated by gradient bytes (never below 0):",
+        ["transport", "collective"],
+        beyond,
+    )
     computes = {m: c for m, c in cal.get("compute_seconds", {}).items() if c.get("all_cores") and m != "probe"}
     if computes:
         lines += [
