@@ -77,9 +77,11 @@ def _collectives(eng: Any, sizes: list[int], rounds: int) -> dict[str, list]:
     from rdkeras.parallel.parameter_server import ParameterServer
 
     out: dict[str, list] = {"ring": [], "ps": []}
-    ring = eng.ring("calibration-ring", max(sizes) + 4096)
     for size in sizes:
         grad = np.full(size // 4, 1.0, np.float32)
+        # A ring of the capacity training would give these gradients: the RPC rings' frames span the
+        # capacity, and a 64 MB call through a 450 MB ring's cold frames took 1.7-9x as long.
+        ring = eng.ring(f"calibration-ring-{size}", size + 4096)
         out["ring"].append([size, _median_seconds(eng, f"ring-{size}", rounds, ring, [grad], True)])
         ps = ParameterServer(eng, f"calibration-ps-{size}")
         halves = np.array_split(grad, 2)
@@ -87,7 +89,7 @@ def _collectives(eng: Any, sizes: list[int], rounds: int) -> dict[str, list]:
         out["ps"].append([size, _median_seconds(eng, f"ps-{size}", rounds, _ps_step, ps, halves)])
         eng.barrier(f"ps-{size}-done")  # the peer's last pull and flag have landed in this block
         eng.deregister(ps.key)
-        del ps, grad, halves
+        del ps, grad, halves, ring
     return out
 
 
@@ -95,15 +97,16 @@ def _ps_step(ps: Any, grads: list[np.ndarray]) -> None:
     ps.publish_and_pull(*ps.push_and_reduce(*grads))
 
 
-def _median_seconds(eng: Any, label: str, rounds: int, step: Any, *args: Any) -> float:
-    """The median of `rounds` calls of ``step(*args)`` after one to warm up, the ranks starting each together."""
+def _median_seconds(eng: Any, label: str, rounds: int, step: Any, *args: Any, warmup: int = 2) -> float:
+    """The median of `rounds` calls of ``step(*args)`` after `warmup` (first touches of fresh memory, as in
+    a training's first steps), the ranks starting each together."""
     times = []
-    for r in range(rounds + 1):
+    for r in range(warmup + rounds):
         eng.barrier(f"{label}-{r}")
         t0 = time.perf_counter()
         step(*args)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[warmup:])
 
 
 def rank_main(
