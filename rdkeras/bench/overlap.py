@@ -88,7 +88,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     step's gradient bytes take TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree
     on the larger choice."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from rdkeras.bench.workloads import next_job, pin_and_thread
+    from rdkeras.bench.workloads import next_job, pin_and_thread, tensor_bytes
 
     rank = int(os.environ.get("RDKERAS_RANK", 0))
     pin_and_thread(rank, 2)  # the start ops need an executor thread beside the one running backprop
@@ -98,7 +98,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     out: dict[str, Any] = {"rank": rank}
     model = _compile(_model(width))
     bucket_bytes = width * width * 4  # a bucket per layer, as the product's 4 MB buckets give at width 1024
-    gradient_bytes = int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights))
+    gradient_bytes = sum(tensor_bytes(model))
     proposal = float(batch)
     if not batch:
         goal = gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE

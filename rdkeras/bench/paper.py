@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -198,7 +197,7 @@ def _largest_gradients(preset: dict[str, Any]) -> int:
     largest = 0
     for cfg in _model_cfgs(preset["models"], preset["sizes"]).values():
         model = workloads.build_model(cfg)
-        largest = max(largest, int(sum(int(math.prod(w.shape)) * 4 for w in model.trainable_weights)))
+        largest = max(largest, sum(workloads.tensor_bytes(model)))
         del model
         keras.backend.clear_session()
     return largest
@@ -447,9 +446,9 @@ def _published_models(names: list[str]) -> list[dict[str, Any]]:
                 "name": n,
                 "forward_flops": workloads.forward_flops(model),
                 "batch": 32,
-                "gradient_bytes": int(sum(int(math.prod(w.shape)) * 4 for w in model.trainable_weights)),
+                "gradient_bytes": sum(workloads.tensor_bytes(model)),
                 "tensors": len(model.trainable_weights),
-                "tensor_bytes": [int(math.prod(w.shape)) * 4 for w in model.trainable_weights],
+                "tensor_bytes": workloads.tensor_bytes(model),
                 "params": int(model.count_params()),
                 "sizes": PUBLISHED[n],
             }

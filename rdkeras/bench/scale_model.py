@@ -124,7 +124,7 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
 def _beyond_transfers(measured: dict[str, list], cost: dict[str, Any], c: float) -> dict[str, list]:
     """Per collective ("ring", "ps"), by size: what one call of it between two workers took beyond what
     its transfers and sums predict (measured minus comm_seconds; an RPC ring's concatenations and fresh
-    arrays, the owners' copies), the seconds and their share of the prediction."""
+    arrays, the owners' copies), in seconds (negative where the collective beat the prediction)."""
     t = lambda nbytes: transfer_seconds(cost, nbytes, both_ways=True)  # noqa: E731
     out: dict[str, list] = {}
     for kind, points in measured.items():

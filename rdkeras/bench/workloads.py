@@ -171,6 +171,11 @@ def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any 
     return out
 
 
+def tensor_bytes(model: Any) -> list[int]:
+    """Each trainable variable's float32 gradient bytes (the sum: the bytes a step exchanges)."""
+    return [int(np.prod(w.shape)) * 4 for w in model.trainable_weights]
+
+
 def _compiled(config: dict[str, Any]) -> Any:
     """A throughput run's model, seeded and compiled alike wherever it is timed."""
     import keras
@@ -242,9 +247,9 @@ def throughput_rank(
                     **timed,
                     "rate": 1.0 / timed["step_seconds"],
                     "params": params,
-                    "gradient_bytes": int(sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)),
+                    "gradient_bytes": sum(tensor_bytes(model)),
                     "tensors": len(model.trainable_weights),
-                    "tensor_bytes": [int(np.prod(w.shape)) * 4 for w in model.trainable_weights],
+                    "tensor_bytes": tensor_bytes(model),
                     "forward_flops": forward_flops(model),
                     "workers": workers,
                     "transport": transport,
