@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
-#include <ctime>
 
 namespace rdkeras {
 namespace {
@@ -138,27 +137,14 @@ uint64_t DynamicChannel::send(const void* data, const TensorMeta& meta) {
 
 uint64_t DynamicChannel::acked() const { return loadAcquire(local_); }
 
-void ChannelBase::awaitLastAck(uint64_t value) const {
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (loadAcquire(local_) < value && Clock::now() < until) {
-    try {
-      engine_->transport().checkPeer(peer_);  // a peer that is gone acks nothing more
-    } catch (const std::exception&) {
-      return;
-    }
-    struct timespec ts = {0, 100 * 1000};
-    nanosleep(&ts, nullptr);
-  }
-}
-
 StaticChannel::~StaticChannel() {
   // The receiver releases message n-1 when it starts to receive message n: the last release it
   // writes is seq_ - 1, possibly after it has the last message -- and after this side is done.
-  if (role_ == Role::kSender && seq_ >= 2) awaitLastAck(seq_ - 1);
+  if (role_ == Role::kSender && seq_ >= 2) engine_->settleFlag(local_, seq_ - 1, peer_);
 }
 
 DynamicChannel::~DynamicChannel() {
-  if (role_ == Role::kSender) awaitLastAck(seq_);
+  if (role_ == Role::kSender) engine_->settleFlag(local_, seq_, peer_);
 }
 
 void DynamicChannel::waitAcked(uint64_t count) {

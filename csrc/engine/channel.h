@@ -46,9 +46,6 @@ class ChannelBase {
 
  protected:
   void requireConnected(Role role, const char* op) const;
-  // A sender's block takes the receiver's acks, one-sided writes: it waits (5 s at most, less if the
-  // peer is gone) until the ack word reads `value` before the block is deregistered under them.
-  void awaitLastAck(uint64_t value) const;
 
   std::shared_ptr<Engine> engine_;
   Role role_;

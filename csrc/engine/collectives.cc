@@ -101,6 +101,12 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
   block_ = registered_->data();
 }
 
+RingAllreduce::~RingAllreduce() {
+  // With two members the ack travels ahead of the allgather's chunks on the same connection; with
+  // more, the right member may ack after this rank has everything it needs.
+  if (right_key_ != 0 && messages_ > 0) engine_->settleFlag(block_ + offAck(), messages_, right_);
+}
+
 std::string RingAllreduce::localDescriptor() const {
   return strCat("ring;rank=", engine_->rank(), ";key=", registered_->key(), ";capacity=", capacity_,
                 ";bucket=", bucket_bytes_);

@@ -51,6 +51,9 @@ class RingAllreduce {
   // in ring order (empty: all of them), this rank among them.
   RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
                 std::vector<int> members = {});
+  // Waits (a few seconds at most) for the right member's ack of the last chunk this rank sent: a
+  // one-sided write into this ring's block, which must stay registered until it landed.
+  ~RingAllreduce();
   RingAllreduce(const RingAllreduce&) = delete;
   RingAllreduce& operator=(const RingAllreduce&) = delete;
 

@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <ctime>
+
 #include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -207,6 +209,22 @@ Transport& Engine::transport() {
 
 void Engine::waitFlag(const void* flag, uint64_t value, int peer, const char* what) {
   wait([&] { return loadAcquire(flag) >= value; }, peer, what);
+}
+
+bool Engine::settleFlag(const void* flag, uint64_t value, int peer) noexcept {
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  try {
+    Failure known;
+    while (loadAcquire(flag) < value) {
+      if (Clock::now() >= until || failure(&known)) return false;
+      transport().checkPeer(peer);  // throws once the peer is gone (or the engine closed)
+      struct timespec ts = {0, 100 * 1000};
+      nanosleep(&ts, nullptr);
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 void Engine::wait(const std::function<bool()>& ready, int peer, const char* what) {

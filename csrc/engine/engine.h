@@ -60,6 +60,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void waitFlag(const void* flag, uint64_t value, int peer, const char* what);
   // Waits until ready() returns true, with the same checks.
   void wait(const std::function<bool()>& ready, int peer, const char* what);
+  // Before memory `peer` writes into one-sidedly is deregistered: waits until the flag there
+  // reads `value` (the peer's last write to it has landed) -- 5 s at most, and not at all once
+  // the peer or any rank has failed, since a failed world writes nothing more. Never throws
+  // (destructors call it); false if it gave up.
+  bool settleFlag(const void* flag, uint64_t value, int peer) noexcept;
 
   // The failure this rank knows of first (its own detection or a peer's record), if any.
   struct Failure {

@@ -87,19 +87,9 @@ def _collectives(eng: Any, sizes: list[int], rounds: int) -> dict[str, list]:
         halves = np.array_split(grad, 2)
         ps._setup([h.shape for h in halves], [np.dtype(np.float32)] * 2)
         out["ps"].append([size, _median_seconds(eng, f"ps-{size}", rounds, _ps_step, ps, halves)])
-        _quiesce(eng, f"collectives-{size}")
-        eng.deregister(ps.key)
+        ps.close()
         del ps, grad, halves, ring
     return out
-
-
-def _quiesce(eng: Any, label: str) -> None:
-    """Before either rank drops what the other writes into (channels, a ring, a PS block): this rank's writes
-    and flags to the peer have landed (flush), then both ranks wait for each other. The engine does not yet
-    wait for a peer's last flag itself for every channel kind: over tcp, a ping-pong pair dropped while the
-    peer's last release was in flight failed one quick run in a few (a stale key on the next write)."""
-    eng.flush(1 - eng.rank)
-    eng.barrier(label)
 
 
 def _ps_step(ps: Any, grads: list[np.ndarray]) -> None:
@@ -177,7 +167,6 @@ def rank_main(
                     out["memcpy_nt"].append([size, statistics.median(stream[1:])])
                 if mode == "dynamic" and sender:
                     ch.flush()
-                _quiesce(eng, f"{name}-done")
                 del ch, src, copy_dst
         # Exchange: both ranks send a message to each other at once, as every rank does in a ring step or a
         # parameter-server push/pull; RPC's serialize and parse then share each core with the other side's.
@@ -197,7 +186,6 @@ def rank_main(
                 assert got[0] == 7 and got[-1] == 7, "payload corrupted"
             if sender:
                 out["exchange"].append([size, statistics.median(times[1:])])
-            _quiesce(eng, f"x-{size}-done")
             del tx, rx, msg, got
         if collectives:
             out.update(_collectives(eng, collectives, 3))
@@ -225,7 +213,6 @@ def rank_main(
                     best = min(best, seconds / iters / 2)
             if sender:
                 out["latency"].append([size, best])
-            _quiesce(eng, f"lat-{size}-done")
     return out if sender else {}
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from rdkeras import keras_internals
 from rdkeras.engine import Engine
+from rdkeras.errors import EngineError
 from rdkeras.parallel import collectives
 from rdkeras.parallel.collectives import BucketPipeline, reverse_buckets
 
@@ -59,6 +60,7 @@ class ParameterServer:
         self.engine, self.name = engine, name
         self.n, self.rank = engine.world_size, engine.rank
         self.step = 0
+        self.published = 0  # the last step whose parameters this rank published (workers pull, then flag)
         self.owner: list[int] = []
         # Pushes overlap backprop in buckets of this many bytes (0: one push after the backward pass).
         self.overlap_bytes = collectives.overlap_bytes(engine.transport) if overlap_bytes is None else overlap_bytes
@@ -205,6 +207,7 @@ class ParameterServer:
         for w in range(n):
             if w != r:
                 eng.write_flag(w, self.keys[w], self._flag(w, 1, r), t)
+        self.published = t
         for o in range(n):
             if o == r:
                 continue
@@ -214,6 +217,21 @@ class ParameterServer:
         # Views of the pull buffers, no copy: assign() copies them into the variables
         # within this step, before the next step's pull overwrites the buffers.
         return [self._view(self.pulled[self.owner[i]], 0, i) for i in range(len(self.owner)) if self.owner[i] != r]
+
+    def close(self) -> None:
+        """Deregisters this rank's block once every worker's last one-sided write into it landed: the
+        "pulled" flag a worker sets after reading this owner's parameters may still be on its way when
+        this rank's own step is done. A peer that is gone writes nothing more (its error is ignored)."""
+        if not self.owner:
+            return
+        for w in range(self.n):
+            if w != self.rank and self.published:
+                try:
+                    self._wait(2, w, self.published)
+                except EngineError:
+                    pass
+        self.engine.deregister(self.key)
+        self.owner = []
 
     # -- the optimizer hook ---------------------------------------------------------
 

@@ -52,6 +52,18 @@ def test_a_sender_keeps_its_channel_until_the_last_release_landed(transport):
         assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_ring_keeps_its_block_until_the_last_ack_landed(transport):
+    for r in run_ranks("ring_then_teardown", 3, transport=transport, rings=150):
+        assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_a_closed_parameter_server_outlives_its_workers_last_flags(transport):
+    for r in run_ranks("ps_then_teardown", 2, transport=transport, servers=100):
+        assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
+
+
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
 def test_dynamic_channel_shape_changes_every_step(transport):
     assert run_ranks("dynamic_changing_shapes", transport=transport, steps=40)[1].value == {"wrong": 0}

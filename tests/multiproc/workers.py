@@ -182,6 +182,56 @@ def exchange_then_teardown(pairs: int, messages: int) -> dict:
     return {"errors": errors}
 
 
+def ring_then_teardown(rings: int) -> dict:
+    """Every rank runs one allreduce over a fresh ring, then drops it at once: the right member's ack of
+    this rank's last chunk may land after this rank has its result (and the ring must still hold its
+    block). A write that hit a deregistered block is reported on a later write, or by the flush."""
+    errors = []
+    with rdkeras.Engine() as eng:
+        peers = [p for p in range(eng.world_size) if p != eng.rank]
+        try:
+            for i in range(rings):
+                ring = eng.ring(f"r{i}", 4096)
+                out = ring([np.full(1000, eng.rank + i, np.float32)])
+                expected = sum(range(eng.world_size)) + eng.world_size * i
+                if float(out[0][0]) != expected:
+                    errors.append(["wrong sum", i, float(out[0][0]), expected])
+                del ring, out
+            for p in peers:
+                eng.flush(p)
+        except EngineError as e:
+            errors.append([type(e).__name__, str(e)])
+        eng.barrier("end")
+    return {"errors": errors}
+
+
+def ps_then_teardown(servers: int) -> dict:
+    """One parameter-server step over fresh servers, each closed right after: a worker's last "pulled"
+    flag into an owner's block may still be on its way when the owner is done."""
+    from rdkeras.parallel.parameter_server import ParameterServer
+
+    errors = []
+    with rdkeras.Engine() as eng:
+        peers = [p for p in range(eng.world_size) if p != eng.rank]
+        try:
+            for i in range(servers):
+                ps = ParameterServer(eng, f"ps{i}", overlap_bytes=0)
+                grads = [np.full(256, eng.rank + i, np.float32) for _ in range(eng.world_size)]
+                ps._setup([g.shape for g in grads], [g.dtype for g in grads])
+                new = ps.publish_and_pull(*ps.push_and_reduce(*grads))
+                mean = (eng.world_size - 1) / 2 + i
+                if any(float(v[0]) != mean for v in new):
+                    errors.append(["wrong mean", i, [float(v[0]) for v in new], mean])
+                ps.close()
+                del ps, new
+            for p in peers:
+                eng.flush(p)
+        except EngineError as e:
+            errors.append([type(e).__name__, str(e)])
+        eng.barrier("end")
+    return {"errors": errors}
+
+
 def dynamic_changing_shapes(steps: int) -> dict:
     """A dynamic channel whose shape changes every step (like a variable-length batch)."""
     wrong = 0
