@@ -24,10 +24,16 @@ def _load(results: dict, part: str) -> str:
     if not load:
         return ""
     b, a = load["before"], load["after"]
+    settle = load.get("settle")
+    waited = (
+        f" It started after {settle['waited_s']:.0f} s waiting for the CPUs to settle ({settle['busy']:.0%} busy then)."
+        if settle
+        else ""
+    )
     return (
         f"Load average (1/5/15 min) {b[0]:.1f}/{b[1]:.1f}/{b[2]:.1f} before, {a[0]:.1f}/{a[1]:.1f}/{a[2]:.1f} "
         f"after, on {results['machine']['cores']} cores; {load['others_before']} other Python/QEMU processes "
-        f"running at the start; {load['seconds']:.0f} s."
+        f"running at the start; {load['seconds']:.0f} s.{waited}"
     )
 
 
@@ -178,7 +184,7 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
     peers, and for RPC its (de)serialization copies and frame writes."""
     runs = th["runs"]
     lines = [
-        "| model | mode | transport | step | compute (the same processes, undistributed, just before) | "
+        "| model | mode | transport | step | compute (the same processes, undistributed, before and after) | "
         "blocked on peers | RPC copies | "
         "RPC frames (wire) | rest (Keras/TF hops, reductions, assignments) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -190,7 +196,7 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
         for r in runs:
             if r["model"] != m or r["transport"] == "none" or local is None:
                 continue
-            compute = r.get("compute_s", local)  # measured in the run's own processes just before it
+            compute = r.get("compute_s", local)  # measured in the run's own processes before and after it
             wait = r.get("wait_seconds_per_step", 0.0)
             copy, wire = r.get("copy_seconds_per_step"), r.get("wire_seconds_per_step")
             rest = r["step_seconds"] - compute - wait - (copy or 0) - (wire or 0)
@@ -460,7 +466,7 @@ def write(results: dict, out: Path) -> str:
         "measured side by side in this one run.",
         "",
     ]
-    targets: list[tuple[str, bool | None, str]] = []
+    targets: list[tuple[str, bool | None, str, list[str]]] = []  # what, met (None: reported), figures, why
     sr = results.get("sendrecv")
     if sr and "rows" in sr:
         table, f = sendrecv_table(sr)
@@ -474,15 +480,25 @@ def write(results: dict, out: Path) -> str:
         size = _size(f["size"])
         if "shm_x_grpc" in f:
             targets.append(
-                (f"Send/Recv at {size}: rdkeras shm ≥ 50× gRPC.TCP", f["shm_x_grpc"] >= 50, f"{f['shm_x_grpc']:.1f}×")
+                (
+                    f"Send/Recv at {size}: rdkeras shm ≥ 50× gRPC.TCP",
+                    f["shm_x_grpc"] >= 50,
+                    f"{f['shm_x_grpc']:.1f}×",
+                    [],
+                )
             )
         if "shm_x_rpc" in f:
             targets.append(
-                (f"Send/Recv at {size}: rdkeras shm ≥ 2× RPC over shm", f["shm_x_rpc"] >= 2, f"{f['shm_x_rpc']:.2f}×")
+                (
+                    f"Send/Recv at {size}: rdkeras shm ≥ 2× RPC over shm",
+                    f["shm_x_rpc"] >= 2,
+                    f"{f['shm_x_rpc']:.2f}×",
+                    [],
+                )
             )
         if "tcp_x_rpc" in f:
             targets.append(
-                (f"Send/Recv at {size}: rdkeras tcp vs RPC over tcp (reported)", None, f"{f['tcp_x_rpc']:.2f}×")
+                (f"Send/Recv at {size}: rdkeras tcp vs RPC over tcp (reported)", None, f"{f['tcp_x_rpc']:.2f}×", [])
             )
     th = results.get("throughput")
     if th and th.get("runs"):
@@ -530,7 +546,7 @@ def write(results: dict, out: Path) -> str:
         for k, (m, what) in enumerate(fcn5):
             fc = by_mode(f["x_grpc"], m)
             ok = min(fc.values()) >= 5 if k == 0 else None
-            targets.append((f"fit: FCN-5 {what} ≥ 5× gRPC.TCP (every mode)", ok, each(fc)))
+            targets.append((f"fit: FCN-5 {what} ≥ 5× gRPC.TCP (every mode)", ok, each(fc), []))
         xr = by_mode(f["x_rpc"], biggest)
         if xr:
             targets.append(
@@ -538,6 +554,7 @@ def write(results: dict, out: Path) -> str:
                     f"fit: {biggest} (largest gradients) ≥ 1.5× RPC over the fast transport (every mode)",
                     min(xr.values()) >= 1.5,
                     each(xr),
+                    why_fit_vs_rpc(th, str(biggest), 1.5),
                 )
             )
     cv = results.get("convergence")
@@ -604,6 +621,7 @@ def write(results: dict, out: Path) -> str:
                     "overlap (allreduce) within 1.2× of max(compute, comm)",
                     ov["allreduce_overlapped_x_max"] <= 1.2,
                     f"{ov['allreduce_overlapped_x_max']:.2f}×",
+                    why_overlap(ov),
                 )
             )
     em = results.get("emulated")
@@ -631,16 +649,114 @@ def write(results: dict, out: Path) -> str:
                     f"{LABEL.get(worst_run['transport'], worst_run['transport'])}, {worst_run['workers']} workers), "
                     "median "
                     f"{sorted(abs(v['error']) for v in sm['validation'])[len(sm['validation']) // 2] * 100:.0f}%",
+                    why_scale_model(sm["validation"], 0.25),
                 )
             )
     if targets:
         lines += ["## Targets", ""]
-        for what, ok, detail in targets:
+        for what, ok, detail, why in targets:
             lines.append(f"- [{'met' if ok else 'reported' if ok is None else 'MISSED'}] {what}: {detail}")
+            if ok is False:
+                lines += [f"  - {w}" for w in why]
         lines.append("")
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
+
+
+# -- why a target was missed: each from the step's measured parts -----------------------------------------
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.0f} ms"
+
+
+def why_fit_vs_rpc(th: dict, model: str, goal: float) -> list[str]:
+    """rdkeras against RPC over the same transport for `model`, per mode: each step as compute (measured in the
+    run's own processes before and after it) plus what it spent beyond it, and what those give at equal compute."""
+    out = []
+    for mode in ("ps", "allreduce"):
+        runs = {r["transport"]: r for r in th["runs"] if (r["model"], r["mode"]) == (model, mode)}
+        rd = runs.get("shm") or runs.get("tcp")
+        rpc = rd and runs.get(f"rpc+{rd['transport']}")
+        if not rd or not rpc or not rd.get("compute_s") or not rpc.get("compute_s"):
+            continue
+        beyond_rd = max(0.0, rd["step_seconds"] - rd["compute_s"])
+        beyond_rpc = rpc["step_seconds"] - rpc["compute_s"]
+        mean = (rd["compute_s"] + rpc["compute_s"]) / 2
+        parts = ", ".join(
+            f"{label} {_ms(rpc[key])}"
+            for label, key in (
+                ("blocked", "wait_seconds_per_step"),
+                ("copies", "copy_seconds_per_step"),
+                ("frames", "wire_seconds_per_step"),
+            )
+            if rpc.get(key) is not None
+        )
+        text = (
+            f"{mode}: rdkeras {_ms(rd['step_seconds'])} a step = {_ms(rd['compute_s'])} compute + "
+            f"{_ms(beyond_rd)} beyond it ({_ms(rd.get('wait_seconds_per_step') or 0.0)} blocked); "
+            f"{LABEL.get(rpc['transport'], rpc['transport'])} {_ms(rpc['step_seconds'])} = "
+            f"{_ms(rpc['compute_s'])} compute + {_ms(beyond_rpc)} beyond it{f' ({parts})' if parts else ''}. "
+            "At equal compute "
+            f"({_ms(mean)}, the two runs' mean): {(mean + beyond_rpc) / (mean + beyond_rd):.2f}×"
+        )
+        free = (mean + beyond_rpc) / mean  # rdkeras spending nothing beyond its compute
+        if free < goal:
+            text += (
+                f"; an rdkeras step spending nothing beyond its compute would make {free:.2f}×: {goal:g}× needs "
+                f"RPC to spend {_ms((goal - 1) * mean + goal * beyond_rd)} a step beyond this compute, it spends "
+                f"{_ms(beyond_rpc)} (the compute bounds the ratio here, not the exchange)"
+            )
+        out.append(text + ".")
+    return out
+
+
+def why_overlap(ov: dict) -> list[str]:
+    """The overlapped step as compute alone, time blocked on the last buckets, and the rest: backprop slower
+    beside the communication than alone."""
+    b = ov.get("allreduce_breakdown") or {}
+    step, compute = ov["allreduce_overlapped_s"], ov["compute_s"]
+    if "exposed_s" not in b:
+        return []
+    slowed = step - compute - b["exposed_s"]
+    return [
+        f"the overlapped step {_ms(step)} = compute alone {_ms(compute)} + {_ms(b['exposed_s'])} blocked on the "
+        f"last buckets after backprop + {_ms(slowed)} of backprop running slower beside the communication than "
+        f"alone (its {_ms(b['comm_work_s'])} of bucket exchanges, {_ms(b['hidden_s'])} of them done before "
+        f"backprop ended, share the cores); max(compute, comm) = {_ms(ov['max_s'])}, comm alone "
+        f"{_ms(ov['comm_s'])}, the exchange after backprop {_ms(ov['allreduce_sequential_s'])}."
+    ]
+
+
+def why_scale_model(validation: list[dict], within: float) -> list[str]:
+    """Each run predicted outside `within`: its step as its own compute plus the rest, measured and predicted,
+    beside the spread of the same model's compute measured before its other groups of this run."""
+    out = []
+    for v in sorted(validation, key=lambda v: -abs(v["error"])):
+        if abs(v["error"]) <= within:
+            continue
+        # One compute a group of processes (a transport's modes share it).
+        same = {
+            w["transport"]: w["compute_s"]
+            for w in validation
+            if (w["model"], w["workers"]) == (v["model"], v["workers"])
+        }.values()
+        parts = ", ".join(
+            f"{label} {v[key] * 1e3:.1f} ms"
+            for label, key in (("blocked on peers", "blocked_s"), ("RPC copies", "copies_s"), ("frames", "frames_s"))
+            if key in v
+        )
+        out.append(
+            f"{v['model']} {v['mode']} {LABEL.get(v['transport'], v['transport'])}, {v['workers']} workers "
+            f"({v['error'] * 100:+.0f}%): measured {v['measured_s'] * 1e3:.1f} ms a step = "
+            f"{v['compute_s'] * 1e3:.1f} ms compute + {(v['measured_s'] - v['compute_s']) * 1e3:.1f} ms beyond it"
+            f"{f' ({parts})' if parts else ''}; "
+            f"predicted {(v['predicted_s'] - v['compute_s']) * 1e3:.1f} ms beyond it; this model's compute, "
+            f"measured so before each of its {len(same)} groups of {v['workers']} workers in this run: "
+            f"{min(same) * 1e3:.1f}-{max(same) * 1e3:.1f} ms."
+        )
+    return out
 
 
 def _size_table(intro: str, first: list[str], rows: list[tuple[list[str], dict[int, str]]]) -> list[str]:
@@ -704,7 +820,7 @@ def scale_sections(sm: dict) -> list[str]:
         lines += [
             "",
             "Compute per step, one process alone and one per core at once (no communication). The predictions use "
-            "the compute each distributed run's own processes measured undistributed just before it (the "
+            "the compute each distributed run's own processes measured undistributed before and after it (the "
             "validation's compute column), this table's second column where a run has none:",
             "",
             "| model | alone | every core at once | |",

@@ -27,7 +27,7 @@ Step time (no overlap; one data-parallel step of N workers, gradient bytes G, in
   two workers (``beyond_transfers``: an RPC ring's concatenations and fresh arrays, a server's copies).
 
 Here every byte moves by CPU (no NIC), so with more workers than cores each worker gets cores/N of one:
-compute and communication are scaled by N/cores.
+communication is scaled by N/cores, and compute is measured so (every rank computing at once).
 
 The projection replaces this machine's parts by the described cluster's (``Testbed``): compute from the
 model's FLOPs at a GPU's sustained rate; rdkeras's per-byte cost by the RDMA link's (zero-copy: the NIC
@@ -212,9 +212,9 @@ def predict_here(
 ) -> float | None:
     """Predicted step seconds of a measured run on this machine (None: its transport was not calibrated).
 
-    `compute_s` is the model's step on one core while every core computes, `fixed_s` the fixed cost of a
-    distributed step of this transport, mode and worker count (measured with a 300-parameter model: it
-    includes any sharing of cores already)."""
+    `compute_s` is the model's step while every one of the run's workers computes (with more workers than
+    cores, time-shared), `fixed_s` the fixed cost of a distributed step of this transport, mode and worker
+    count (measured with a 300-parameter model: it includes any sharing of cores already)."""
     cost = calibration["transports"].get(run["transport"])
     if cost is None:
         return None
@@ -232,7 +232,7 @@ def predict_here(
     )
     if n > 1:
         comm += beyond_transfers(cost, run["mode"], run["gradient_bytes"])
-    return max(1.0, n / cores) * (compute_s + comm) + fixed_s
+    return compute_s + max(1.0, n / cores) * comm + fixed_s
 
 
 @dataclass

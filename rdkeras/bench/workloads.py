@@ -199,8 +199,9 @@ def throughput_rank(
 
     `batch` is the per-worker batch (the seed's convention): fit gets the global batch, batch x workers.
     Consecutive runs with the same data-parallel mode share one RDMAStrategy. Returns this rank's results.
-    With `compute_first` (distributed, a core per rank), each model is first timed without distribution in
-    these same processes, every rank at once (``compute_s`` of its runs): the compute of their steps in the
+    With `compute_first` (distributed), each model is timed without distribution in these same processes
+    before and after the runs, every rank at once (``compute_before_s``, ``compute_after_s``, and their mean
+    ``compute_s``; time-shared where ranks outnumber cores, as their steps are): the compute of their steps in the
     same minute and processes -- what a prediction of these runs needs on a shared machine, whose speed moves
     by tens of percent from one minute to the next.
     """
@@ -218,16 +219,7 @@ def throughput_rank(
             groups[-1].append(run)
         else:
             groups.append([run])
-    compute: dict[str, float] = {}
-    for run in runs if distributed and compute_first else []:
-        if run["model"] in compute:
-            continue
-        model = _compiled(run["config"])
-        warm, timed_steps = run.get("warmup", warmup), max(3, run.get("steps", steps) // 2)
-        x, y = synthetic_data(model, run["batch"] * (warm + timed_steps))
-        compute[run["model"]] = _timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
-        del model, x, y
-        gc.collect()
+    before = _compute_seconds(runs, warmup, steps) if distributed and compute_first else {}
     transport = "none"
     for g, group in enumerate(groups):
         strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"]) if distributed else None
@@ -253,7 +245,6 @@ def throughput_rank(
                     "forward_flops": forward_flops(model),
                     "workers": workers,
                     "transport": transport,
-                    **({"compute_s": compute[run["model"]]} if run["model"] in compute else {}),
                 }
             )
             del model, x, y
@@ -262,7 +253,27 @@ def throughput_rank(
             if g + 1 < len(groups):
                 next_job(strategy, g)
             strategy.close()
+    if before:  # and once more after the runs: their compute is the mean of the two, which bracket them
+        after = _compute_seconds(runs, warmup, steps)
+        for r in results:
+            b, a = before[r["model"]], after[r["model"]]
+            r.update(compute_before_s=b, compute_after_s=a, compute_s=(b + a) / 2)
     return {"rank": rank, "results": results}
+
+
+def _compute_seconds(runs: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, float]:
+    """Each run's model timed without distribution, in this process (every rank at once): seconds a step."""
+    compute: dict[str, float] = {}
+    for run in runs:
+        if run["model"] in compute:
+            continue
+        model = _compiled(run["config"])
+        warm, timed_steps = run.get("warmup", warmup), max(3, run.get("steps", steps) // 2)
+        x, y = synthetic_data(model, run["batch"] * (warm + timed_steps))
+        compute[run["model"]] = _timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
+        del model, x, y
+        gc.collect()
+    return compute
 
 
 def convergence_rank(

@@ -88,6 +88,8 @@ def test_every_figure_in_a_tiny_run(tmp_path):
     # model predicts it from that.
     distributed = {(r["model"], r["mode"], r["transport"]): r for r in runs if r["transport"] != "none"}
     assert all(r["compute_s"] > 0 for r in distributed.values())
+    # ... timed before and after the group's runs (they bracket it; the slowest rank's of each).
+    assert all(0 < r["compute_s"] <= max(r["compute_before_s"], r["compute_after_s"]) for r in distributed.values())
     by_config = {(v["model"], v["mode"], v["transport"]): v for v in results["scale_model"]["validation"]}
     assert by_config[("fcn5", "ps", "grpc")]["compute_s"] == distributed[("fcn5", "ps", "grpc")]["compute_s"]
     for figure in ("sendrecv", "throughput", "scalability"):

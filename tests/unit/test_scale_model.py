@@ -78,10 +78,15 @@ def test_a_transfer_between_measured_sizes_follows_the_measured_curve():
     assert scale_model.transfer_seconds({"a": 1e-3, "b": 1e-9}, 1e6) == pytest.approx(2e-3)  # no curve: a + b x
 
 
-def test_more_workers_than_cores_share_them():
-    cal = {"transports": {"shm": {"a": 0.0, "b": 0.0}}, "memcpy_per_byte": 0.0}
+def test_more_workers_than_cores_share_them_for_communication():
+    # 4 workers on 2 cores: a ring of 6 steps of 1 ms each takes twice as long; the compute given was
+    # measured with every rank computing at once (time-shared already), so it counts as it is.
+    cal = {"transports": {"shm": {"a": 1e-3, "b": 0.0}}, "memcpy_per_byte": 0.0}
     run = {"transport": "shm", "workers": 4, "mode": "allreduce", "gradient_bytes": 0, "tensors": 1}
-    assert scale_model.predict_here(run, 0.1, 0.01, cal, cores=2, bucket_bytes=MB) == pytest.approx(0.21)
+    assert scale_model.predict_here(run, 0.1, 0.01, cal, cores=2, bucket_bytes=MB) == pytest.approx(
+        0.1 + 2 * 6e-3 + 0.01
+    )
+    assert scale_model.predict_here(run, 0.1, 0.01, cal, cores=4, bucket_bytes=MB) == pytest.approx(0.1 + 6e-3 + 0.01)
     assert scale_model.predict_here({**run, "transport": "tcp"}, 0.1, 0, cal, 2, MB) is None
 
 
