@@ -736,12 +736,8 @@ def why_scale_model(validation: list[dict], within: float) -> list[str]:
     for v in sorted(validation, key=lambda v: -abs(v["error"])):
         if abs(v["error"]) <= within:
             continue
-        # One compute a group of processes (a transport's modes share it).
-        same = {
-            w["transport"]: w["compute_s"]
-            for w in validation
-            if (w["model"], w["workers"]) == (v["model"], v["workers"])
-        }.values()
+        # One compute a group of processes (a group's modes share it; rounds are groups of their own).
+        same = {w["compute_s"] for w in validation if (w["model"], w["workers"]) == (v["model"], v["workers"])}
         parts = ", ".join(
             f"{label} {v[key] * 1e3:.1f} ms"
             for label, key in (("blocked on peers", "blocked_s"), ("RPC copies", "copies_s"), ("frames", "frames_s"))
