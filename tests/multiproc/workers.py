@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -182,27 +183,34 @@ def exchange_then_teardown(pairs: int, messages: int) -> dict:
     return {"errors": errors}
 
 
-def ring_then_teardown(rings: int) -> dict:
-    """Every rank runs one allreduce over a fresh ring, then drops it at once: the right member's ack of
-    this rank's last chunk may land after this rank has its result (and the ring must still hold its
-    block). A write that hit a deregistered block is reported on a later write, or by the flush."""
-    errors = []
+def _use_then_drop(count: int, use: Any) -> dict:
+    """Runs ``use(eng, i)`` (which builds something peers write into, uses it once and drops it; returns
+    what it found wrong) `count` times, then flushes to every peer: a write that hit a deregistered block
+    is reported on a later write to that peer, or by the flush."""
+    errors: list = []
     with rdkeras.Engine() as eng:
-        peers = [p for p in range(eng.world_size) if p != eng.rank]
         try:
-            for i in range(rings):
-                ring = eng.ring(f"r{i}", 4096)
-                out = ring([np.full(1000, eng.rank + i, np.float32)])
-                expected = sum(range(eng.world_size)) + eng.world_size * i
-                if float(out[0][0]) != expected:
-                    errors.append(["wrong sum", i, float(out[0][0]), expected])
-                del ring, out
-            for p in peers:
-                eng.flush(p)
+            for i in range(count):
+                errors += use(eng, i)
+            for p in range(eng.world_size):
+                if p != eng.rank:
+                    eng.flush(p)
         except EngineError as e:
             errors.append([type(e).__name__, str(e)])
         eng.barrier("end")
     return {"errors": errors}
+
+
+def ring_then_teardown(rings: int) -> dict:
+    """Every rank runs one allreduce over a fresh ring, then drops it at once: the right member's ack of
+    this rank's last chunk may land after this rank has its result (and the ring must still hold its block)."""
+
+    def use(eng: rdkeras.Engine, i: int) -> list:
+        out = eng.ring(f"r{i}", 4096)([np.full(1000, eng.rank + i, np.float32)])
+        expected = sum(range(eng.world_size)) + eng.world_size * i
+        return [] if float(out[0][0]) == expected else [["wrong sum", i, float(out[0][0]), expected]]
+
+    return _use_then_drop(rings, use)
 
 
 def ps_then_teardown(servers: int) -> dict:
@@ -210,26 +218,16 @@ def ps_then_teardown(servers: int) -> dict:
     flag into an owner's block may still be on its way when the owner is done."""
     from rdkeras.parallel.parameter_server import ParameterServer
 
-    errors = []
-    with rdkeras.Engine() as eng:
-        peers = [p for p in range(eng.world_size) if p != eng.rank]
-        try:
-            for i in range(servers):
-                ps = ParameterServer(eng, f"ps{i}", overlap_bytes=0)
-                grads = [np.full(256, eng.rank + i, np.float32) for _ in range(eng.world_size)]
-                ps._setup([g.shape for g in grads], [g.dtype for g in grads])
-                new = ps.publish_and_pull(*ps.push_and_reduce(*grads))
-                mean = (eng.world_size - 1) / 2 + i
-                if any(float(v[0]) != mean for v in new):
-                    errors.append(["wrong mean", i, [float(v[0]) for v in new], mean])
-                ps.close()
-                del ps, new
-            for p in peers:
-                eng.flush(p)
-        except EngineError as e:
-            errors.append([type(e).__name__, str(e)])
-        eng.barrier("end")
-    return {"errors": errors}
+    def use(eng: rdkeras.Engine, i: int) -> list:
+        ps = ParameterServer(eng, f"ps{i}", overlap_bytes=0)
+        grads = [np.full(256, eng.rank + i, np.float32) for _ in range(eng.world_size)]
+        ps._setup([g.shape for g in grads], [g.dtype for g in grads])
+        new = [float(v[0]) for v in ps.publish_and_pull(*ps.push_and_reduce(*grads))]
+        ps.close()
+        mean = (eng.world_size - 1) / 2 + i
+        return [] if all(v == mean for v in new) else [["wrong mean", i, new, mean]]
+
+    return _use_then_drop(servers, use)
 
 
 def dynamic_changing_shapes(steps: int) -> dict:
