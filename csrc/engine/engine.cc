@@ -1,7 +1,5 @@
 #include "engine/engine.h"
 
-#include <ctime>
-
 #include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -212,16 +210,13 @@ void Engine::waitFlag(const void* flag, uint64_t value, int peer, const char* wh
 }
 
 bool Engine::settleFlag(const void* flag, uint64_t value, int peer) noexcept {
-  const auto until = Clock::now() + std::chrono::seconds(5);
   try {
-    Failure known;
-    while (loadAcquire(flag) < value) {
-      if (Clock::now() >= until || failure(&known)) return false;
-      transport().checkPeer(peer);  // throws once the peer is gone (or the engine closed)
-      struct timespec ts = {0, 100 * 1000};
-      nanosleep(&ts, nullptr);
-    }
-    return true;
+    // The waits' own polling (a tcp delivery wakes it); a known failure or a gone peer ends it (throws).
+    return pollUntil([&] { return loadAcquire(flag) >= value; }, Deadline(5.0),
+                     [&] {
+                       checkFailure();
+                       transport().checkPeer(peer);
+                     });
   } catch (const std::exception&) {
     return false;
   }

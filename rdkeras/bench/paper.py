@@ -274,7 +274,7 @@ def _fit_group(
         "inter_op": 2,
         # The compute of these very runs, for the scale model; with more ranks than cores, time-shared as
         # in their steps (4 and 8 workers on 2 cores: scaling one per core's compute by N/cores missed by 35%).
-        "compute_first": transport is not None,
+        "compute_around": transport is not None,
     }
     env = {"RDKERAS_TRANSPORT": transport} if transport else {"RDKERAS_WORLD_SIZE": ""}
     print(f"[paper] {label} ...", flush=True)
@@ -498,6 +498,7 @@ def _published_models(names: list[str]) -> list[dict[str, Any]]:
 
 def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None) -> dict[str, Any]:
     """The scale model: calibration, validation against every run measured here, projection, sweep."""
+    from rdkeras.bench import report
     from rdkeras.parallel import collectives
 
     testbed = testbed or scale_model.Testbed()
@@ -544,15 +545,7 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
                 "predicted_s": predicted,
                 "error": predicted / r["step_seconds"] - 1,
                 # Where the measured step went besides compute (what the transports timed, rank 0's).
-                **{
-                    part: r[key]
-                    for part, key in (
-                        ("blocked_s", "wait_seconds_per_step"),
-                        ("copies_s", "copy_seconds_per_step"),
-                        ("frames_s", "wire_seconds_per_step"),
-                    )
-                    if r.get(key) is not None
-                },
+                **{k: r[k] for k in report.STEP_PARTS if r.get(k) is not None},
             }
         )
     published = results.get("published_models") or []

@@ -667,6 +667,16 @@ def write(results: dict, out: Path) -> str:
 # -- why a target was missed: each from the step's measured parts -----------------------------------------
 
 
+# What the transports timed of a step besides compute, as a run (and the scale model's validation) records it.
+STEP_PARTS = ("wait_seconds_per_step", "copy_seconds_per_step", "wire_seconds_per_step")
+
+
+def _parts(record: dict, labels: tuple[str, str, str], fmt: Any) -> str:
+    """'label value, ...' for each of STEP_PARTS the record has."""
+    pairs = zip(labels, STEP_PARTS, strict=True)
+    return ", ".join(f"{label} {fmt(record[k])}" for label, k in pairs if record.get(k) is not None)
+
+
 def _ms(v: float) -> str:
     return f"{v * 1e3:.0f} ms"
 
@@ -684,15 +694,7 @@ def why_fit_vs_rpc(th: dict, model: str, goal: float) -> list[str]:
         beyond_rd = max(0.0, rd["step_seconds"] - rd["compute_s"])
         beyond_rpc = rpc["step_seconds"] - rpc["compute_s"]
         mean = (rd["compute_s"] + rpc["compute_s"]) / 2
-        parts = ", ".join(
-            f"{label} {_ms(rpc[key])}"
-            for label, key in (
-                ("blocked", "wait_seconds_per_step"),
-                ("copies", "copy_seconds_per_step"),
-                ("frames", "wire_seconds_per_step"),
-            )
-            if rpc.get(key) is not None
-        )
+        parts = _parts(rpc, ("blocked", "copies", "frames"), _ms)
         text = (
             f"{mode}: rdkeras {_ms(rd['step_seconds'])} a step = {_ms(rd['compute_s'])} compute + "
             f"{_ms(beyond_rd)} beyond it ({_ms(rd.get('wait_seconds_per_step') or 0.0)} blocked); "
@@ -738,11 +740,7 @@ def why_scale_model(validation: list[dict], within: float) -> list[str]:
             continue
         # One compute a group of processes (a group's modes share it; rounds are groups of their own).
         same = {w["compute_s"] for w in validation if (w["model"], w["workers"]) == (v["model"], v["workers"])}
-        parts = ", ".join(
-            f"{label} {v[key] * 1e3:.1f} ms"
-            for label, key in (("blocked on peers", "blocked_s"), ("RPC copies", "copies_s"), ("frames", "frames_s"))
-            if key in v
-        )
+        parts = _parts(v, ("blocked on peers", "RPC copies", "frames"), lambda x: f"{x * 1e3:.1f} ms")
         out.append(
             f"{v['model']} {v['mode']} {LABEL.get(v['transport'], v['transport'])}, {v['workers']} workers "
             f"({v['error'] * 100:+.0f}%): measured {v['measured_s'] * 1e3:.1f} ms a step = "

@@ -192,14 +192,14 @@ def throughput_rank(
     warmup: int,
     steps: int,
     inter_op: int = 1,
-    compute_first: bool = False,
+    compute_around: bool = False,
 ) -> dict:
     """Times model.fit for each run ({"mode", "model", "config", "batch", "overlap"}, and optionally its own
     "warmup" and "steps"), in order.
 
     `batch` is the per-worker batch (the seed's convention): fit gets the global batch, batch x workers.
     Consecutive runs with the same data-parallel mode share one RDMAStrategy. Returns this rank's results.
-    With `compute_first` (distributed), each model is timed without distribution in these same processes
+    With `compute_around` (distributed), each model is timed without distribution in these same processes
     before and after the runs, every rank at once (``compute_before_s``, ``compute_after_s``, and their mean
     ``compute_s``; time-shared where ranks outnumber cores, as their steps are): the compute of their steps in the
     same minute and processes -- what a prediction of these runs needs on a shared machine, whose speed moves
@@ -219,7 +219,7 @@ def throughput_rank(
             groups[-1].append(run)
         else:
             groups.append([run])
-    before = _compute_seconds(runs, warmup, steps) if distributed and compute_first else {}
+    before = _compute_seconds(runs, warmup, steps) if distributed and compute_around else {}
     transport = "none"
     for g, group in enumerate(groups):
         strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"]) if distributed else None

@@ -224,8 +224,8 @@ class ParameterServer:
         this rank's own step is done. A peer that is gone writes nothing more (its error is ignored)."""
         if not self.owner:
             return
-        for w in range(self.n):
-            if w != self.rank and self.published:
+        for w in range(self.n) if self.published else ():
+            if w != self.rank:
                 try:
                     self._wait(2, w, self.published)
                 except EngineError:

@@ -56,7 +56,7 @@ def test_scale_model_names_each_run_beyond_the_bound_with_its_compute_and_that_m
         }
 
     validation = [
-        {**v("shm", "ps", 0.0711, 0.0509, 0.0497), "blocked_s": 0.0035},  # -28%
+        {**v("shm", "ps", 0.0711, 0.0509, 0.0497), "wait_seconds_per_step": 0.0035},  # -28%
         v("shm", "allreduce", 0.060, 0.055, 0.0497),  # -8%: within
         v("rpc+shm", "ps", 0.0722, 0.1007, 0.0694),  # +39%
         v("grpc", "ps", 0.20, 0.21, 0.060, workers=4),  # another worker count: not in the spread
