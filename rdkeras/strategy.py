@@ -45,6 +45,10 @@ class RDMAStrategy:
         global_batch: ``batch_size`` (and a dataset's batches) are the global batch, split over the
             data-parallel replicas, as in tf.distribute and keras.distribution (default). False:
             Horovod's convention, ``batch_size`` per replica.
+        overlap_bytes: data parallelism: gradient bucket size with which the exchange overlaps backprop
+            (0: one exchange after the backward pass; None: the transport's default -- off where this
+            process's own cores move the bytes, 4 MiB elsewhere). Also settable later, for models
+            attached afterwards.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class RDMAStrategy:
         micro_batches: int = 1,
         stages: int | None = None,
         global_batch: bool = True,
+        overlap_bytes: int | None = None,
     ):
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
@@ -81,10 +86,13 @@ class RDMAStrategy:
                 from rdkeras.parallel.data_parallel import DataParallel
 
                 self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, global_batch)
+                self.overlap_bytes = overlap_bytes
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
 
                 assert placement is not None  # (check_settings)
+                if overlap_bytes is not None:
+                    raise ValueError("overlap_bytes is for parallelism='data'")
                 if parallelism == "hybrid":
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):
@@ -126,6 +134,26 @@ class RDMAStrategy:
     def cluster_resolver(self) -> Any:
         """TensorFlow's ClusterResolver for this job (task_type, task_id, cluster_spec, num_accelerators)."""
         return self.cluster.cluster_resolver()
+
+    @property
+    def overlap_bytes(self) -> int | None:
+        """Data parallelism: the gradient bucket size with which the exchange overlaps backprop, for
+        models attached from now on (0: off; None: the transport's default)."""
+        return getattr(self._parallel, "overlap_bytes", None)
+
+    @overlap_bytes.setter
+    def overlap_bytes(self, value: int | None) -> None:
+        if self.parallelism != "data":
+            raise ValueError("overlap_bytes is for parallelism='data'")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"overlap_bytes must be None or a whole number >= 0, got {value!r}")
+        self._parallel.overlap_bytes = value
+
+    @property
+    def collectives(self) -> Any:
+        """Data parallelism: the :class:`~rdkeras.parallel.collectives.Collectives` of this strategy's
+        workers (allreduce, broadcast and row gathering of numpy arrays; collective calls)."""
+        return self._collectives()
 
     # -- models -------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
         out["calibration"] = {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
     jobs = iter(range(10))
     strategy = rdkeras.RDMAStrategy()
-    (agreed,) = strategy._parallel.collectives.allreduce([np.array([proposal, -proposal])], average=False)
+    (agreed,) = strategy.collectives.allreduce([np.array([proposal, -proposal])], average=False)
     batch = int(math.ceil(max(proposal, -float(agreed[1]) - proposal) / 16) * 16)  # the larger proposal
     next_job(strategy, next(jobs))
     strategy.close()
@@ -122,7 +122,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
         workers = strategy.num_workers
         if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
             grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
-            coll = strategy._parallel.collectives
+            coll = strategy.collectives
             buckets = collectives.reverse_buckets([a.nbytes for a in grads], bucket_bytes)
             times = []
             for _ in range(steps + 2):
@@ -132,10 +132,9 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
                 times.append(time.perf_counter() - t0)
             out["comm_s"] = float(np.median(times[2:]))
             out["buckets"] = len(buckets)
-        default = collectives.OVERLAP_BYTES
         for _trial in range(2):
             for label, bucket in (("sequential", 0), ("overlapped", bucket_bytes)):
-                collectives.OVERLAP_BYTES = bucket
+                strategy.overlap_bytes = bucket
                 existing = set(map(id, collectives.pipelines()))
                 with strategy.scope():
                     distributed = _compile(_model(width))
@@ -146,7 +145,6 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
                     mine = [p for p in collectives.pipelines() if id(p) not in existing]
                     if mine:
                         out[f"{mode}_breakdown"] = _breakdown(list(mine[0].timeline)[-steps:])
-        collectives.OVERLAP_BYTES = default
         out[f"{mode}_traffic"] = strategy.engine.traffic()
         if mode == "allreduce":
             next_job(strategy, next(jobs))

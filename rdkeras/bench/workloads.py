@@ -210,7 +210,6 @@ def throughput_rank(
     pin_and_thread(rank, inter_op)
 
     import rdkeras
-    from rdkeras.parallel import collectives
 
     results: list[dict[str, Any]] = []
     groups: list[list[dict[str, Any]]] = []
@@ -226,7 +225,8 @@ def throughput_rank(
         workers = strategy.num_workers if strategy else 1
         transport = strategy.transport if strategy else "none"
         for run in group:
-            collectives.OVERLAP_BYTES = run.get("overlap")  # read when the model is attached (None: the default)
+            if strategy:  # read when the model is attached (None: the transport's default)
+                strategy.overlap_bytes = run.get("overlap")
             with strategy.scope() if strategy else contextlib.nullcontext():
                 model = _compiled(run["config"])
             warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
@@ -292,10 +292,9 @@ def convergence_rank(
 
     import rdkeras
     from rdkeras import data as datasets
-    from rdkeras.parallel import collectives
 
-    collectives.OVERLAP_BYTES = 0  # the exchange after backprop, for every transport alike
-    strategy = rdkeras.RDMAStrategy() if distributed else None
+    # The exchange after backprop, for every transport alike.
+    strategy = rdkeras.RDMAStrategy(overlap_bytes=0) if distributed else None
     workers = strategy.num_workers if strategy else 1
     global_batch = batch * workers
     if task == "fashion_mnist_cnn":

@@ -137,19 +137,14 @@ def share_variables(collectives: Collectives, variables: Sequence[Any], owners: 
         v.assign(value)
 
 
-OVERLAP_BYTES: int | None = None
-"""Gradient bucket size with which data parallelism overlaps the exchange with backprop (0: one exchange
-after the whole backward pass; None: :func:`overlap_bytes` decides). Read when a model is attached."""
-
 BUCKET_BYTES = 4 << 20  # the bucket size where overlap is on
 
 
 def overlap_bytes(transport: str) -> int:
-    """The bucket size for a model attached now: ``OVERLAP_BYTES`` if set; else 0 (off) where the bytes are
-    moved by this process's own cores while they also compute (shm and rpc+shm with no GPU: the exchange
-    would only take turns with backprop on the same core -- measured 20% slower), else ``BUCKET_BYTES``."""
-    if OVERLAP_BYTES is not None:
-        return OVERLAP_BYTES
+    """The default gradient bucket size for overlapping the exchange with backprop on `transport`: 0 (off)
+    where the bytes are moved by this process's own cores while they also compute (shm and rpc+shm with no
+    GPU: the exchange would only take turns with backprop on the same core -- measured 20% slower), else
+    ``BUCKET_BYTES``. ``RDMAStrategy(overlap_bytes=...)`` overrides it."""
     if transport in ("shm", "rpc+shm"):
         tf = sys.modules.get("tensorflow")  # not imported: no TensorFlow compute (the engine-only tests)
         if tf is None or not tf.config.list_physical_devices("GPU"):

@@ -38,12 +38,20 @@ class DataParallel:
             the workers).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (default) or per worker.
+        overlap_bytes: Gradient bucket size with which the exchange overlaps backprop, for models attached
+            from now on (0: one exchange after the backward pass; None: the transport's default,
+            :func:`rdkeras.parallel.collectives.overlap_bytes`).
     """
 
     def __init__(
-        self, engine: Engine, mode: str = "allreduce", bucket_bytes: int = 64 << 20, global_batch: bool = True
+        self,
+        engine: Engine,
+        mode: str = "allreduce",
+        bucket_bytes: int = 64 << 20,
+        global_batch: bool = True,
+        overlap_bytes: int | None = None,
     ):
-        self.engine, self.mode = engine, mode
+        self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
         self.collectives = Collectives(engine, bucket_bytes)
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
         self.synced = self.restored = self.fitting = False
@@ -81,18 +89,17 @@ class DataParallel:
         if model.jit_compile:
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
         optimizer = model.optimizer
+        overlap = collectives.overlap_bytes(self.engine.transport) if self.overlap_bytes is None else self.overlap_bytes
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
 
-            ps = ParameterServer(self.engine, f"opt{len(self.models)}")
+            ps = ParameterServer(self.engine, f"opt{len(self.models)}", overlap_bytes=overlap)
             self._servers[id(model)] = ps
             keras_internals.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             keras_internals.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            average = GradientAllreduce(
-                self.collectives, overlap_bytes=collectives.overlap_bytes(self.engine.transport)
-            )
+            average = GradientAllreduce(self.collectives, overlap_bytes=overlap)
             keras_internals.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
         keras_internals.distribute_model(model, self)
         self.models.append(model)

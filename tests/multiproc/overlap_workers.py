@@ -6,15 +6,13 @@ from tests.multiproc.keras_workers import fit_in_turn
 
 
 def fit_bucketed_many(configs: list, batch: int) -> dict:
-    """For each (kind, mode, overlap_bytes): fit with rdkeras.parallel.collectives.OVERLAP_BYTES set, in this one
+    """For each (kind, mode, overlap_bytes): fit with RDMAStrategy(overlap_bytes=...), in this one
     set of processes; also the writes the engine made. Then rank 0 trains each kind in one plain process."""
     import rdkeras
-    from rdkeras.parallel import collectives
 
     def start(config):
         kind, mode, overlap = config
-        collectives.OVERLAP_BYTES = overlap
-        return f"{kind}/{mode}/{overlap}", kind, rdkeras.RDMAStrategy(mode=mode)
+        return f"{kind}/{mode}/{overlap}", kind, rdkeras.RDMAStrategy(mode=mode, overlap_bytes=overlap)
 
     def writes(strategy, before):
         return {"writes": strategy.engine.traffic()["writes"] - before["writes"]}
