@@ -7,13 +7,13 @@ from typing import Any
 
 import keras
 
-from rdkeras import keras_internals
+from rdkeras import fitting
 
 
 def plan_text(model: Any) -> str:
     """What each step of `model` sends where, as Markdown (TensorBoard's text tab renders it):
     the data-parallel gradient exchange, or the model-parallel placement and cut edges."""
-    parallel = keras_internals.parallel_of(model)
+    parallel = fitting.parallel_of(model)
     if parallel is None:
         return "single process: nothing crosses a worker boundary"
     return parallel.plan_text()
@@ -48,7 +48,7 @@ class TrainingStats(keras.callbacks.Callback):
         self._since = 0  # steps since the last sample
 
     def _engine(self) -> Any:
-        parallel = keras_internals.parallel_of(self.model)
+        parallel = fitting.parallel_of(self.model)
         return parallel.engine if parallel is not None else None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -98,7 +98,7 @@ class TrainingStats(keras.callbacks.Callback):
         steps, self._since = self._since, 0
         seconds = max(now["time"] - last["time"], 1e-9)
         scalars = {"throughput/batches_per_s": steps / seconds}
-        batch_size = getattr(keras_internals.parallel_of(self.model), "global_batch_size", None)
+        batch_size = getattr(fitting.parallel_of(self.model), "global_batch_size", None)
         if batch_size:
             scalars["throughput/examples_per_s"] = steps * batch_size / seconds
         if "bytes_written" in now:

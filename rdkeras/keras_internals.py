@@ -1,44 +1,35 @@
-"""Every use of Keras internals, in one module, for the Keras versions rdkeras is tested with.
+"""The seam: every use of Keras internals, in one module, for the Keras versions rdkeras is tested with.
 
-rdkeras trains the user's own model and optimizer objects. To do so it
-overrides a few methods on those *instances* -- never their classes, so what
-Keras serializes (``model.save``, ``ModelCheckpoint``, ``to_json``,
-``get_config``, ``export``) records Keras's own classes and loads where rdkeras
-is not installed -- and it calls a few private Keras functions. All of that
-lives here:
+Only this module names private Keras attributes, imports ``keras.src`` or patches
+a Keras class; what rdkeras *does* with them (fit on every worker, atomic saves,
+backups across workers) is its own policy, in :mod:`rdkeras.fitting`. Here:
 
-- ``fit``/``evaluate``/``predict``: the arguments are bound, the data sharded
-  (the parallelism decides how), chief-only callbacks and the progress bar
-  dropped on the other workers;
-- ``_maybe_symbolic_build`` (Keras's build-before-training hook, a no-op
-  without a tf.distribute strategy): builds the model on a first batch;
-- ``_get_metrics_result_or_logs`` (called once per epoch and per evaluation):
-  epoch logs are shared, so callbacks decide alike on every worker;
-- ``save``/``save_weights``: written to a temporary file and renamed, so a kill
-  during a write leaves the previous file intact;
-- ``optimizer.apply``: the parallelism's gradient exchange before the update;
-- ``BackupAndRestore``: the reporter restores and writes backups (atomically);
-  every worker then resumes from the reporter's epoch, weights and optimizer state.
-
-:func:`check` names any hook an installed Keras lacks. Undo everything with :func:`undistribute`.
+- :func:`check` names any private hook an installed Keras lacks (the table
+  ``_HOOKS`` lists them all), and refuses a non-TensorFlow backend;
+- accessors for private state (the Functional graph, the compiled loss, the
+  initial epoch, BackupAndRestore's paths, an optimizer's tracked variables);
+- overrides of methods on single *instances* (never their classes, so what Keras
+  serializes records Keras's own classes), and the names of the private methods
+  rdkeras overrides (``BUILD_HOOK``, ``EPOCH_LOGS_HOOK``, the backup's hooks);
+- two class-level patches, each bounded: ``Model.compile`` while a strategy's
+  ``scope()`` is open on this thread (Keras has no per-scope compile hook outside
+  tf.distribute's own strategies, which rdkeras is not), and ``Model.fit`` while a
+  multi-worker strategy lives (the only place to refuse an undistributed model's
+  fit, which would train each worker alone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import json
-import os
-import tempfile
+import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 # The Keras releases the test suite has run against (pyproject.toml pins the same range).
 KERAS_TESTED = ">=3.13,<3.16"
-BACKUP_METADATA_ATTR = "rdkeras_training_metadata"
 
 # (object path, attribute) of every private Keras name used here.
 _HOOKS = (
@@ -58,7 +49,10 @@ _HOOKS = (
     ("keras.callbacks.BackupAndRestore", "_load_model"),
     ("keras.callbacks.BackupAndRestore", "_weights_path"),
     ("keras.callbacks.BackupAndRestore", "_training_metadata_path"),
+    ("keras.callbacks.BackupAndRestore", "_prev_weights_path"),
+    ("keras.callbacks.BackupAndRestore", "_prev_training_metadata_path"),
     ("keras.callbacks.BackupAndRestore", "_current_epoch"),
+    ("keras.callbacks.BackupAndRestore", "_last_batch_seen"),
     ("keras.optimizers.LossScaleOptimizer", "inner_optimizer"),
     ("keras.optimizers.Optimizer", "_trainable_variables"),
 )
@@ -71,32 +65,15 @@ _INSTANCE_ATTRS = {
     "_functional",
     "_weights_path",
     "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
     "_current_epoch",
+    "_last_batch_seen",
     "inner_optimizer",
     "_trainable_variables",
     "_nodes_by_depth",
     "_keras_history",
 }
-
-
-class Parallelism(Protocol):
-    """What a parallelism provides to the Keras hooks (data, model and hybrid parallelism do)."""
-
-    synced: bool  # whether every worker holds the same model yet (built and shared once)
-    restored: bool  # set on the reporter when BackupAndRestore loaded a backup
-    fitting: bool  # inside fit (state is shared at on_train_begin, not at build)
-
-    @property
-    def is_reporter(self) -> bool: ...  # the worker with the progress bar and chief-only callbacks
-
-    def shard_fit(self, a: dict) -> None: ...
-    def shard_evaluate(self, a: dict) -> None: ...
-    def shard_predict(self, a: dict) -> int | None: ...  # rows of the output to keep (None: all)
-    def sync_state(self, model: Any, restored: bool) -> None: ...
-    def gather_state(self, model: Any) -> None: ...
-    def share_logs(self, logs: dict) -> dict: ...
-    def step_overrides(self) -> dict[str, Callable[..., Any]]: ...
-    def check_callbacks(self, callbacks: list[Any]) -> None: ...
 
 
 # -- checks -------------------------------------------------------------------------
@@ -157,15 +134,6 @@ def check() -> None:
 
 
 # -- small accessors ------------------------------------------------------------------
-
-
-def bind(method: Any, args: tuple, kwargs: dict) -> dict:
-    """The arguments of a call to bound `method`, by name, with defaults filled in."""
-    bound = inspect.signature(method).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = dict(bound.arguments)
-    a.update(a.pop("kwargs", {}))
-    return a
 
 
 def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
@@ -270,9 +238,33 @@ def inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def parallel_of(model: Any) -> Any:
-    """The parallelism a model is distributed with, or None."""
-    return model.__dict__.get("_rdkeras") if hasattr(model, "__dict__") else None
+def is_fit_validation(evaluate_kwargs: dict) -> bool:
+    """Whether a call of ``evaluate`` is fit's own validation (its data already sharded by fit)."""
+    return bool(evaluate_kwargs.get("_use_cached_eval_dataset"))
+
+
+def backup_paths(callback: Any) -> tuple[Path, Path, Path, Path]:
+    """BackupAndRestore's (weights, metadata, previous weights, previous metadata) files."""
+    return (
+        Path(callback._weights_path),
+        Path(callback._training_metadata_path),
+        Path(callback._prev_weights_path),
+        Path(callback._prev_training_metadata_path),
+    )
+
+
+def backup_position(callback: Any) -> tuple[int, int]:
+    """(epoch, batch) a BackupAndRestore callback is at: what its backup records."""
+    return callback._current_epoch, callback._last_batch_seen
+
+
+# Private methods rdkeras overrides on instances (rdkeras.fitting): Keras's build-before-training hook
+# (a no-op without a tf.distribute strategy), its per-epoch and per-evaluation logs, and
+# BackupAndRestore's save and load.
+BUILD_HOOK = "_maybe_symbolic_build"
+EPOCH_LOGS_HOOK = "_get_metrics_result_or_logs"
+BACKUP_SAVE_HOOK = "_save_model"
+BACKUP_LOAD_HOOK = "_load_model"
 
 
 # -- instance overrides ------------------------------------------------------------------
@@ -288,7 +280,14 @@ def override(obj: Any, name: str, fn: Callable[..., Any]) -> None:
 
 
 def original(obj: Any, name: str) -> Any:
-    return obj.__dict__["_rdkeras_originals"][name]
+    """Method `name` of `obj` as it was before :func:`override` (as it is, if not overridden)."""
+    replaced = obj.__dict__.get("_rdkeras_originals", {})
+    return replaced[name] if name in replaced else getattr(obj, name)
+
+
+def overridden(obj: Any) -> bool:
+    """Whether :func:`override` replaced any method of `obj`."""
+    return "_rdkeras_originals" in obj.__dict__
 
 
 def restore(obj: Any) -> None:
@@ -320,13 +319,16 @@ def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) ->
 
 @contextlib.contextmanager
 def on_compile(attach: Callable[[Any], Any]) -> Iterator[None]:
-    """While active, every ``Model.compile`` (``load_model`` compiles too) ends with ``attach(model)``."""
+    """While active, every ``Model.compile`` on this thread (``load_model`` compiles too) ends with
+    ``attach(model)``; other threads compile as plain Keras does."""
+    thread = threading.get_ident()
 
     def make(previous: Any) -> Any:
         @functools.wraps(previous)
         def compile(model: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001
             result = previous(model, *args, **kwargs)
-            attach(model)
+            if threading.get_ident() == thread:
+                attach(model)
             return result
 
         return compile
@@ -342,15 +344,14 @@ _unguard: list[Callable[[], None]] = []
 
 
 def guard_fit(check: Callable[[Any], None]) -> None:
-    """``check(model)`` runs before ``fit`` of any model that is not distributed (it may raise)."""
+    """``check(model)`` runs before every ``Model.fit`` until :func:`unguard_fit` (it may raise)."""
     if not _fit_guards:
 
         def make(previous: Any) -> Any:
             @functools.wraps(previous)
             def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-                if parallel_of(model) is None:
-                    for guard in list(_fit_guards):
-                        guard(model)
+                for guard in list(_fit_guards):
+                    guard(model)
                 return previous(model, *args, **kwargs)
 
             return fit
@@ -364,339 +365,3 @@ def unguard_fit(check: Callable[[Any], None]) -> None:
         _fit_guards.remove(check)
         if not _fit_guards and _unguard:
             _unguard.pop()()
-
-
-# -- models --------------------------------------------------------------------------
-
-
-def distribute_model(model: Any, parallel: Parallelism) -> None:
-    """Makes a compiled model's fit/evaluate/predict run distributed with `parallel`."""
-    object.__setattr__(model, "_rdkeras", parallel)
-    model.__dict__["_rdkeras_jit_compile"] = model.jit_compile
-    model.jit_compile = False  # the exchanges are tf.numpy_function ops
-    methods: dict[str, Callable[..., Any]] = {
-        "fit": _fit,
-        "evaluate": _evaluate,
-        "predict": _predict,
-        "_maybe_symbolic_build": _maybe_symbolic_build,
-        "_get_metrics_result_or_logs": _get_metrics_result_or_logs,
-        "save": _save,
-        "save_weights": _save_weights,
-        **parallel.step_overrides(),
-    }
-    for name, fn in methods.items():
-        override(model, name, fn)
-    reset_compiled_functions(model)
-
-
-def undistribute(model: Any) -> None:
-    """Returns `model` (and its optimizer) to plain Keras."""
-    if parallel_of(model) is None:
-        return
-    restore(model)
-    model.jit_compile = model.__dict__.pop("_rdkeras_jit_compile", model.jit_compile)
-    model.__dict__.pop("_rdkeras", None)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        restore(optimizer)
-        restore(inner_optimizer(optimizer))
-    reset_compiled_functions(model)
-
-
-def reset_compiled_functions(model: Any) -> None:
-    """Keras caches its traced steps; they hold the exchanges, so they are traced anew."""
-    for attr in ("train_function", "test_function", "predict_function"):
-        setattr(model, attr, None)
-
-
-def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-    parallel = parallel_of(model)
-    fit = original(model, "fit")
-    a = bind(fit, args, kwargs)
-    parallel.check_callbacks(list(a["callbacks"] or []))
-    parallel.shard_fit(a)
-    callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
-    parallel.fitting = True
-    try:
-        return fit(**a)
-    finally:
-        parallel.fitting = False
-
-
-def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
-    evaluate = original(model, "evaluate")
-    if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: sharded by fit
-        return evaluate(*args, **kwargs)
-    parallel = parallel_of(model)
-    a = bind(evaluate, args, kwargs)
-    parallel.shard_evaluate(a)
-    a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    return evaluate(**a)
-
-
-def _predict(model: Any, *args: Any, **kwargs: Any) -> Any:
-    parallel = parallel_of(model)
-    predict = original(model, "predict")
-    a = bind(predict, args, kwargs)
-    rows = parallel.shard_predict(a)
-    a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    out = predict(**a)
-    if rows is None:
-        return out
-    import keras
-
-    return keras.tree.map_structure(lambda o: o[:rows], out)
-
-
-def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
-    # Keras builds lazily on the first traced step when no tf.distribute strategy is set;
-    # build now, so that every worker holds the same model before any computes a gradient.
-    parallel = parallel_of(model)
-    if iterator is not None and data_batch is None:
-        for _, _, it in iterator:
-            data_batch = next(it)
-            break
-    if data_batch is not None:
-        symbolic_build(model, data_batch)
-    if not parallel.synced and not parallel.fitting:  # fit shares state at on_train_begin
-        parallel.sync_state(model, restored=False)
-    original(model, "_maybe_symbolic_build")(iterator=iterator, data_batch=data_batch)
-
-
-def _get_metrics_result_or_logs(model: Any, logs: Any) -> Any:
-    return parallel_of(model).share_logs(original(model, "_get_metrics_result_or_logs")(logs))
-
-
-# -- saving ----------------------------------------------------------------------------
-
-
-def _atomic_path(filepath: Any, suffixes: tuple[str, ...]) -> Path | None:
-    """`filepath` as a local Path when Keras writes it as one file with one of `suffixes`."""
-    if not isinstance(filepath, (str, os.PathLike)):
-        return None
-    text = os.fspath(filepath)
-    if "://" in text or not text.endswith(suffixes):
-        return None
-    return Path(text)
-
-
-def write_atomically(path: Path, write: Callable[[str], None]) -> None:
-    """Calls ``write(tmp)`` for a temporary path beside `path` (same suffix), then renames it over
-    `path`: readers see the old file or the new one, never a part."""
-    suffix = ".weights.h5" if path.name.endswith(".weights.h5") else path.suffix
-    stem = path.name[: -len(suffix)] if suffix else path.name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=f".tmp{suffix}", dir=path.parent)
-    os.close(fd)
-    os.unlink(tmp)  # Keras refuses to overwrite silently in some paths; let it create the file
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _save(model: Any, filepath: Any, overwrite: bool = True, zipped: Any = None, **kwargs: Any) -> Any:
-    save = original(model, "save")
-    path = _atomic_path(filepath, (".keras",))
-    if path is None or zipped is False or (not overwrite and path.exists()):
-        return save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-    write_atomically(path, lambda tmp: save(tmp, overwrite=True, zipped=zipped, **kwargs))
-    return None
-
-
-def _save_weights(model: Any, filepath: Any, overwrite: bool = True, max_shard_size: Any = None) -> Any:
-    save_weights = original(model, "save_weights")
-    path = _atomic_path(filepath, (".weights.h5",))
-    if path is None or max_shard_size is not None or (not overwrite and path.exists()):
-        return save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
-    write_atomically(path, lambda tmp: save_weights(tmp, overwrite=True))
-    return None
-
-
-# -- callbacks ----------------------------------------------------------------------------
-
-
-def chief_only_callback_types() -> tuple[type, ...]:
-    """Callbacks that write files or draw progress: they run on the reporting worker only."""
-    import keras
-
-    return (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard, keras.callbacks.CSVLogger,
-            keras.callbacks.ProgbarLogger)  # fmt: skip
-
-
-def worker_callbacks(parallel: Parallelism, callbacks: Any, verbose: Any) -> tuple[list, Any]:
-    """(callbacks, verbose) for this worker: the reporter keeps all and the progress bar; the others
-    drop the chief-only callbacks (by type, subclasses included). BackupAndRestore runs everywhere."""
-    import keras
-
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        return callbacks, verbose  # Keras passing its own list on (fit's validation)
-    kept = []
-    for c in callbacks or []:
-        if isinstance(c, keras.callbacks.BackupAndRestore):
-            _adapt_backup(c, parallel)
-        elif isinstance(c, chief_only_callback_types()) and not parallel.is_reporter:
-            continue
-        kept.append(c)
-    return kept, (verbose if parallel.is_reporter else 0)
-
-
-def _state_callback(parallel: Parallelism, role: str) -> Any:
-    """Shares the training state across workers: "sync" at the start of fit (the reporter's
-    restored backup, else the parallelism's initial sharing), "gather" at every epoch end and at
-    the end of fit (each variable from its owner to everyone, so any worker can save the model)."""
-    callback = _state_callback_class()()
-    callback.parallel, callback.role = parallel, role
-    return callback
-
-
-@functools.cache
-def _state_callback_class() -> type:
-    import keras
-
-    class StateCallback(keras.callbacks.Callback):
-        parallel: Parallelism
-        role: str
-
-        def on_train_begin(self, logs: Any = None) -> None:
-            if self.role == "sync":
-                self.parallel.sync_state(self.model, restored=self.parallel.restored)
-                self.parallel.restored = False
-
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            if self.role == "gather":
-                self.parallel.gather_state(self.model)
-
-        def on_train_end(self, logs: Any = None) -> None:
-            if self.role == "gather":
-                self.parallel.gather_state(self.model)
-
-    return StateCallback
-
-
-def _adapt_backup(callback: Any, parallel: Parallelism) -> None:
-    """BackupAndRestore across workers: the reporter loads and writes the backup (atomically, with
-    the epoch inside the weights file); every worker takes part in gathering the state first."""
-    if "_rdkeras_originals" in callback.__dict__:
-        return
-
-    def save(cb: Any) -> None:
-        parallel.gather_state(cb.model)  # collective: every worker saves at the same batches
-        if parallel.is_reporter:
-            _write_backup(cb)
-
-    def load(cb: Any) -> None:
-        if parallel.is_reporter and _load_backup(cb):
-            parallel.restored = True
-
-    def keep(cb: Any, logs: Any = None) -> None:
-        if parallel.is_reporter:
-            original(cb, "on_train_end")(logs)
-
-    override(callback, "_save_model", save)
-    override(callback, "_load_model", load)
-    override(callback, "on_train_end", keep)
-
-
-def _write_backup(cb: Any) -> None:
-    import shutil
-
-    import h5py
-
-    weights, metadata = Path(cb._weights_path), Path(cb._training_metadata_path)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    if cb.double_checkpoint:
-        for src, dst in ((weights, Path(cb._prev_weights_path)), (metadata, Path(cb._prev_training_metadata_path))):
-            if src.exists():
-
-                def copy(tmp: str, src: Path = src) -> None:
-                    shutil.copyfile(src, tmp)
-
-                write_atomically(dst, copy)
-    meta = json.dumps({"epoch": cb._current_epoch, "batch": cb._last_batch_seen})
-    save_weights = original(cb.model, "save_weights") if parallel_of(cb.model) else cb.model.save_weights
-
-    def write_weights(tmp: str) -> None:
-        save_weights(tmp, overwrite=True)
-        with h5py.File(tmp, "a") as f:  # the epoch travels with the weights: one rename commits both
-            f.attrs[BACKUP_METADATA_ATTR] = meta
-
-    write_atomically(weights, write_weights)
-
-    def write_metadata(tmp: str) -> None:
-        Path(tmp).write_text(meta)
-
-    write_atomically(metadata, write_metadata)
-
-
-def _load_backup(cb: Any) -> bool:
-    """Keras's restore, reading the epoch from the weights file when it carries one."""
-    import h5py
-
-    model = cb.model
-    if not model.built:
-        raise ValueError(
-            "To use the BackupAndRestore callback, your model must be built before you call `fit()`: "
-            "call it on a batch of data (or give it an Input)"
-        )
-    weights, metadata = Path(cb._weights_path), Path(cb._training_metadata_path)
-    meta = None
-    if weights.exists():
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        model.load_weights(str(weights))
-        with h5py.File(weights, "r") as f:
-            stamped = f.attrs.get(BACKUP_METADATA_ATTR)
-        meta = json.loads(stamped) if stamped is not None else None
-    if meta is None and metadata.exists():
-        meta = json.loads(metadata.read_text())
-    if meta is None:
-        return False
-    set_initial_epoch(model, meta["epoch"])
-    return True
-
-
-# -- optimizers --------------------------------------------------------------------------
-
-
-def distribute_optimizer(optimizer: Any, apply: Callable[..., Any]) -> None:
-    """``optimizer.apply(grads, variables)`` becomes ``apply(optimizer, original_apply, grads, variables)``."""
-
-    def hooked(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-        return apply(self, original(self, "apply"), list(grads), trainable_variables)
-
-    override(optimizer, "apply", hooked)
-
-
-def agree_on_finite_gradients(optimizer: Any, all_finite: Callable[[Any], Any]) -> None:
-    """For a LossScaleOptimizer whose workers update different variables (parameter servers): every
-    worker skips a step (and lowers the loss scale) when any worker's gradients are not finite.
-    ``all_finite(local_finite)`` returns the job-wide verdict as a boolean tensor."""
-    import keras
-    import tensorflow as tf
-
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return
-
-    def apply(self: Any, base: Any, grads: list, variables: Any) -> Any:
-        present = [g for g in grads if g is not None]
-        if not present:
-            return base(grads, variables)
-        verdict = all_finite(self.check_finite(present))
-        # A NaN in one gradient makes this worker's own check fail too; + 0 changes nothing otherwise.
-        i = next(i for i, g in enumerate(grads) if g is not None)
-        poison = tf.where(verdict, tf.constant(0.0, grads[i].dtype), tf.constant(float("nan"), grads[i].dtype))
-        grads = [*grads[:i], grads[i] + poison, *grads[i + 1 :]]
-        return base(grads, variables)
-
-    distribute_optimizer(optimizer, apply)

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rdkeras import cluster as cluster_lib
-from rdkeras import keras_internals
+from rdkeras import fitting, keras_internals
 from rdkeras.engine import Engine
 from rdkeras.parallel import check_settings
+from rdkeras.parallel.base import Parallelism
 
 
 class RDMAStrategy:
@@ -85,14 +86,14 @@ class RDMAStrategy:
             if parallelism == "data":
                 from rdkeras.parallel.data_parallel import DataParallel
 
-                self._parallel: Any = DataParallel(self.engine, mode, bucket_bytes, global_batch)
+                self._parallel: Parallelism = DataParallel(self.engine, mode, bucket_bytes, global_batch)
                 self.overlap_bytes = overlap_bytes
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
 
                 assert placement is not None  # (check_settings)
                 if overlap_bytes is not None:
-                    raise ValueError("overlap_bytes is for parallelism='data'")
+                    raise ValueError("overlap_bytes needs parallelism='data'")
                 if parallelism == "hybrid":
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):
@@ -128,7 +129,7 @@ class RDMAStrategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """Data-parallel replicas each global batch is split over (workers; pipelines for model/hybrid)."""
-        return int(getattr(self._parallel, "replicas", self.engine.world_size))
+        return self._parallel.replicas
 
     @property
     def cluster_resolver(self) -> Any:
@@ -139,15 +140,13 @@ class RDMAStrategy:
     def overlap_bytes(self) -> int | None:
         """Data parallelism: the gradient bucket size with which the exchange overlaps backprop, for
         models attached from now on (0: off; None: the transport's default)."""
-        return getattr(self._parallel, "overlap_bytes", None)
+        return self._data_parallel("overlap_bytes").overlap_bytes if self.parallelism == "data" else None
 
     @overlap_bytes.setter
     def overlap_bytes(self, value: int | None) -> None:
-        if self.parallelism != "data":
-            raise ValueError("overlap_bytes is for parallelism='data'")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"overlap_bytes must be None or a whole number >= 0, got {value!r}")
-        self._parallel.overlap_bytes = value
+        self._data_parallel("overlap_bytes").overlap_bytes = value
 
     @property
     def collectives(self) -> Any:
@@ -182,6 +181,8 @@ class RDMAStrategy:
         return self._parallel.plan_text()
 
     def _undistributed_fit(self, model: Any) -> None:
+        if fitting.parallel_of(model) is not None:
+            return
         raise RuntimeError(
             f"model.fit on {model.name!r}, which was compiled outside strategy.scope(), while this "
             f"RDMAStrategy spans {self.num_workers} workers: each worker would train its own copy. Build and "
@@ -261,9 +262,15 @@ class RDMAStrategy:
         share_variables(self._collectives(), variables, [root] * len(variables))
 
     def _collectives(self) -> Any:
-        if self.parallelism != "data":
-            raise ValueError("allreduce/broadcast for custom loops need parallelism='data'")
-        return self._parallel.collectives
+        return self._data_parallel("allreduce/broadcast for custom loops").collectives
+
+    def _data_parallel(self, what: str) -> Any:
+        """The DataParallel this strategy runs; raises naming `what` needs it."""
+        from rdkeras.parallel.data_parallel import DataParallel
+
+        if not isinstance(self._parallel, DataParallel):
+            raise ValueError(f"{what} needs parallelism='data'")
+        return self._parallel
 
     # -- lifetime ---------------------------------------------------------------------------------
 

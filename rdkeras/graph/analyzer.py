@@ -80,7 +80,7 @@ class Plan:
     """Where each layer runs and what crosses the wire; identical on every worker."""
 
     model_name: str
-    num_stages: int
+    stages: int
     layer_stage: dict[str, int]  # every non-input layer -> its stage
     stage_order: list[int]  # stages in pipeline (topological) order
     loss_stage: int
@@ -96,7 +96,7 @@ class Plan:
         """The plan as a table (printed once at startup, saved with the TensorBoard logs)."""
         batch = "unknown (dynamic)" if self.batch_size is None else str(self.batch_size)
         lines = [
-            f"model-parallel plan for {self.model_name!r}: {self.num_stages} stages"
+            f"model-parallel plan for {self.model_name!r}: {self.stages} stages"
             + (f" x {self.replicas} replicas" if self.replicas > 1 else "")
             + f", batch {batch}, {self.micro_batches} micro-batch(es); pipeline "
             + " -> ".join(str(s) for s in self.stage_order)
@@ -138,18 +138,18 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def assign_layers(model: Any, placement: Mapping[str, int], num_stages: int) -> dict[str, int]:
+def assign_layers(model: Any, placement: Mapping[str, int], stages: int) -> dict[str, int]:
     """Maps every (non-input) layer of `model` to a stage; raises ValueError on a bad placement."""
     graph = functional_of(model)
-    if num_stages < 1:
-        raise ValueError(f"model parallelism needs at least one stage, got {num_stages}")
+    if stages < 1:
+        raise ValueError(f"model parallelism needs at least one stage, got {stages}")
     if not placement:
         raise ValueError("placement is empty: map layer-name patterns to stages, e.g. {'conv*': 0, 'fc*': 1}")
     for pattern, where in placement.items():
-        if not isinstance(where, (int, np.integer)) or isinstance(where, bool) or not 0 <= where < num_stages:
+        if not isinstance(where, (int, np.integer)) or isinstance(where, bool) or not 0 <= where < stages:
             raise ValueError(
-                f"placement {pattern!r}: {where!r} is not a stage index in 0..{num_stages - 1} "
-                f"(this job has {num_stages} pipeline stages)"
+                f"placement {pattern!r}: {where!r} is not a stage index in 0..{stages - 1} "
+                f"(this job has {stages} pipeline stages)"
             )
     nodes = [n for n in nodes_in_order(graph) if not n.is_input]
     layers = []
@@ -177,11 +177,11 @@ def assign_layers(model: Any, placement: Mapping[str, int], num_stages: int) -> 
             producers = [producer_of(t)[0] for t in n.input_tensors]
             placed = [stage[p.name] for p in producers if p.name in stage]
             stage[name] = placed[0] if placed else READER
-    empty = sorted(set(range(num_stages)) - set(stage.values()))
+    empty = sorted(set(range(stages)) - set(stage.values()))
     if empty:
         raise ValueError(
             f"stage(s) {', '.join(map(str, empty))} would own no layer of model {model.name!r}: "
-            f"every one of the {num_stages} stages needs at least one (placement: {dict(placement)})"
+            f"every one of the {stages} stages needs at least one (placement: {dict(placement)})"
         )
     return stage
 
@@ -224,13 +224,13 @@ def _is_float(dtype: str) -> bool:
 def analyze(
     model: Any,
     placement: Mapping[str, int],
-    num_stages: int,
+    stages: int,
     batch_size: int | None = None,
     micro_batches: int = 1,
     label_specs: list[tuple[tuple, str]] | None = None,
     sample_weight_specs: list[tuple[tuple, str]] | None = None,
 ) -> Plan:
-    """Places `model`'s layers on `num_stages` stages and finds every cut edge.
+    """Places `model`'s layers on `stages` stages and finds every cut edge.
 
     Args:
         batch_size: the per-step batch, when every batch has it (else the batch
@@ -250,7 +250,7 @@ def analyze(
                 "choose a batch size divisible by micro_batches"
             )
         rows = batch_size // micro_batches
-    stage = assign_layers(model, placement, num_stages)
+    stage = assign_layers(model, placement, stages)
     influenced = _trainable_ancestry(graph)
     nodes = [n for n in nodes_in_order(graph) if not n.is_input]
 
@@ -279,7 +279,7 @@ def analyze(
 
     # Stage order: topological over activation edges (data edges from the reader are
     # sent before anything else each step, so they cannot form a cycle).
-    succ: dict[int, set[int]] = {s: set() for s in range(num_stages)}
+    succ: dict[int, set[int]] = {s: set() for s in range(stages)}
     for tid, dst in consumers:
         src = _producer_stage(tensors[tid], stage)
         if src is not None:
@@ -378,7 +378,7 @@ def analyze(
                 )
     return Plan(
         model_name=model.name,
-        num_stages=num_stages,
+        stages=stages,
         layer_stage=stage,
         stage_order=order,
         loss_stage=loss_stage,

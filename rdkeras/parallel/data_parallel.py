@@ -1,7 +1,7 @@
 """Data parallelism: every worker holds the whole model and trains on its part of each global batch.
 
-Attaching to a compiled model (through :mod:`rdkeras.keras_internals`, on the
-objects themselves, never their classes):
+Attaching to a compiled model (through :mod:`rdkeras.fitting`, on the objects
+themselves, never their classes):
 - the optimizer's ``apply`` first averages the gradients across workers (ring
   allreduce in the engine), or runs the parameter-server step
   (:mod:`rdkeras.parallel.parameter_server`) -- custom ``train_step`` overrides
@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import keras_internals
+from rdkeras import fitting, keras_internals
 from rdkeras.engine import Engine
 from rdkeras.parallel import collectives
+from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
 
 
-class DataParallel:
+class DataParallel(Parallelism):
     """Attaches data-parallel training to compiled Keras models.
 
     Args:
@@ -54,15 +55,9 @@ class DataParallel:
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
         self.collectives = Collectives(engine, bucket_bytes)
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
-        self.synced = self.restored = self.fitting = False
-        self.global_batch_size: int | None = None  # of the last fit, when known (TrainingStats)
-        self.models: list[Any] = []
+        self._models: list[Any] = []
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
         self._gathered_at: dict[int, int] = {}
-
-    @property
-    def num_workers(self) -> int:
-        return self.engine.world_size
 
     @property
     def replicas(self) -> int:
@@ -73,19 +68,15 @@ class DataParallel:
         return 0
 
     @property
-    def is_reporter(self) -> bool:
-        return self.engine.rank == 0
+    def models(self) -> list[Any]:
+        return list(self._models)
 
     # -- attaching -------------------------------------------------------------------
 
     def attach(self, model: Any) -> Any:
         """Makes `model` (compiled) train data-parallel. Idempotent."""
-        if keras_internals.parallel_of(model) is self:
+        if not self._check_attachable(model):
             return model
-        if keras_internals.parallel_of(model) is not None:
-            raise ValueError(f"model {model.name!r} is already distributed by another RDMAStrategy")
-        if model.optimizer is None:
-            raise ValueError("compile the model (with an optimizer) before distributing it")
         if model.jit_compile:
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
         optimizer = model.optimizer
@@ -93,23 +84,20 @@ class DataParallel:
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
 
-            ps = ParameterServer(self.engine, f"opt{len(self.models)}", overlap_bytes=overlap)
+            ps = ParameterServer(self.engine, f"opt{len(self._models)}", overlap_bytes=overlap)
             self._servers[id(model)] = ps
-            keras_internals.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
+            fitting.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
-            keras_internals.agree_on_finite_gradients(optimizer, self._all_finite)
+            fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
             average = GradientAllreduce(self.collectives, overlap_bytes=overlap)
-            keras_internals.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
-        keras_internals.distribute_model(model, self)
-        self.models.append(model)
+            fitting.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
+        fitting.distribute_model(model, self)
+        self._models.append(model)
         return model
 
-    def detach_all(self) -> None:
-        """Returns every attached model to plain Keras."""
-        for model in self.models:
-            keras_internals.undistribute(model)
-        self.models.clear()
+    def _forget_models(self) -> None:
+        self._models.clear()
 
     def _all_finite(self, local: Any) -> Any:
         import tensorflow as tf
@@ -122,7 +110,7 @@ class DataParallel:
         out.set_shape(())
         return out
 
-    # -- the hooks rdkeras.keras_internals calls ---------------------------------------
+    # -- the hooks rdkeras.fitting calls ---------------------------------------------------
 
     def shard_fit(self, a: dict) -> None:
         self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
@@ -161,28 +149,15 @@ class DataParallel:
 
         return {"predict_step": predict_step}
 
-    def check_callbacks(self, callbacks: list) -> None:
-        import keras
-
-        if self.mode != "ps":
-            return
-        for c in callbacks:
-            if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_freq != "epoch":
-                raise ValueError(
-                    f"ModelCheckpoint(save_freq={c.save_freq!r}) with mode='ps': between epoch ends each "
-                    "parameter server holds its own variables' optimizer state only, so a mid-epoch checkpoint "
-                    "would be incomplete; use save_freq='epoch' (or BackupAndRestore(save_freq=N), which "
-                    "gathers the state first)"
-                )
+    @property
+    def _partial_state_between_epochs(self) -> str:
+        # Each parameter server holds its own variables' optimizer state only.
+        return "mode='ps'" if self.mode == "ps" else ""
 
     def sync_state(self, model: Any, restored: bool) -> None:
         """Gives every worker the chief's weights and optimizer state (and, after a restore, its epoch)."""
         if self.num_workers > 1:
-            (flags,) = self.collectives.broadcast(
-                [np.asarray([float(restored), keras_internals.initial_epoch(model)], np.float64)]
-            )
-            if flags[0]:
-                keras_internals.set_initial_epoch(model, int(flags[1]))
+            self._share_restore(model, restored, root=0)
             variables = keras_internals.state_variables(model)
             share_variables(self.collectives, variables, [0] * len(variables))
         self.synced = True
@@ -208,9 +183,9 @@ class DataParallel:
     @property
     def plan(self) -> ExchangePlan | None:
         """What each step of the last attached model sends (None before a model is attached)."""
-        if not self.models:
+        if not self._models:
             return None
-        model = self.models[-1]
+        model = self._models[-1]
         variables = [
             (v.path, tuple(v.shape), str(v.dtype), int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize)
             for v in model.trainable_variables
@@ -219,10 +194,6 @@ class DataParallel:
             self.mode, self.num_workers, self.engine.transport, self.global_batch_size, variables,
             self.collectives.bucket_bytes,
         )  # fmt: skip
-
-    def plan_text(self) -> str:
-        plan = self.plan
-        return plan.text() if plan is not None else ""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """What one pipeline step feeds each stage: the reader's slices, the labels, the loss and metrics.
 
+Data only: the schedule (:mod:`rdkeras.parallel.schedule`) issues every transfer.
+
 The reader (stage 0 of a replica) uses the batch Keras hands it: model inputs
 consumed elsewhere go straight to their consumers, labels and sample weights
 straight to the loss worker. Every other stage iterates the same batches only
@@ -13,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from rdkeras import keras_internals
-from rdkeras.ops import rdma_recv, rdma_send
 from rdkeras.parallel.sharding import unpack
 
 
@@ -62,7 +63,7 @@ class Feeds:
         import keras
         import tensorflow as tf
 
-        self.model, self.run, self.stage, self.plan = model, run, run.stage, run.plan
+        self.model, self.stage, self.plan = model, run.stage, run.plan
         self.graph = keras_internals.functional_of(model)
         self.y_struct, self.sw_struct = y, sw
         reader = self.stage.is_reader
@@ -91,30 +92,6 @@ class Feeds:
             return tf.split(t, m, axis=0)
         n = tf.shape(t)[0]
         return tf.split(t, tf.stack([(n + m - 1 - i) // m for i in range(m)]), num=m, axis=0)
-
-    def send_data(self, m: int, chain: list[Any]) -> list[Any]:
-        """Reader: micro-batch m's model inputs to the stages that consume them, labels to the loss worker."""
-        import tensorflow as tf
-
-        stage, run = self.stage, self.run
-        if not stage.is_reader:
-            return chain
-        for pos, e in stage.data_edges:
-            t = tf.cast(self.inputs[pos][m], e.dtype)
-            chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
-        for e in stage.label_edges:
-            parts = self.labels if e.kind == "labels" else self.weights
-            t = tf.cast(parts[int(e.producer.split("[")[1].rstrip("]"))][m], e.dtype)
-            chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
-        return chain
-
-    def receive(self, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-        received = {}
-        for e in self.stage.received:
-            t = rdma_recv(self.run.fwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}", chain)
-            received[e.name] = t
-            chain = [t]
-        return received, chain
 
     def model_outputs(self, outs: list[Any], received: dict[str, Any]) -> list[Any]:
         return [outs[ref] if kind == "local" else received[ref.name] for kind, ref in self.stage.outputs]

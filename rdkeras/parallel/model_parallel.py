@@ -1,8 +1,10 @@
 """Model (pipeline) parallelism, and hybrid: R replicas of a K-stage pipeline.
 
 Every worker builds the user's whole model (cheap) but trains only its stage:
-the layers the placement gives it (:mod:`rdkeras.graph`); the schedule is
-:mod:`rdkeras.parallel.pipeline`, the per-step data :mod:`rdkeras.parallel.feeds`.
+the layers the placement gives it (:mod:`rdkeras.graph`), one
+:class:`~rdkeras.parallel.pipeline.Pipeline` (stage and channels) per plan; the
+schedule is :mod:`rdkeras.parallel.schedule`, the per-step data
+:mod:`rdkeras.parallel.feeds`.
 The reader (stage 0 of each replica) uses the data and sends each other stage
 the model inputs it consumes and the loss worker the labels, directly. Loss,
 metrics and the progress bar live on the loss worker; epoch logs are shared
@@ -20,62 +22,25 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import keras_internals
+from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
-from rdkeras.graph import Plan, analyze, assign_layers, build_stage
-from rdkeras.parallel import pipeline as schedule
+from rdkeras.graph import Plan, analyze, assign_layers
+from rdkeras.parallel import schedule
+from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.feeds import data_specs
+from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
 
 
-class Pipeline:
-    """One plan (batch size, micro-batches) made real on this worker: its stage and channels."""
-
-    def __init__(self, mp: ModelParallel, model: Any, plan: Plan, serial: int):
-        self.plan, self.stage, self.serial = plan, build_stage(model, plan, mp.stage), serial
-        self.fwd: dict[tuple[str, int], Any] = {}
-        self.bwd: dict[tuple[str, int], Any] = {}
-        self.predict_out: dict[int, Any] = {}
-        engine, rank_of = mp.engine, mp.rank_of
-        me = engine.rank
-        # Every worker creates its channels in plan order: each creation waits for the
-        # peer's, and one global order cannot deadlock.
-        for e in plan.edges:
-            src, dst = rank_of(e.src), rank_of(e.dst)
-            if me not in (src, dst):
-                continue
-            for m in range(plan.micro_batches):
-                base = f"mp{serial}/replica{mp.replica}/{e.name}/{m}"
-                self.fwd[(e.name, m)] = _channel(engine, f"{base}/fwd", src, dst, e.shape, e.dtype, e.static)
-                if e.needs_grad:
-                    self.bwd[(e.name, m)] = _channel(engine, f"{base}/bwd", dst, src, e.shape, e.dtype, e.static)
-
-    def ensure_predict_channels(self, mp: ModelParallel) -> None:
-        """Loss worker -> every other stage of its replica: predictions (every worker returns them)."""
-        if self.predict_out or mp.num_stages == 1:
-            return
-        loss = self.plan.loss_stage
-        for s in range(mp.num_stages):
-            if s != loss and mp.stage in (s, loss):
-                name = f"mp{self.serial}/replica{mp.replica}/predict->{s}"
-                self.predict_out[s] = mp.engine.dynamic_channel(name, mp.rank_of(loss), mp.rank_of(s))
-
-
-def _channel(engine: Engine, name: str, src: int, dst: int, shape: tuple, dtype: str, static: bool) -> Any:
-    if static:
-        return engine.static_channel(name, src, dst, shape, dtype)
-    return engine.dynamic_channel(name, src, dst)
-
-
-class ModelParallel:
+class ModelParallel(Parallelism):
     """Attaches pipeline (and hybrid) training to compiled Functional/Sequential Keras models.
 
     Args:
         engine: The job's engine.
-        placement: layer-name glob -> stage index (0..num_stages-1).
-        num_stages: workers per pipeline (K); the job runs world_size / K replicas.
+        placement: layer-name glob -> stage index (0..stages-1).
+        stages: workers per pipeline (K); the job runs world_size / K replicas (default: all workers).
         micro_batches: M; each batch is split into M equal micro-batches (GPipe schedule).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
@@ -86,26 +51,24 @@ class ModelParallel:
         self,
         engine: Engine,
         placement: dict[str, int],
-        num_stages: int | None = None,
+        stages: int | None = None,
         micro_batches: int = 1,
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
     ):
         n = engine.world_size
-        k = num_stages or n
+        k = stages or n
         if k < 1 or n % k:  # (RDMAStrategy checked the placement itself: rdkeras.parallel.check_settings)
             raise ValueError(f"{n} workers cannot run replicas of a {k}-stage pipeline: world size must be a multiple")
-        self.engine, self.placement, self.num_stages = engine, dict(placement), k
+        self.engine, self.placement, self.stages = engine, dict(placement), k
         self.micro_batches = int(micro_batches)
-        self.replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
+        self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
         # Hybrid: each stage's gradients are averaged over its replicas, as data parallelism does.
         self.average_over_replicas = GradientAllreduce(Collectives(engine, bucket_bytes, group, name="stage/"))
         # Replicas split each global batch the data-parallel way.
         self.sharding = Sharding(self.replicas, self.replica, global_batch, warn=engine.rank == 0)
-        self.synced = self.restored = self.fitting = False
-        self.global_batch_size: int | None = None
         self._pipelines: dict[tuple, Pipeline] = {}
         self._current: dict[str, Pipeline] = {}
         self._serial = 0
@@ -117,42 +80,30 @@ class ModelParallel:
 
     def rank_of(self, stage: int) -> int:
         """This replica's worker running `stage`."""
-        return self.replica * self.num_stages + stage
+        return self.replica * self.stages + stage
 
     @property
-    def num_workers(self) -> int:
-        return self.engine.world_size
+    def replicas(self) -> int:
+        return self._replicas
 
     @property
     def reporter_rank(self) -> int:
         """The worker with the loss, metrics, progress bar and chief-only callbacks: replica 0's loss stage."""
         return self.loss_stage  # replica 0's worker of that stage
 
-    @property
-    def is_reporter(self) -> bool:
-        return self.engine.rank == self.reporter_rank
-
     def attach(self, model: Any) -> Any:
         """Makes `model` (compiled) train as a pipeline. Validates the placement now, before any
         worker waits on another."""
-        if keras_internals.parallel_of(model) is self:
+        if not self._check_attachable(model):
             return model
-        if keras_internals.parallel_of(model) is not None:
-            raise ValueError(f"model {model.name!r} is already distributed by another RDMAStrategy")
         if self._model is not None:
             raise ValueError("a model-parallel RDMAStrategy distributes one model; create another strategy")
-        if model.optimizer is None:
-            raise ValueError("compile the model (with an optimizer) before distributing it")
-        self._layer_stage = assign_layers(model, self.placement, self.num_stages)
+        self._layer_stage = assign_layers(model, self.placement, self.stages)
         # Cycles and the like are found now, with no data yet.
-        self.loss_stage = analyze(model, self.placement, self.num_stages).loss_stage
+        self.loss_stage = analyze(model, self.placement, self.stages).loss_stage
         self._model = model
-        keras_internals.distribute_model(model, self)
+        fitting.distribute_model(model, self)
         return model
-
-    def detach_all(self) -> None:
-        if self._model is not None:
-            keras_internals.undistribute(self._model)
 
     @property
     def models(self) -> list[Any]:
@@ -175,16 +126,16 @@ class ModelParallel:
         key = (rows, micro, str(label_specs), str(weight_specs))
         pipeline = self._pipelines.get(key)
         if pipeline is None:
-            plan = analyze(model, self.placement, self.num_stages, rows, micro, label_specs, weight_specs)
+            plan = analyze(model, self.placement, self.stages, rows, micro, label_specs, weight_specs)
             plan.replicas = self.replicas
             self._serial += 1
-            pipeline = Pipeline(self, model, plan, self._serial)
+            pipeline = Pipeline(self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial)
             self._pipelines[key] = pipeline
             if not self._printed and self.engine.rank == 0:
                 self._printed = True
                 logger.info("%s", plan.text())
         if purpose == "predict":
-            pipeline.ensure_predict_channels(self)
+            pipeline.ensure_predict_channels(self.stages)
         if self._current.get(purpose) is not pipeline:
             self._current[purpose] = pipeline
             # Keras caches its compiled step; a new pipeline needs a new trace.
@@ -200,14 +151,7 @@ class ModelParallel:
         pipeline = self._current.get("train") or next(iter(self._current.values()), None)
         return pipeline.plan if pipeline is not None else None
 
-    def plan_text(self) -> str:
-        """The current plan as text (for TensorBoard), or '' before the first fit."""
-        plan = self.plan
-        return plan.text() if plan is not None else ""
-
-    # -- weights and logs ----------------------------------------------------------
-
-    # -- the hooks rdkeras.keras_internals calls ---------------------------------------
+    # -- the hooks rdkeras.fitting calls ---------------------------------------------------
 
     def shard_fit(self, a: dict) -> None:
         self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
@@ -227,33 +171,30 @@ class ModelParallel:
         self.prepare("predict", a["x"], None, None, a["batch_size"])
 
     def step_overrides(self) -> dict[str, Any]:
-        return {
-            "train_step": schedule.train_step,
-            "test_step": schedule.test_step,
-            "predict_step": schedule.predict_step,
-        }
+        # The steps get this strategy's current pipeline (and the replicas' average) from here, at trace time.
+        average = self.average_over_replicas if self.replicas > 1 else None
 
-    def check_callbacks(self, callbacks: list) -> None:
-        import keras
+        def train_step(model: Any, data: Any) -> Any:
+            return schedule.train_step(model, self.current("train"), data, average)
 
-        for c in callbacks:
-            if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_freq != "epoch" and self.num_workers > 1:
-                raise ValueError(
-                    f"ModelCheckpoint(save_freq={c.save_freq!r}) with model parallelism: between epoch ends each "
-                    "worker holds its own stage's weights only, so a mid-epoch checkpoint would be incomplete; "
-                    "use save_freq='epoch' (or BackupAndRestore(save_freq=N), which gathers the model first)"
-                )
+        def test_step(model: Any, data: Any) -> Any:
+            return schedule.test_step(model, self.current("eval"), data)
+
+        def predict_step(model: Any, data: Any) -> Any:
+            return schedule.predict_step(model, self.current("predict"), data)
+
+        return {"train_step": train_step, "test_step": test_step, "predict_step": predict_step}
+
+    @property
+    def _partial_state_between_epochs(self) -> str:
+        # Each worker holds its own stage's weights only.
+        return "model parallelism" if self.num_workers > 1 else ""
 
     def sync_state(self, model: Any, restored: bool) -> None:
         """After a restore, every worker takes the reporter's whole state; otherwise each layer's
         weights come from the worker that owns them."""
         if self.num_workers > 1:
-            (flags,) = self.collectives.broadcast(
-                [np.asarray([float(restored), keras_internals.initial_epoch(model)], np.float64)],
-                root=self.reporter_rank,
-            )
-            if flags[0]:
-                keras_internals.set_initial_epoch(model, int(flags[1]))
+            if self._share_restore(model, restored, root=self.reporter_rank):
                 variables = keras_internals.state_variables(model)
                 share_variables(self.collectives, variables, [self.reporter_rank] * len(variables))
             else:

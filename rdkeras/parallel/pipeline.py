@@ -1,187 +1,73 @@
-"""The pipeline schedule: one stage's train, test and predict steps (GPipe, with micro-batches).
+"""One pipeline plan made real on this worker: its stage of the model and its channels.
 
-Per step, on each stage:
-
-    forward, per micro-batch m:   recv activations -> stage model -> send activations
-    backward, m in reverse:       recv output gradients -> tape.gradient(outputs,
-                                  output_gradients=...) -> send input gradients
-    then: sum over micro-batches (average over replicas) -> optimizer.apply
-
-Every transfer is chained after the previous one by control dependencies, in
-an order each worker derives from the same plan (forward in pipeline order,
-backward reversed), so the blocking receives cannot deadlock.
+A plan (:mod:`rdkeras.graph`) depends on the batch's rows, the micro-batches and
+the labels' shapes, so model parallelism keeps one :class:`Pipeline` per plan and
+makes one current for each of train, eval and predict; the schedule
+(:mod:`rdkeras.parallel.schedule`) runs a step of it.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from typing import Any
 
-from rdkeras import keras_internals
-from rdkeras.graph import Stage
-from rdkeras.ops import rdma_recv, rdma_send
-from rdkeras.parallel.feeds import Feeds
-from rdkeras.parallel.sharding import unpack
+from rdkeras.engine import Engine
+from rdkeras.graph import Plan, build_stage
 
 
-def _forward(
-    model: Any, run: Any, feeds: Feeds, chain: list[Any], training: bool, with_loss: bool = True
-) -> tuple[list, Any, list]:
-    """Every micro-batch's forward pass on this stage: (passes, summed loss, chain).
+class Pipeline:
+    """A plan's stage on this worker and one channel per cut edge, micro-batch and direction.
 
-    A pass is (tape, outputs, received, objective); the tape records only when `training`; the loss
-    stage computes the loss `with_loss` (not for predictions).
+    Args:
+        engine: The job's engine.
+        model: The user's whole model (every worker builds it; this one trains `stage`).
+        plan: The plan (batch rows, micro-batches, cut edges).
+        stage: This worker's stage index.
+        replica: This worker's pipeline replica (hybrid parallelism; 0 for one pipeline).
+        rank_of: This replica's worker running a stage.
+        serial: A number no other Pipeline of this strategy has (it keeps the channels' names apart).
     """
-    import tensorflow as tf
 
-    stage, plan = run.stage, run.plan
-    passes, total_loss = [], None
-    for m in range(plan.micro_batches):
-        chain = feeds.send_data(m, chain)
-        received, chain = feeds.receive(m, chain)
-        tape = tf.GradientTape() if training else None
-        with tape or contextlib.nullcontext():
-            if tape is not None:
-                for e in stage.received:
-                    if e.needs_grad:
-                        tape.watch(received[e.name])
-            outs = _run_stage(stage, feeds, m, received, chain, training=training)
-            objective = _regularization(stage, plan.micro_batches) if training else None
-            if stage.is_loss and with_loss:
-                loss = feeds.loss(m, outs, received, training=training)
-                if loss is not None:
-                    total_loss = loss if total_loss is None else total_loss + loss
-                    objective = loss if objective is None else objective + loss
-        chain = _send_outputs(run, stage, m, outs, chain)
-        if training:
-            # The next receive waits until this micro-batch is computed: a receive blocks
-            # TensorFlow's (one) thread, which must not idle while work is ready.
-            chain = [*chain, _computed(outs, objective)]
-        passes.append((tape, outs, received, objective))
-    return passes, total_loss, chain
-
-
-def train_step(model: Any, data: Any) -> Any:
-    import tensorflow as tf
-
-    mp = keras_internals.parallel_of(model)
-    run = mp.current("train")
-    stage, plan = run.stage, run.plan
-    feeds = Feeds(model, run, *unpack(data))
-    passes, total_loss, chain = _forward(model, run, feeds, feeds.after_data(), training=True)
-    variables = stage.trainable_variables
-    summed: list[Any] = [None] * len(variables)
-    for m in reversed(range(plan.micro_batches)):
-        tape, outs, received, objective = passes[m]
-        targets, output_grads = [], []
-        for pos, edges in enumerate(stage.sends):
-            grads_in = []
-            for e in edges:
+    def __init__(
+        self,
+        engine: Engine,
+        model: Any,
+        plan: Plan,
+        stage: int,
+        replica: int,
+        rank_of: Callable[[int], int],
+        serial: int,
+    ):
+        self.engine, self.plan, self.serial = engine, plan, serial
+        self.stage = build_stage(model, plan, stage)
+        self.replica, self.rank_of = replica, rank_of
+        self.fwd: dict[tuple[str, int], Any] = {}
+        self.bwd: dict[tuple[str, int], Any] = {}
+        self.predict_out: dict[int, Any] = {}
+        me = engine.rank
+        # Every worker creates its channels in plan order: each creation waits for the
+        # peer's, and one global order cannot deadlock.
+        for e in plan.edges:
+            src, dst = rank_of(e.src), rank_of(e.dst)
+            if me not in (src, dst):
+                continue
+            for m in range(plan.micro_batches):
+                base = f"mp{serial}/replica{replica}/{e.name}/{m}"
+                self.fwd[(e.name, m)] = self._channel(f"{base}/fwd", src, dst, e.shape, e.dtype, e.static)
                 if e.needs_grad:
-                    g = rdma_recv(run.bwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}/grad", chain)
-                    chain = [g]
-                    grads_in.append(g)
-            if grads_in:
-                targets.append(outs[pos])
-                output_grads.append(tf.add_n(grads_in) if len(grads_in) > 1 else grads_in[0])
-        if objective is not None:
-            targets.append(objective)
-            output_grads.append(tf.ones_like(objective))
-        back = [received[e.name] for e in stage.received if e.needs_grad]
-        with tf.control_dependencies(chain):  # after the previous micro-batch's gradients left
-            grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (len(variables) + len(back))
-        for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
-            g = tf.zeros_like(received[e.name]) if g is None else g
-            chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
-        chain = [*chain, _computed(grads)]
-        for i, g in enumerate(grads[: len(variables)]):
-            if g is not None:
-                summed[i] = g if summed[i] is None else summed[i] + g
-    if mp.replicas > 1 and variables:
-        summed = mp.average_over_replicas(summed)
-    pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
-    with tf.control_dependencies(chain):
-        if pairs:
-            model.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        else:  # a stage without trained weights still counts the step, so every worker's agrees
-            keras_internals.inner_optimizer(model.optimizer).iterations.assign_add(1)
-    if stage.is_loss:
-        feeds.update_metrics(total_loss)
-    return model.get_metrics_result()
+                    self.bwd[(e.name, m)] = self._channel(f"{base}/bwd", dst, src, e.shape, e.dtype, e.static)
 
+    def ensure_predict_channels(self, stages: int) -> None:
+        """Loss worker -> every other stage of its replica: predictions (every worker returns them)."""
+        if self.predict_out or stages == 1:
+            return
+        loss, mine = self.plan.loss_stage, self.stage.index
+        for s in range(stages):
+            if s != loss and mine in (s, loss):
+                name = f"mp{self.serial}/replica{self.replica}/predict->{s}"
+                self.predict_out[s] = self.engine.dynamic_channel(name, self.rank_of(loss), self.rank_of(s))
 
-def test_step(model: Any, data: Any) -> Any:
-    run = keras_internals.parallel_of(model).current("eval")
-    feeds = Feeds(model, run, *unpack(data))
-    _, total_loss, _ = _forward(model, run, feeds, feeds.after_data(), training=False)
-    if run.stage.is_loss:
-        feeds.update_metrics(total_loss)
-    return model.get_metrics_result()
-
-
-def predict_step(model: Any, data: Any) -> Any:
-    import keras
-    import tensorflow as tf
-
-    run = keras_internals.parallel_of(model).current("predict")
-    stage = run.stage
-    x, _, _ = unpack(data)
-    feeds = Feeds(model, run, x, None, None)
-    passes, _, chain = _forward(model, run, feeds, feeds.after_data(), training=False, with_loss=False)
-    _, outs, received, _ = passes[0]
-    graph = keras_internals.functional_of(model)
-    if stage.is_loss:
-        flat = feeds.model_outputs(outs, received)
-        for s, ch in sorted(run.predict_out.items()):
-            for i, t in enumerate(flat):
-                chain = [rdma_send(ch, t, f"predict/{s}/{i}", chain)]
-    else:
-        # Dynamic channels: each received tensor owns its buffer (Keras keeps predictions).
-        flat = []
-        for i, t in enumerate(graph.outputs):
-            r = rdma_recv(run.predict_out[stage.index], t.shape, t.dtype, f"predict/{i}", chain)
-            chain = [r]
-            flat.append(r)
-    with tf.control_dependencies(chain):
-        flat = [tf.identity(t) for t in flat]
-    return keras.tree.pack_sequence_as(keras_internals.outputs_struct(graph), flat)
-
-
-def _run_stage(
-    stage: Stage, feeds: Feeds, m: int, received: dict[str, Any], chain: list[Any], training: bool
-) -> list[Any]:
-    import tensorflow as tf
-
-    if stage.model is None:
-        return []
-    inputs = [received[f.edge.name] if f.edge is not None else feeds.inputs[f.input_index or 0][m] for f in stage.feeds]
-    # Micro-batch m computes only once m-1's activations are on their way: with one thread,
-    # TensorFlow would otherwise run every micro-batch's forward before the first send, and
-    # the next stage could not overlap with this one.
-    with tf.control_dependencies(chain):
-        outs = stage.model(inputs, training=training)
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
-
-
-def _send_outputs(run: Any, stage: Stage, m: int, outs: list[Any], chain: list[Any]) -> list[Any]:
-    for pos, edges in enumerate(stage.sends):
-        for e in edges:
-            chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
-    return chain
-
-
-def _computed(*tensors: Any) -> Any:
-    """An op that runs once all of `tensors` (nested lists, Nones skipped) exist."""
-    import keras
-    import tensorflow as tf
-
-    return tf.group(*[t for t in keras.tree.flatten(list(tensors)) if t is not None])
-
-
-def _regularization(stage: Stage, micro_batches: int) -> Any:
-    import tensorflow as tf
-
-    if stage.model is None or not stage.model.losses:
-        return None
-    return tf.add_n(stage.model.losses) / micro_batches
+    def _channel(self, name: str, src: int, dst: int, shape: tuple, dtype: str, static: bool) -> Any:
+        if static:
+            return self.engine.static_channel(name, src, dst, shape, dtype)
+        return self.engine.dynamic_channel(name, src, dst)

@@ -73,7 +73,7 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: 
     import keras
 
     import rdkeras
-    from rdkeras import keras_internals
+    from rdkeras import fitting
 
     keras.mixed_precision.set_global_policy(policy)
     x, y = _data()
@@ -101,7 +101,7 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: 
     # Loaded inside the scope, it trains distributed again (load_model compiles it).
     with strategy.scope():
         loaded = keras.models.load_model(os.path.join(out_dir, "m.keras"))
-    out["loaded_is_distributed"] = keras_internals.parallel_of(loaded) is not None
+    out["loaded_is_distributed"] = fitting.parallel_of(loaded) is not None
     loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     out["continued"] = _state(loaded)
 

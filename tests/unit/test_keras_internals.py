@@ -1,4 +1,5 @@
-"""The Keras coupling (rdkeras/keras_internals.py): hooks present, clear errors, atomic saves, callbacks."""
+"""The Keras seam (rdkeras/keras_internals.py) and rdkeras's Keras policy (rdkeras/fitting/): hooks present,
+clear errors, atomic saves, callbacks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import keras
 import pytest
 
 from rdkeras import keras_internals
+from rdkeras.fitting.model import worker_callbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,9 +72,9 @@ def test_chief_only_callbacks_are_recognised_by_type():
     stop = keras.callbacks.EarlyStopping()
     backup = keras.callbacks.BackupAndRestore(tempfile.mkdtemp())
     given = [MyCheckpoint("x.keras"), MyBoard(), keras.callbacks.CSVLogger("log.csv"), stop, backup]
-    kept, verbose = keras_internals.worker_callbacks(_Parallel(reporter=False), given, "auto")
+    kept, verbose = worker_callbacks(_Parallel(reporter=False), given, "auto")
     assert kept == [stop, backup] and verbose == 0  # BackupAndRestore runs everywhere (it gathers state)
-    kept, verbose = keras_internals.worker_callbacks(_Parallel(reporter=True), given, "auto")
+    kept, verbose = worker_callbacks(_Parallel(reporter=True), given, "auto")
     assert kept == given and verbose == "auto"
     assert "_save_model" in backup.__dict__  # adapted: the reporter writes, atomically
 

@@ -1,0 +1,209 @@
+"""A distributed model: fit, evaluate and predict on every worker, each with its part of the data.
+
+:func:`distribute_model` overrides methods on the user's model *object* (never its
+class, through :mod:`rdkeras.keras_internals`):
+
+- ``fit``/``evaluate``/``predict``: the arguments are bound, the data sharded (the
+  parallelism decides how), chief-only callbacks and the progress bar dropped on the
+  other workers, BackupAndRestore adapted (:mod:`rdkeras.fitting.backup`);
+- Keras's build-before-training hook: the model is built on a first batch, so every
+  worker holds the same model before any computes a gradient;
+- the per-epoch and per-evaluation logs: shared, so callbacks decide alike everywhere;
+- ``save``/``save_weights``: atomic (:mod:`rdkeras.fitting.saving`);
+- the parallelism's own steps (``train_step``, ...), where it has any.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rdkeras import keras_internals
+from rdkeras.fitting import backup, saving
+
+if TYPE_CHECKING:
+    from rdkeras.parallel.base import Parallelism
+
+_PARALLEL_ATTR = "_rdkeras"  # on the model object: the parallelism it is distributed with
+
+
+def parallel_of(model: Any) -> Parallelism | None:
+    """The parallelism a model is distributed with, or None."""
+    return model.__dict__.get(_PARALLEL_ATTR) if hasattr(model, "__dict__") else None
+
+
+def distribute_model(model: Any, parallel: Parallelism) -> None:
+    """Makes a compiled model's fit/evaluate/predict run distributed with `parallel`."""
+    object.__setattr__(model, _PARALLEL_ATTR, parallel)
+    model.__dict__["_rdkeras_jit_compile"] = model.jit_compile
+    model.jit_compile = False  # the exchanges are tf.numpy_function ops
+    methods: dict[str, Callable[..., Any]] = {
+        "fit": _fit,
+        "evaluate": _evaluate,
+        "predict": _predict,
+        keras_internals.BUILD_HOOK: _build_before_training,
+        keras_internals.EPOCH_LOGS_HOOK: _shared_logs,
+        "save": saving.save,
+        "save_weights": saving.save_weights,
+        **parallel.step_overrides(),
+    }
+    for name, fn in methods.items():
+        keras_internals.override(model, name, fn)
+    reset_compiled_functions(model)
+
+
+def undistribute(model: Any) -> None:
+    """Returns `model` (and its optimizer) to plain Keras."""
+    if parallel_of(model) is None:
+        return
+    keras_internals.restore(model)
+    model.jit_compile = model.__dict__.pop("_rdkeras_jit_compile", model.jit_compile)
+    model.__dict__.pop(_PARALLEL_ATTR, None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        keras_internals.restore(optimizer)
+        keras_internals.restore(keras_internals.inner_optimizer(optimizer))
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    """Keras caches its traced steps; they hold the exchanges, so they are traced anew."""
+    for attr in ("train_function", "test_function", "predict_function"):
+        setattr(model, attr, None)
+
+
+def _parallel(model: Any) -> Parallelism:
+    parallel = parallel_of(model)
+    assert parallel is not None  # (only distributed models have these overrides)
+    return parallel
+
+
+def bind(method: Any, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call to bound `method`, by name, with defaults filled in."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    a.update(a.pop("kwargs", {}))
+    return a
+
+
+def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+    parallel = _parallel(model)
+    fit = keras_internals.original(model, "fit")
+    a = bind(fit, args, kwargs)
+    parallel.check_callbacks(list(a["callbacks"] or []))
+    parallel.shard_fit(a)
+    callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
+    a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
+    parallel.fitting = True
+    try:
+        return fit(**a)
+    finally:
+        parallel.fitting = False
+
+
+def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    evaluate = keras_internals.original(model, "evaluate")
+    if keras_internals.is_fit_validation(kwargs):  # sharded by fit already
+        return evaluate(*args, **kwargs)
+    parallel = _parallel(model)
+    a = bind(evaluate, args, kwargs)
+    parallel.shard_evaluate(a)
+    a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
+    return evaluate(**a)
+
+
+def _predict(model: Any, *args: Any, **kwargs: Any) -> Any:
+    parallel = _parallel(model)
+    predict = keras_internals.original(model, "predict")
+    a = bind(predict, args, kwargs)
+    rows = parallel.shard_predict(a)
+    a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
+    out = predict(**a)
+    if rows is None:
+        return out
+    import keras
+
+    return keras.tree.map_structure(lambda o: o[:rows], out)
+
+
+def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
+    # Keras builds lazily on the first traced step when no tf.distribute strategy is set;
+    # build now, so that every worker holds the same model before any computes a gradient.
+    parallel = _parallel(model)
+    if iterator is not None and data_batch is None:
+        for _, _, it in iterator:
+            data_batch = next(it)
+            break
+    if data_batch is not None:
+        keras_internals.symbolic_build(model, data_batch)
+    if not parallel.synced and not parallel.fitting:  # fit shares state at on_train_begin
+        parallel.sync_state(model, restored=False)
+    keras_internals.original(model, keras_internals.BUILD_HOOK)(iterator=iterator, data_batch=data_batch)
+
+
+def _shared_logs(model: Any, logs: Any) -> Any:
+    return _parallel(model).share_logs(keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs))
+
+
+# -- callbacks ----------------------------------------------------------------------------
+
+
+def chief_only_callback_types() -> tuple[type, ...]:
+    """Callbacks that write files or draw progress: they run on the reporting worker only."""
+    import keras
+
+    return (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard, keras.callbacks.CSVLogger,
+            keras.callbacks.ProgbarLogger)  # fmt: skip
+
+
+def worker_callbacks(parallel: Parallelism, callbacks: Any, verbose: Any) -> tuple[list, Any]:
+    """(callbacks, verbose) for this worker: the reporter keeps all and the progress bar; the others
+    drop the chief-only callbacks (by type, subclasses included). BackupAndRestore runs everywhere."""
+    import keras
+
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks, verbose  # Keras passing its own list on (fit's validation)
+    kept = []
+    for c in callbacks or []:
+        if isinstance(c, keras.callbacks.BackupAndRestore):
+            backup.adapt(c, parallel)
+        elif isinstance(c, chief_only_callback_types()) and not parallel.is_reporter:
+            continue
+        kept.append(c)
+    return kept, (verbose if parallel.is_reporter else 0)
+
+
+def _state_callback(parallel: Parallelism, role: str) -> Any:
+    """Shares the training state across workers: "sync" at the start of fit (the reporter's
+    restored backup, else the parallelism's initial sharing), "gather" at every epoch end and at
+    the end of fit (each variable from its owner to everyone, so any worker can save the model)."""
+    callback = _state_callback_class()()
+    callback.parallel, callback.role = parallel, role
+    return callback
+
+
+@functools.cache
+def _state_callback_class() -> type:
+    import keras
+
+    class StateCallback(keras.callbacks.Callback):
+        parallel: Parallelism
+        role: str
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            if self.role == "sync":
+                self.parallel.sync_state(self.model, restored=self.parallel.restored)
+                self.parallel.restored = False
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if self.role == "gather":
+                self.parallel.gather_state(self.model)
+
+        def on_train_end(self, logs: Any = None) -> None:
+            if self.role == "gather":
+                self.parallel.gather_state(self.model)
+
+    return StateCallback

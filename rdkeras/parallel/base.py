@@ -1,0 +1,166 @@
+"""The one interface a parallelism implements: what the strategy, the Keras hooks and the schedules use.
+
+A parallelism spreads compiled Keras models over the job's workers. The
+strategy creates one, hands it every model compiled in its scope
+(:meth:`Parallelism.attach`) and asks it for the plan; rdkeras's Keras policy
+(:mod:`rdkeras.fitting`) calls the hooks below from the model's ``fit``,
+``evaluate`` and ``predict`` and from its callbacks. Data, model (pipeline) and
+hybrid parallelism implement it (:mod:`rdkeras.parallel.data_parallel`,
+:mod:`rdkeras.parallel.model_parallel`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rdkeras.engine import Engine
+    from rdkeras.parallel.collectives import Collectives
+    from rdkeras.parallel.sharding import Sharding
+
+
+class Parallelism(abc.ABC):
+    """How compiled Keras models are spread over the job's workers.
+
+    Attributes set by the implementation: `engine`, `collectives` (every worker's), `sharding` (how a
+    global batch is split over the data-parallel replicas) and `global_batch_size` (of the last fit,
+    when known). The Keras hooks keep three flags here: `synced` (every worker holds the same model
+    yet), `restored` (BackupAndRestore loaded a backup on the reporter) and `fitting` (inside fit).
+    """
+
+    engine: Engine
+    collectives: Collectives
+    sharding: Sharding
+    global_batch_size: int | None = None
+    synced: bool = False
+    restored: bool = False
+    fitting: bool = False
+
+    # -- where this worker sits ------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return self.engine.world_size
+
+    @property
+    @abc.abstractmethod
+    def replicas(self) -> int:
+        """Data-parallel replicas each global batch is split over."""
+
+    @property
+    @abc.abstractmethod
+    def reporter_rank(self) -> int:
+        """The worker with the loss, the progress bar and the chief-only callbacks."""
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.engine.rank == self.reporter_rank
+
+    # -- models ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def attach(self, model: Any) -> Any:
+        """Makes `model` (compiled) train distributed; returns it. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def models(self) -> list[Any]:
+        """The models attached so far."""
+
+    def detach_all(self) -> None:
+        """Returns every attached model to plain Keras."""
+        from rdkeras import fitting
+
+        for model in self.models:
+            fitting.undistribute(model)
+        self._forget_models()
+
+    def _forget_models(self) -> None:  # noqa: B027 (optional: implementations that keep models drop them)
+        """Drops the attached models (after :meth:`detach_all` returned them to Keras)."""
+
+    def _check_attachable(self, model: Any) -> bool:
+        """False if `model` is attached here already; raises if it cannot be attached."""
+        from rdkeras import fitting
+
+        owner = fitting.parallel_of(model)
+        if owner is self:
+            return False
+        if owner is not None:
+            raise ValueError(f"model {model.name!r} is already distributed by another RDMAStrategy")
+        if model.optimizer is None:
+            raise ValueError("compile the model (with an optimizer) before distributing it")
+        return True
+
+    @property
+    @abc.abstractmethod
+    def plan(self) -> Any:
+        """What crosses the wire each step (an object with ``text()``), or None before there is one."""
+
+    def plan_text(self) -> str:
+        """The plan as Markdown ('' when there is none yet)."""
+        plan = self.plan
+        return plan.text() if plan is not None else ""
+
+    # -- hooks rdkeras.fitting calls from fit/evaluate/predict --------------------------
+
+    @abc.abstractmethod
+    def shard_fit(self, a: dict) -> None:
+        """Gives this worker its part of fit's data, in place in fit's bound arguments `a`."""
+
+    @abc.abstractmethod
+    def shard_evaluate(self, a: dict) -> None: ...
+
+    @abc.abstractmethod
+    def shard_predict(self, a: dict) -> int | None:
+        """As shard_fit for predict; returns the rows of the output to keep (None: all)."""
+
+    @abc.abstractmethod
+    def step_overrides(self) -> dict[str, Callable[..., Any]]:
+        """Model methods (``train_step``, ...) to replace on the attached model: name -> fn(model, ...)."""
+
+    def check_callbacks(self, callbacks: list[Any]) -> None:
+        """Raises for callbacks this parallelism cannot honour (before any worker starts fit)."""
+        import keras
+
+        if not self._partial_state_between_epochs:
+            return
+        for c in callbacks:
+            if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_freq != "epoch":
+                raise ValueError(
+                    f"ModelCheckpoint(save_freq={c.save_freq!r}) with {self._partial_state_between_epochs}: between "
+                    "epoch ends each worker holds only part of the training state, so a mid-epoch checkpoint would "
+                    "be incomplete; use save_freq='epoch' (or BackupAndRestore(save_freq=N), which gathers the state "
+                    "first)"
+                )
+
+    @property
+    def _partial_state_between_epochs(self) -> str:
+        """Names the setting under which workers hold parts of the state between epoch ends ('' if none)."""
+        return ""
+
+    @abc.abstractmethod
+    def sync_state(self, model: Any, restored: bool) -> None:
+        """At the start of fit (collective): every worker gets the same model (after a restore, the reporter's)."""
+
+    @abc.abstractmethod
+    def gather_state(self, model: Any) -> None:
+        """At epoch ends and before backups (collective): every worker gets the whole training state."""
+
+    @abc.abstractmethod
+    def share_logs(self, logs: dict) -> dict:
+        """Epoch and evaluation logs, identical on every worker (so callbacks decide alike)."""
+
+    def _share_restore(self, model: Any, restored: bool, root: int) -> bool:
+        """Broadcasts from `root` whether it restored a backup, and its epoch (set here too); returns it."""
+        from rdkeras import keras_internals
+
+        (flags,) = self.collectives.broadcast(
+            [np.asarray([float(restored), keras_internals.initial_epoch(model)], np.float64)], root=root
+        )
+        if flags[0]:
+            keras_internals.set_initial_epoch(model, int(flags[1]))
+        return bool(flags[0])

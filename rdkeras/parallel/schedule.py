@@ -1,0 +1,217 @@
+"""The pipeline schedule: one stage's train, test and predict steps (GPipe, with micro-batches).
+
+Per step, on each stage:
+
+    forward, per micro-batch m:   recv activations -> stage model -> send activations
+    backward, m in reverse:       recv output gradients -> tape.gradient(outputs,
+                                  output_gradients=...) -> send input gradients
+    then: sum over micro-batches (average over replicas) -> optimizer.apply
+
+Every transfer of a step is issued here (the reader's data, activations, gradients,
+predictions), each chained after the previous one by control dependencies, in an
+order each worker derives from the same plan (forward in pipeline order, backward
+reversed), so the blocking receives cannot deadlock. The step's state comes in as
+arguments: the :class:`~rdkeras.parallel.pipeline.Pipeline` made current for this
+data, never looked up through the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from rdkeras import keras_internals
+from rdkeras.graph import Stage
+from rdkeras.ops import rdma_recv, rdma_send
+from rdkeras.parallel.feeds import Feeds
+from rdkeras.parallel.pipeline import Pipeline
+from rdkeras.parallel.sharding import unpack
+
+
+def _forward(
+    run: Pipeline, feeds: Feeds, chain: list[Any], training: bool, with_loss: bool = True
+) -> tuple[list, Any, list]:
+    """Every micro-batch's forward pass on this stage: (passes, summed loss, chain).
+
+    A pass is (tape, outputs, received, objective); the tape records only when `training`; the loss
+    stage computes the loss `with_loss` (not for predictions).
+    """
+    import tensorflow as tf
+
+    stage, plan = run.stage, run.plan
+    passes, total_loss = [], None
+    for m in range(plan.micro_batches):
+        chain = _send_data(run, feeds, m, chain)
+        received, chain = _receive(run, m, chain)
+        tape = tf.GradientTape() if training else None
+        with tape or contextlib.nullcontext():
+            if tape is not None:
+                for e in stage.received:
+                    if e.needs_grad:
+                        tape.watch(received[e.name])
+            outs = _run_stage(stage, feeds, m, received, chain, training=training)
+            objective = _regularization(stage, plan.micro_batches) if training else None
+            if stage.is_loss and with_loss:
+                loss = feeds.loss(m, outs, received, training=training)
+                if loss is not None:
+                    total_loss = loss if total_loss is None else total_loss + loss
+                    objective = loss if objective is None else objective + loss
+        chain = _send_outputs(run, stage, m, outs, chain)
+        if training:
+            # The next receive waits until this micro-batch is computed: a receive blocks
+            # TensorFlow's (one) thread, which must not idle while work is ready.
+            chain = [*chain, _computed(outs, objective)]
+        passes.append((tape, outs, received, objective))
+    return passes, total_loss, chain
+
+
+def train_step(model: Any, run: Pipeline, data: Any, average: Callable[[list], list] | None) -> Any:
+    """One training step of this stage; `average` averages its summed gradients over the replicas
+    (hybrid parallelism; None for one pipeline)."""
+    import tensorflow as tf
+
+    stage, plan = run.stage, run.plan
+    feeds = Feeds(model, run, *unpack(data))
+    passes, total_loss, chain = _forward(run, feeds, feeds.after_data(), training=True)
+    variables = stage.trainable_variables
+    summed: list[Any] = [None] * len(variables)
+    for m in reversed(range(plan.micro_batches)):
+        tape, outs, received, objective = passes[m]
+        targets, output_grads = [], []
+        for pos, edges in enumerate(stage.sends):
+            grads_in = []
+            for e in edges:
+                if e.needs_grad:
+                    g = rdma_recv(run.bwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}/grad", chain)
+                    chain = [g]
+                    grads_in.append(g)
+            if grads_in:
+                targets.append(outs[pos])
+                output_grads.append(tf.add_n(grads_in) if len(grads_in) > 1 else grads_in[0])
+        if objective is not None:
+            targets.append(objective)
+            output_grads.append(tf.ones_like(objective))
+        back = [received[e.name] for e in stage.received if e.needs_grad]
+        with tf.control_dependencies(chain):  # after the previous micro-batch's gradients left
+            grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (len(variables) + len(back))
+        for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
+            g = tf.zeros_like(received[e.name]) if g is None else g
+            chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
+        chain = [*chain, _computed(grads)]
+        for i, g in enumerate(grads[: len(variables)]):
+            if g is not None:
+                summed[i] = g if summed[i] is None else summed[i] + g
+    if average is not None and variables:
+        summed = average(summed)
+    pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
+    with tf.control_dependencies(chain):
+        if pairs:
+            model.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        else:  # a stage without trained weights still counts the step, so every worker's agrees
+            keras_internals.inner_optimizer(model.optimizer).iterations.assign_add(1)
+    if stage.is_loss:
+        feeds.update_metrics(total_loss)
+    return model.get_metrics_result()
+
+
+def test_step(model: Any, run: Pipeline, data: Any) -> Any:
+    feeds = Feeds(model, run, *unpack(data))
+    _, total_loss, _ = _forward(run, feeds, feeds.after_data(), training=False)
+    if run.stage.is_loss:
+        feeds.update_metrics(total_loss)
+    return model.get_metrics_result()
+
+
+def predict_step(model: Any, run: Pipeline, data: Any) -> Any:
+    import keras
+    import tensorflow as tf
+
+    stage = run.stage
+    x, _, _ = unpack(data)
+    feeds = Feeds(model, run, x, None, None)
+    passes, _, chain = _forward(run, feeds, feeds.after_data(), training=False, with_loss=False)
+    _, outs, received, _ = passes[0]
+    graph = keras_internals.functional_of(model)
+    if stage.is_loss:
+        flat = feeds.model_outputs(outs, received)
+        for s, ch in sorted(run.predict_out.items()):
+            for i, t in enumerate(flat):
+                chain = [rdma_send(ch, t, f"predict/{s}/{i}", chain)]
+    else:
+        # Dynamic channels: each received tensor owns its buffer (Keras keeps predictions).
+        flat = []
+        for i, t in enumerate(graph.outputs):
+            r = rdma_recv(run.predict_out[stage.index], t.shape, t.dtype, f"predict/{i}", chain)
+            chain = [r]
+            flat.append(r)
+    with tf.control_dependencies(chain):
+        flat = [tf.identity(t) for t in flat]
+    return keras.tree.pack_sequence_as(keras_internals.outputs_struct(graph), flat)
+
+
+def _run_stage(
+    stage: Stage, feeds: Feeds, m: int, received: dict[str, Any], chain: list[Any], training: bool
+) -> list[Any]:
+    import tensorflow as tf
+
+    if stage.model is None:
+        return []
+    inputs = [received[f.edge.name] if f.edge is not None else feeds.inputs[f.input_index or 0][m] for f in stage.feeds]
+    # Micro-batch m computes only once m-1's activations are on their way: with one thread,
+    # TensorFlow would otherwise run every micro-batch's forward before the first send, and
+    # the next stage could not overlap with this one.
+    with tf.control_dependencies(chain):
+        outs = stage.model(inputs, training=training)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[Any]:
+    """Reader: micro-batch m's model inputs to the stages that consume them, labels to the loss worker."""
+    import tensorflow as tf
+
+    stage = run.stage
+    if not stage.is_reader:
+        return chain
+    for pos, e in stage.data_edges:
+        t = tf.cast(feeds.inputs[pos][m], e.dtype)
+        chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
+    for e in stage.label_edges:
+        parts = feeds.labels if e.kind == "labels" else feeds.weights
+        t = tf.cast(parts[int(e.producer.split("[")[1].rstrip("]"))][m], e.dtype)
+        chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
+    return chain
+
+
+def _receive(run: Pipeline, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Micro-batch m's activations (and data, labels) from the other stages."""
+    received = {}
+    for e in run.stage.received:
+        t = rdma_recv(run.fwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}", chain)
+        received[e.name] = t
+        chain = [t]
+    return received, chain
+
+
+def _send_outputs(run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: list[Any]) -> list[Any]:
+    for pos, edges in enumerate(stage.sends):
+        for e in edges:
+            chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
+    return chain
+
+
+def _computed(*tensors: Any) -> Any:
+    """An op that runs once all of `tensors` (nested lists, Nones skipped) exist."""
+    import keras
+    import tensorflow as tf
+
+    return tf.group(*[t for t in keras.tree.flatten(list(tensors)) if t is not None])
+
+
+def _regularization(stage: Stage, micro_batches: int) -> Any:
+    import tensorflow as tf
+
+    if stage.model is None or not stage.model.losses:
+        return None
+    return tf.add_n(stage.model.losses) / micro_batches
