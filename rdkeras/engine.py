@@ -30,7 +30,8 @@ from rdkeras import _engine, cluster, jobtoken, transports
 from rdkeras._bootstrap import Store, transport_key
 from rdkeras._log import logger
 from rdkeras.errors import EngineError, PeerError
-from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
+from rdkeras.transports.base import Backend, BackendConfig, DynamicChannelEnd, StaticChannelEnd, TransportOptions
+from rdkeras.transports.base import Ring as RingEnd
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
@@ -269,17 +270,16 @@ class Engine:
         channel.connect(remote_desc)
         return channel
 
-    def static_channel(self, name: str, src: int, dst: int, shape: Sequence[int], dtype: Any) -> Any:
+    def static_channel(self, name: str, src: int, dst: int, shape: Sequence[int], dtype: Any) -> StaticChannel:
         """A channel for tensors of one fixed shape and dtype (a pre-registered destination).
 
-        Both ranks call this with the same arguments; `src` gets a StaticSender,
-        `dst` a StaticReceiver.
+        Both ranks call this with the same arguments; `src` sends on its end, `dst` receives.
         """
         shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
         if any(s < 0 for s in shape):
             raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
         nbytes = _nbytes(shape, dtype)
-        ch = self._pair(
+        end = self._pair(
             "static",
             name,
             src,
@@ -287,11 +287,11 @@ class Engine:
             lambda sender, peer: self.backend.static_channel(sender, peer, nbytes),
             f"{dtype.str}{list(shape)}",
         )
-        return StaticSender(ch, shape, dtype) if self.rank == src else StaticReceiver(ch, shape, dtype)
+        return StaticChannel(name, end, self.rank == src, shape, dtype)
 
-    def dynamic_channel(self, name: str, src: int, dst: int) -> Any:
-        """A channel for tensors whose shape/dtype is known only at run time."""
-        ch = self._pair(
+    def dynamic_channel(self, name: str, src: int, dst: int) -> DynamicChannel:
+        """A channel for tensors whose shape/dtype is known only at run time; `src` sends, `dst` receives."""
+        end = self._pair(
             "dynamic",
             name,
             src,
@@ -299,16 +299,16 @@ class Engine:
             lambda sender, peer: self.backend.dynamic_channel(sender, peer),
             "dynamic",
         )
-        return DynamicSender(ch) if self.rank == src else DynamicReceiver(ch)
+        return DynamicChannel(name, end, self.rank == src)
 
     def ring(
         self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20, members: Sequence[int] | None = None
-    ) -> Any:
+    ) -> Ring:
         """A ring allreduce over `members` (default: all ranks); collective: every member calls
         this with the same arguments.
 
-        Returns a callable ``ring(arrays, average=False) -> list[np.ndarray]``:
-        the outputs are views of registered memory, valid until the next-but-one call.
+        Call it: ``ring(arrays, average=False) -> list[np.ndarray]``; the outputs are views of
+        registered memory, valid until the next-but-one call.
         """
         self._check_open(f"ring {name!r}")
         members = list(range(self.world_size)) if members is None else [int(m) for m in members]
@@ -326,7 +326,7 @@ class Engine:
         descs = self.store.get([f"ring/{name}/{left}", f"ring/{name}/{right}"], waiting_for=[left, right])
         if n > 1:
             ring.connect(descs[0].decode(), descs[1].decode())
-        return ring.allreduce
+        return Ring(name, ring, members)
 
     def barrier(self, name: str = "barrier") -> None:
         self.store.barrier(name)
@@ -378,25 +378,26 @@ def _close_at_exit() -> None:
         engine.close()
 
 
-class StaticSender:
-    """Sending end of a static channel: each send() is one remote write plus a flag."""
+def _wrong_end(kind: str, name: str, sending: bool, called: str) -> EngineError:
+    role, use = ("sends", "send()") if sending else ("receives", "recv()")
+    return EngineError(f"{kind} channel {name!r}: {called}() on the rank that {role} on it; call {use} here")
 
-    def __init__(self, channel: Any, shape: tuple[int, ...], dtype: np.dtype):
-        self.channel, self.shape, self.dtype = channel, shape, dtype
+
+class StaticChannel:
+    """This rank's end of a static channel: :meth:`send` on the sending rank (one remote write plus a
+    flag), :meth:`recv` on the receiving rank. ``channel`` is the backend's end (benchmarks time it)."""
+
+    def __init__(self, name: str, end: StaticChannelEnd, sending: bool, shape: tuple[int, ...], dtype: np.dtype):
+        self.name, self.channel, self.sending, self.shape, self.dtype = name, end, sending, shape, dtype
 
     def send(self, array: Any) -> None:
         """Writes `array` (numpy, buffer or DLPack tensor) into the receiver's slot."""
+        if not self.sending:
+            raise _wrong_end("static", self.name, self.sending, "send")
         a = np.asarray(as_buffer(array))
         if a.shape != self.shape or a.dtype != self.dtype:
             raise ValueError(f"static channel carries {self.dtype}{list(self.shape)}, got {a.dtype}{list(a.shape)}")
         self.channel.send(np.asarray(a, order="C"))
-
-
-class StaticReceiver:
-    """Receiving end of a static channel."""
-
-    def __init__(self, channel: Any, shape: tuple[int, ...], dtype: np.dtype):
-        self.channel, self.shape, self.dtype = channel, shape, dtype
 
     def recv(self) -> np.ndarray:
         """The next tensor, in place in the registered slot: valid until the next recv().
@@ -404,18 +405,23 @@ class StaticReceiver:
         The array exports DLPack, so ``tf.experimental.dlpack.from_dlpack(y.__dlpack__())``
         aliases it without a copy.
         """
+        if self.sending:
+            raise _wrong_end("static", self.name, self.sending, "recv")
         return self.channel.recv().view(self.dtype).reshape(self.shape)
 
 
-class DynamicSender:
-    """Sending end of a dynamic channel: publishes metadata; the receiver reads the data."""
+class DynamicChannel:
+    """This rank's end of a dynamic channel: the sender publishes metadata, the receiver allocates and
+    reads the data one-sidedly."""
 
-    def __init__(self, channel: Any):
-        self.channel = channel
+    def __init__(self, name: str, end: DynamicChannelEnd, sending: bool):
+        self.name, self.channel, self.sending = name, end, sending
         self._inflight: deque[tuple[int, np.ndarray]] = deque()
 
     def send(self, array: Any) -> None:
         """Publishes `array`; the engine keeps it alive until the receiver has read it."""
+        if not self.sending:
+            raise _wrong_end("dynamic", self.name, self.sending, "send")
         a = np.asarray(as_buffer(array), order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
         seq = self.channel.send(a, a.dtype.str, list(a.shape))
         self._inflight.append((seq, a))
@@ -424,18 +430,32 @@ class DynamicSender:
             self._inflight.popleft()
 
     def flush(self) -> None:
-        """Waits until the receiver has read everything sent."""
+        """Sender: waits until the receiver has read everything sent."""
+        if not self.sending:
+            raise _wrong_end("dynamic", self.name, self.sending, "flush")
         self.channel.wait_acked(self.channel.sequence)
         self._inflight.clear()
 
-
-class DynamicReceiver:
-    """Receiving end of a dynamic channel."""
-
-    def __init__(self, channel: Any):
-        self.channel = channel
-
     def recv(self) -> np.ndarray:
         """The next tensor, in a registered buffer the returned array owns."""
+        if self.sending:
+            raise _wrong_end("dynamic", self.name, self.sending, "recv")
         buf, dtype, shape = self.channel.recv()
         return buf.view(np.dtype(dtype)).reshape(shape)
+
+
+class Ring:
+    """A ring allreduce among `members` (in ring order), set up once; call it once per exchange."""
+
+    def __init__(self, name: str, end: RingEnd, members: list[int]):
+        self.name, self.end, self.members = name, end, members
+
+    @property
+    def capacity(self) -> int:
+        """Bytes (all tensors of one call, padded) the ring's registered block holds."""
+        return self.end.capacity
+
+    def __call__(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
+        """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype.
+        The outputs are views of registered memory, valid until the next-but-one call."""
+        return self.end.allreduce(arrays, average)

@@ -11,13 +11,16 @@ of blocking receives cannot deadlock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from rdkeras.engine import DynamicChannel, StaticChannel
 
-def rdma_send(sender: Any, tensor: Any, name: str, after: Sequence[Any] = ()) -> Any:
-    """Sends `tensor` over `sender` (a StaticSender or DynamicSender); returns a token to order on."""
+
+def rdma_send(sender: StaticChannel | DynamicChannel, tensor: Any, name: str, after: Sequence[Any] = ()) -> Any:
+    """Sends `tensor` over `sender` (the sending end of a channel); returns a token to order on."""
     import tensorflow as tf
 
     def send(array: np.ndarray) -> np.ndarray:
@@ -28,8 +31,14 @@ def rdma_send(sender: Any, tensor: Any, name: str, after: Sequence[Any] = ()) ->
         return tf.numpy_function(send, [tensor], Tout=tf.int32, stateful=True, name=_op_name("RDMASend", name))
 
 
-def rdma_recv(receiver: Any, shape: Sequence[int | None], dtype: Any, name: str, after: Sequence[Any] = ()) -> Any:
-    """The next tensor from `receiver` (a StaticReceiver or DynamicReceiver)."""
+def rdma_recv(
+    receiver: StaticChannel | DynamicChannel,
+    shape: Sequence[int | None],
+    dtype: Any,
+    name: str,
+    after: Sequence[Any] = (),
+) -> Any:
+    """The next tensor from `receiver` (the receiving end of a channel)."""
     import tensorflow as tf
 
     with tf.control_dependencies(list(after)):

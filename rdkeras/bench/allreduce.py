@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ def rank_main(backend: str, sizes: list[int], quick: bool) -> dict:
     if len(cpus) >= 2:  # every backend alike: one core per worker
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     out = {}
+    y: Any = None  # the last result: a numpy array here, a tensor below
     if backend not in ("tf-grpc", "gloo"):  # an rdkeras transport
         import rdkeras
 

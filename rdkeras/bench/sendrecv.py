@@ -128,6 +128,7 @@ def rank_main(
             for size in sizes:
                 iters = _iterations(size, transport, quick)
                 name = f"{mode}-{size}"
+                ch: Any  # a static or dynamic channel; the static one's backend end is timed in C++
                 if mode == "dynamic":
                     ch = eng.dynamic_channel(name, 0, 1)
                 else:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import errors
-from rdkeras.engine import Engine
+from rdkeras.engine import Engine, Ring
 
 _FLOAT_KINDS = ("float32", "float64")
 
@@ -47,7 +47,7 @@ class Collectives:
     def __init__(self, engine: Engine, bucket_bytes: int, members: list[int] | None = None, name: str = ""):
         self.engine, self.bucket_bytes, self.name = engine, bucket_bytes, name
         self.members = list(range(engine.world_size)) if members is None else list(members)
-        self._rings: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._rings: dict[tuple[str, str], tuple[Ring, int]] = {}
         self._serial = itertools.count()
 
     @property
@@ -58,7 +58,8 @@ class Collectives:
     def position(self) -> int:
         return self.members.index(self.engine.rank)
 
-    def _ring(self, purpose: str, dtype: str, nbytes: int) -> Any:
+    def _ring(self, purpose: str, dtype: str, nbytes: int) -> Ring:
+        ring: Ring | None
         ring, capacity = self._rings.get((purpose, dtype), (None, 0))
         needed = nbytes + 64 * 1024  # 64-byte padding per tensor, generously
         if ring is None or needed > capacity:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rdkeras.engine import Engine
+from rdkeras.engine import DynamicChannel, Engine, StaticChannel
 from rdkeras.graph import Plan, build_stage
 
 
@@ -41,9 +41,10 @@ class Pipeline:
         self.engine, self.plan, self.serial = engine, plan, serial
         self.stage = build_stage(model, plan, stage)
         self.replica, self.rank_of = replica, rank_of
-        self.fwd: dict[tuple[str, int], Any] = {}
-        self.bwd: dict[tuple[str, int], Any] = {}
-        self.predict_out: dict[int, Any] = {}
+        # (edge name, micro-batch) -> this worker's end of the channel carrying it forward / its gradient back.
+        self.fwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
+        self.bwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
+        self.predict_out: dict[int, DynamicChannel] = {}  # loss stage -> stage s: predictions
         me = engine.rank
         # Every worker creates its channels in plan order: each creation waits for the
         # peer's, and one global order cannot deadlock.
@@ -67,7 +68,9 @@ class Pipeline:
                 name = f"mp{self.serial}/replica{self.replica}/predict->{s}"
                 self.predict_out[s] = self.engine.dynamic_channel(name, self.rank_of(loss), self.rank_of(s))
 
-    def _channel(self, name: str, src: int, dst: int, shape: tuple, dtype: str, static: bool) -> Any:
+    def _channel(
+        self, name: str, src: int, dst: int, shape: tuple, dtype: str, static: bool
+    ) -> StaticChannel | DynamicChannel:
         if static:
             return self.engine.static_channel(name, src, dst, shape, dtype)
         return self.engine.dynamic_channel(name, src, dst)
