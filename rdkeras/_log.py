@@ -6,7 +6,8 @@ rdkeras.train``, the benchmarks, ``rdkeras doctor``) with :func:`to_stderr`, any
 from __future__ import annotations
 
 import logging
-import os
+
+from rdkeras import options
 
 logger = logging.getLogger("rdkeras")
 logger.addHandler(logging.NullHandler())
@@ -24,5 +25,5 @@ def to_stderr(level: str | int = "INFO") -> None:
     logger.setLevel(level.upper() if isinstance(level, str) else level)
 
 
-if os.environ.get("RDKERAS_LOG"):
-    to_stderr(os.environ["RDKERAS_LOG"])
+if level := options.log_level():
+    to_stderr(level)

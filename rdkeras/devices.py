@@ -6,7 +6,7 @@ worker's GPU visible to TensorFlow, with memory growth, before TensorFlow
 initializes its devices. ``rdkeras.train`` calls it in each worker; in your own
 script call it before building a model (``RDMAStrategy`` will, once it does).
 
-Environment (read here, once):
+Settings (:mod:`rdkeras.options`):
 
 - ``RDKERAS_GPU``: ``auto`` (default): with G visible GPUs, local rank L uses
   GPU ``L % G`` (several workers share a GPU when there are more workers than
@@ -22,11 +22,10 @@ A GPU already fenced off by the scheduler (``CUDA_VISIBLE_DEVICES`` from SLURM's
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rdkeras import options
 from rdkeras.errors import EngineError
 
 
@@ -72,27 +71,30 @@ def use_local_gpu(
     local_rank: int | None = None,
     local_world_size: int | None = None,
     *,
-    env: Mapping[str, str] | None = None,
+    settings: options.Options | None = None,
     tf_config: Any = None,
 ) -> DeviceChoice:
     """Makes this worker's GPU(s) the only ones TensorFlow uses; returns what was chosen.
 
     Args:
-        local_rank: This worker's index on its node (default ``LOCAL_RANK`` or 0).
-        local_world_size: Workers on its node (default ``LOCAL_WORLD_SIZE`` or 1).
-        env: The environment to read (default ``os.environ``).
+        local_rank: This worker's index on its node (default: :func:`rdkeras.cluster.resolve`'s).
+        local_world_size: Workers on its node (default: the cluster's).
+        settings: The ``RDKERAS_*`` settings (default: read from the environment).
         tf_config: ``tf.config`` (a fake one in tests).
     """
-    env = os.environ if env is None else env
-    local_rank = int(env.get("LOCAL_RANK") or 0) if local_rank is None else local_rank
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE") or 1) if local_world_size is None else local_world_size
+    settings = options.from_env() if settings is None else settings
+    if local_rank is None or local_world_size is None:
+        from rdkeras import cluster
+
+        place = cluster.resolve()
+        local_rank = place.local_rank if local_rank is None else local_rank
+        local_world_size = place.local_world_size if local_world_size is None else local_world_size
     if tf_config is None:
         import tensorflow as tf
 
         tf_config = tf.config
     gpus = list(tf_config.list_physical_devices("GPU"))
-    growth = (env.get("RDKERAS_GPU_MEMORY_GROWTH") or "1").strip() not in ("0", "false", "no")
-    setting = env.get("RDKERAS_GPU") or "auto"
+    growth, setting = settings.gpu_memory_growth, settings.gpu
     picked = choose(local_rank, local_world_size, len(gpus), setting)
     names = tuple(gpus[i].name for i in picked)
     if not gpus or (setting.strip().lower() == "all" and not growth):

@@ -16,6 +16,8 @@ import platform
 import socket
 from dataclasses import dataclass
 
+from rdkeras import options
+
 
 @dataclass
 class Check:
@@ -139,9 +141,9 @@ def check_verbs() -> tuple[Check, list[str]]:
 
 def gpu_lines(local_world_size: int | None = None) -> list[str]:
     """The GPUs TensorFlow sees, and which one each local rank would use (rdkeras.devices)."""
-    from rdkeras import devices
+    from rdkeras import cluster, devices
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    options.quiet_tensorflow_logs()
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -154,8 +156,9 @@ def gpu_lines(local_world_size: int | None = None) -> list[str]:
     for i, gpu in enumerate(gpus):
         details = tf.config.experimental.get_device_details(gpu)
         lines.append(f"GPU:{i} {details.get('device_name', gpu.name)} (compute {details.get('compute_capability')})")
-    workers = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE") or len(gpus))
-    setting = os.environ.get("RDKERAS_GPU") or "auto"
+    place = cluster.resolve()
+    workers = local_world_size or (place.local_world_size if place.source != "single" else len(gpus))
+    setting = options.from_env().gpu
     for rank in range(workers):
         picked = devices.choose(rank, workers, len(gpus), setting)
         where = ", ".join(f"GPU:{g}" for g in picked) or "CPU"

@@ -18,7 +18,6 @@ transport and nothing else.
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import _engine, cluster, jobtoken, transports
+from rdkeras import options as options_lib
 from rdkeras._bootstrap import Store, transport_key
 from rdkeras._log import logger
 from rdkeras.errors import EngineError, PeerError
@@ -34,8 +34,6 @@ from rdkeras.transports.base import Backend, BackendConfig, DynamicChannelEnd, S
 from rdkeras.transports.base import Ring as RingEnd
 
 TRANSPORTS = ("auto", *transports.names())
-DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
-DEFAULT_TIMEOUT = 300.0
 
 
 def as_buffer(x: Any) -> Any:
@@ -54,23 +52,35 @@ def host_identity() -> str:
     return _engine.host_identity()
 
 
-def _env(name: str, default: Any = None) -> Any:
-    value = os.environ.get(name)
-    return default if value in (None, "") else value
+def _job_shape(
+    rank: int | None, world_size: int | None, master_addr: str | None, master_port: int | None
+) -> tuple[int, int, str, int]:
+    """The arguments given, the rest from the cluster the environment describes (read only if needed)."""
+    if None in (rank, world_size, master_addr, master_port):
+        job = cluster.resolve()
+        rank = job.rank if rank is None else rank
+        world_size = job.world_size if world_size is None else world_size
+        master_addr = job.master_addr if master_addr is None else master_addr
+        master_port = job.master_port if master_port is None else master_port
+    return int(rank), int(world_size), str(master_addr), int(master_port)  # type: ignore[arg-type]
 
 
 class Engine:
     """A process's endpoint in a job of `world_size` ranks.
 
+    Every argument left out comes from the environment: the job's shape from
+    :func:`rdkeras.cluster.resolve` (the launcher's ``RDKERAS_*`` variables, TF_CONFIG, torchrun,
+    SLURM), the rest from :func:`rdkeras.options.from_env` (or `settings`, already read).
+
     Args:
-        rank: This process's rank (default: ``RDKERAS_RANK`` or 0).
-        world_size: Number of ranks (default: ``RDKERAS_WORLD_SIZE`` or 1).
+        rank: This process's rank.
+        world_size: Number of ranks.
         transport: "auto", "shm" (one host), "tcp", "shm+tcp" (shm within a host, tcp between),
             "verbs", or a baseline: "grpc", "rpc+shm", "rpc+tcp", "rpc+verbs" (default: ``RDKERAS_TRANSPORT``
             or "auto", which picks shm when every rank is on this host, else verbs where every rank
             has RDMA, else shm+tcp where a host has several ranks, else tcp).
-        master_addr: Address of rank 0's rendezvous store (``RDKERAS_MASTER_ADDR``).
-        master_port: Its port (``RDKERAS_MASTER_PORT``).
+        master_addr: Address of the rendezvous store.
+        master_port: Its port.
         token: The job token all ranks share (default: ``rdkeras.jobtoken.resolve``:
             ``RDKERAS_JOB_TOKEN``, ``RDKERAS_JOB_TOKEN_FILE``, or this user's secret file
             keyed by the job). The local launcher generates one per job.
@@ -79,6 +89,7 @@ class Engine:
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
         options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
             ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
+        settings: The ``RDKERAS_*`` settings, if the caller read them already (:mod:`rdkeras.options`).
 
     The rendezvous store is hosted by rank 0, or by a launcher where ``RDKERAS_STORE=launcher``
     (the launcher then reports workers that die, so a death during start-up is named at once).
@@ -100,12 +111,13 @@ class Engine:
         timeout: float | None = None,
         arena_bytes: int | None = None,
         options: TransportOptions | None = None,
+        settings: options_lib.Options | None = None,
     ):
-        self.rank = int(_env("RDKERAS_RANK", 0) if rank is None else rank)
-        self.world_size = int(_env("RDKERAS_WORLD_SIZE", 1) if world_size is None else world_size)
-        self.transport = str(_env("RDKERAS_TRANSPORT", "auto") if transport is None else transport)
-        self.timeout = float(_env("RDKERAS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout)
-        arena_bytes = int(_env("RDKERAS_ARENA_BYTES", DEFAULT_ARENA_BYTES) if arena_bytes is None else arena_bytes)
+        settings = options_lib.from_env() if settings is None else settings
+        self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
+        self.transport = str(settings.transport if transport is None else transport)
+        self.timeout = options_lib.check_timeout(settings.timeout if timeout is None else timeout)
+        arena_bytes = int(settings.arena_bytes if arena_bytes is None else arena_bytes)
         if self.transport != "auto":
             spec = transports.get(self.transport)  # an unknown name fails here, before any connection
             if why := spec.why_not_viable():
@@ -115,21 +127,17 @@ class Engine:
                 )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
-        master_addr = str(_env("RDKERAS_MASTER_ADDR", "127.0.0.1") if master_addr is None else master_addr)
-        master_port = int(_env("RDKERAS_MASTER_PORT", 0) if master_port is None else master_port)
         if token is None:  # RDKERAS_JOB_TOKEN, a token file, or this user's secret keyed by the job
-            token = jobtoken.resolve(self.world_size, cluster.job_key())
+            token = jobtoken.resolve(self.world_size, cluster.job_key(), settings)
         if self.world_size > 1 and master_port == 0:
             raise EngineError("no rendezvous port: set RDKERAS_MASTER_PORT (and RDKERAS_MASTER_ADDR)")
         token_bytes = token.encode() if isinstance(token, str) else bytes(token)
-        options = TransportOptions.from_env(os.environ) if options is None else options
+        options = settings.transport_options if options is None else options
 
         self._names: set[str] = set()
         self._closed = False
         # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
-        hosted_by = str(_env("RDKERAS_STORE", "rank0"))
-        if hosted_by not in ("rank0", "launcher"):
-            raise ValueError(f"RDKERAS_STORE={hosted_by!r}: choose rank0 or launcher")
+        hosted_by = settings.store
         self.store = Store(
             self.rank,
             self.world_size,

@@ -27,9 +27,9 @@ import hmac
 import os
 import secrets
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 
+from rdkeras import options
 from rdkeras.errors import EngineError
 
 ENV_TOKEN = "RDKERAS_JOB_TOKEN"
@@ -41,11 +41,10 @@ class TokenError(EngineError):
     """No usable job token; the message says what to do."""
 
 
-def secret_path(env: Mapping[str, str] | None = None) -> Path:
+def secret_path(settings: options.Options | None = None) -> Path:
     """The per-user secret file: ``$XDG_CONFIG_HOME/rdkeras/job-token`` or ``~/.config/rdkeras/job-token``."""
-    env = os.environ if env is None else env
-    base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "rdkeras" / "job-token"
+    settings = options.from_env() if settings is None else settings
+    return settings.config_dir / "rdkeras" / "job-token"
 
 
 def _read_private(path: Path, what: str) -> bytes:
@@ -92,9 +91,9 @@ def _create_secret(path: Path) -> None:
         os.unlink(tmp)
 
 
-def user_secret(env: Mapping[str, str] | None = None) -> bytes:
+def user_secret(settings: options.Options | None = None) -> bytes:
     """This user's secret, created on first use (see the module docstring)."""
-    path = secret_path(env)
+    path = secret_path(settings)
     if not os.path.lexists(path):
         try:
             _create_secret(path)
@@ -106,20 +105,20 @@ def user_secret(env: Mapping[str, str] | None = None) -> bytes:
     return _read_private(path, "job-token file")
 
 
-def resolve(world_size: int, job_key: str | None, env: Mapping[str, str] | None = None) -> bytes:
+def resolve(world_size: int, job_key: str | None, settings: options.Options | None = None) -> bytes:
     """The token for this job's rendezvous.
 
     Args:
         world_size: Ranks in the job; a one-rank job needs no shared secret and gets a random one.
         job_key: What identifies this job on every rank (:func:`rdkeras.cluster.job_key`), or None
             where the environment names no job (then only an explicit token will do).
-        env: The environment to read (default ``os.environ``).
+        settings: The ``RDKERAS_*`` settings (default: read from the environment).
     """
-    env = os.environ if env is None else env
-    if env.get(ENV_TOKEN):
-        return env[ENV_TOKEN].encode()
-    if env.get(ENV_TOKEN_FILE):
-        return _read_private(Path(env[ENV_TOKEN_FILE]), f"{ENV_TOKEN_FILE} file")
+    settings = options.from_env() if settings is None else settings
+    if settings.job_token:
+        return settings.job_token.encode()
+    if settings.job_token_file:
+        return _read_private(Path(settings.job_token_file), f"{ENV_TOKEN_FILE} file")
     if world_size <= 1:
         return secrets.token_hex(16).encode()
     if job_key is None:
@@ -127,5 +126,5 @@ def resolve(world_size: int, job_key: str | None, env: Mapping[str, str] | None 
             f"no job token: set {ENV_TOKEN} to the same secret on every rank, or launch through "
             "python -m rdkeras.launch, SLURM, TF_CONFIG or torchrun (they identify the job)"
         )
-    digest = hmac.new(user_secret(env), b"rdkeras-job|" + job_key.encode(), hashlib.sha256)
+    digest = hmac.new(user_secret(settings), b"rdkeras-job|" + job_key.encode(), hashlib.sha256)
     return digest.hexdigest().encode()

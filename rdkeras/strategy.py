@@ -16,12 +16,11 @@ training loops :meth:`RDMAStrategy.allreduce`, :meth:`broadcast_variables` and
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rdkeras import cluster as cluster_lib
-from rdkeras import fitting, keras_internals
+from rdkeras import fitting, keras_internals, options
 from rdkeras.engine import Engine
 from rdkeras.parallel import check_settings
 from rdkeras.parallel.base import Parallelism
@@ -67,7 +66,8 @@ class RDMAStrategy:
     ):
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
-        mode = mode or os.environ.get("RDKERAS_DATA_MODE") or "allreduce"
+        settings = options.from_env()
+        mode = mode or settings.data_mode
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
         keras_internals.check()
         c = cluster_lib.resolve()
@@ -80,6 +80,7 @@ class RDMAStrategy:
             master_addr=c.master_addr,
             master_port=c.master_port,
             timeout=timeout,
+            settings=settings,
         )
         self.parallelism = parallelism
         try:

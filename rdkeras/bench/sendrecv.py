@@ -218,9 +218,9 @@ def rank_main(
 
 
 def _engine_threshold() -> str:
-    from rdkeras.transports import TransportOptions
+    from rdkeras import options
 
-    t = TransportOptions.from_env(os.environ).nt_threshold  # what the benchmark's engines were given
+    t = options.from_env().transport_options.nt_threshold  # what the benchmark's engines were given
     return "never" if t == 0 else _fmt_size(t)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras import options
+
 
 class DataError(RuntimeError):
     """Data cannot be found or read; the message says how to get it."""
@@ -37,7 +39,7 @@ class Data:
 
 def cache_dir() -> str:
     """Where fetched package files are kept: ``RDKERAS_CACHE`` or ``~/.cache/rdkeras``."""
-    path = os.environ.get("RDKERAS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rdkeras")
+    path = str(options.from_env().cache_dir)
     os.makedirs(path, exist_ok=True)
     return path
 

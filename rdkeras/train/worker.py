@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rdkeras import cluster, options
 from rdkeras.train.config import ConfigError, check_placement
 
 
@@ -154,17 +155,16 @@ def plot_curves(history: dict, path: Path, title: str) -> None:
 
 def run(cfg: Any, output_dir: str | Path) -> dict:
     """Trains as configured; the chief writes results.json into `output_dir`. Returns the results."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    options.quiet_tensorflow_logs()
     output_dir = Path(output_dir)
     import keras
     import tensorflow as tf
 
-    from rdkeras import cluster as cluster_lib
     from rdkeras import devices
     from rdkeras.callbacks import TrainingStats
     from rdkeras.train import summary
 
-    place = cluster_lib.resolve()
+    place = cluster.resolve()
     device = devices.use_local_gpu(place.local_rank, place.local_world_size)  # before TensorFlow picks its own
     threads = cfg.trainer.threads
     if threads is None and place.local_world_size > 1:  # the workers of one node share its cores
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         run(OmegaConf.load(config_path), output_dir)
     except (ConfigError, DataError) as e:
         # Into a file, not stdout: the app reports it once, instead of once per worker.
-        rank = os.environ.get("RDKERAS_RANK", "0")
+        rank = cluster.resolve().rank
         Path(output_dir, f"error-{rank}.txt").write_text(ERROR_PREFIX + " ".join(str(e).split()) + "\n")
         return CONFIG_EXIT
     return 0

@@ -18,7 +18,7 @@ once, and are used by one thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,38 +29,19 @@ Buffer = Any  # a buffer-protocol object (numpy array, memoryview, bytes)
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """Transport settings, passed down to the backend (transports never read the environment)."""
+    """Transport settings, passed down to the backend (transports never read the environment;
+    :mod:`rdkeras.options` reads ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``, ``RDKERAS_IB_GID_INDEX`` and
+    ``RDKERAS_NT_THRESHOLD`` into them)."""
 
     ib_device: str = ""  # verbs: device name; "" = the first with an active port
     ib_port: int = 0  # verbs: port; 0 = the first active one
     ib_gid_index: int = 0  # verbs: GID table index
     nt_threshold: int = 8 << 20  # shm copies and ring sums stream their stores from this size; 0 = never
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> TransportOptions:
-        """From ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``, ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``."""
-
-        def number(name: str, default: int) -> int:
-            text = env.get(name, "")
-            try:
-                value = int(text) if text else default
-            except ValueError:
-                raise ValueError(f"{name}={text!r} is not an integer") from None
-            if value < 0:
-                raise ValueError(f"{name}={value} must not be negative")
-            return value
-
-        return cls(
-            ib_device=env.get("RDKERAS_IB_DEVICE", ""),
-            ib_port=number("RDKERAS_IB_PORT", 0),
-            ib_gid_index=number("RDKERAS_IB_GID_INDEX", 0),
-            nt_threshold=number("RDKERAS_NT_THRESHOLD", cls.nt_threshold),
-        )
-
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """What the face hands a backend factory (read from the environment once, by the face)."""
+    """What the face hands a backend factory."""
 
     rank: int
     world_size: int

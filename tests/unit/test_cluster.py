@@ -175,3 +175,17 @@ def test_out_of_range_ranks_are_refused(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(EngineError, match="torchrun: rank 4 of 4"):
         cluster.resolve()
+
+
+def test_a_bare_engine_takes_its_place_from_the_cluster_under_slurm(monkeypatch):
+    from rdkeras.engine import _job_shape
+
+    slurm = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
+             "SLURM_STEP_NODELIST": "nodea", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}  # fmt: skip
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    for name in ("RDKERAS_WORLD_SIZE", "TF_CONFIG", "RANK", "WORLD_SIZE", "RDKERAS_MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("rdkeras.cluster.expand_hostlist", lambda nodes: nodes.split(","))
+    assert _job_shape(None, None, None, None) == (1, 2, "nodea", 29507)
+    assert _job_shape(0, 1, "127.0.0.1", 0) == (0, 1, "127.0.0.1", 0)  # explicit arguments win

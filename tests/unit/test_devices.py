@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rdkeras import devices
+from rdkeras import devices, options
 from rdkeras.errors import EngineError
 
 
@@ -62,38 +62,50 @@ def test_overrides():
 def test_each_worker_sees_only_its_gpu_with_memory_growth():
     for rank in range(4):
         tf = FakeConfig(4)
-        choice = devices.use_local_gpu(env={"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "4"}, tf_config=tf)
+        choice = devices.use_local_gpu(rank, 4, settings=options.from_env({}), tf_config=tf)
         assert tf.visible == [f"/physical_device:GPU:{rank}"]
         assert tf.growth == [(f"/physical_device:GPU:{rank}", True)]
         assert choice.describe() == f"GPU:{rank} of 4, memory growth"
 
 
+def test_the_local_rank_comes_from_the_cluster(monkeypatch):
+    for name, value in {
+        "RDKERAS_RANK": "2",
+        "RDKERAS_WORLD_SIZE": "4",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "4",
+    }.items():
+        monkeypatch.setenv(name, value)
+    tf = FakeConfig(4)
+    assert devices.use_local_gpu(settings=options.from_env({}), tf_config=tf).describe() == "GPU:2 of 4, memory growth"
+
+
 def test_memory_growth_can_be_turned_off_and_gpus_hidden():
     tf = FakeConfig(2)
-    choice = devices.use_local_gpu(1, 2, env={"RDKERAS_GPU_MEMORY_GROWTH": "0"}, tf_config=tf)
+    choice = devices.use_local_gpu(1, 2, settings=options.from_env({"RDKERAS_GPU_MEMORY_GROWTH": "0"}), tf_config=tf)
     assert tf.visible == ["/physical_device:GPU:1"] and tf.growth == []
     assert choice.describe() == "GPU:1 of 2"
     tf = FakeConfig(2)
-    choice = devices.use_local_gpu(0, 2, env={"RDKERAS_GPU": "none"}, tf_config=tf)
+    choice = devices.use_local_gpu(0, 2, settings=options.from_env({"RDKERAS_GPU": "none"}), tf_config=tf)
     assert tf.visible == [] and choice.describe() == "CPU (RDKERAS_GPU=none; 2 GPU(s) hidden)"
 
 
 def test_no_gpu_means_cpu_and_nothing_is_touched():
     tf = FakeConfig(0)
-    choice = devices.use_local_gpu(1, 2, env={}, tf_config=tf)
+    choice = devices.use_local_gpu(1, 2, settings=options.from_env({}), tf_config=tf)
     assert choice.gpus == () and choice.describe() == "CPU" and tf.visible == []
 
 
 def test_too_late_is_reported_not_raised():
     tf = FakeConfig(2, initialized=True)
-    choice = devices.use_local_gpu(0, 2, env={}, tf_config=tf)
+    choice = devices.use_local_gpu(0, 2, settings=options.from_env({}), tf_config=tf)
     assert "not applied: TensorFlow had initialized its devices" in choice.describe()
 
 
 def test_the_real_tensorflow_on_this_machine():
     import tensorflow as tf
 
-    choice = devices.use_local_gpu(0, 1, env={})
+    choice = devices.use_local_gpu(0, 1, settings=options.from_env({}))
     assert choice.visible == len(tf.config.list_physical_devices("GPU"))
 
 

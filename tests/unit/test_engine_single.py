@@ -158,16 +158,16 @@ def test_the_face_has_no_transport_branch():
 
 
 def test_transport_options_come_from_the_environment_once_at_the_face():
-    from rdkeras.transports import TransportOptions
+    from rdkeras import options
 
     env = {"RDKERAS_IB_DEVICE": "mlx5_1", "RDKERAS_IB_PORT": "2", "RDKERAS_IB_GID_INDEX": "3"}
-    o = TransportOptions.from_env(env | {"RDKERAS_NT_THRESHOLD": "0"})
+    o = options.from_env(env | {"RDKERAS_NT_THRESHOLD": "0"}).transport_options
     assert (o.ib_device, o.ib_port, o.ib_gid_index, o.nt_threshold) == ("mlx5_1", 2, 3, 0)
-    assert TransportOptions.from_env({}).nt_threshold == 8 << 20
-    with pytest.raises(ValueError, match="RDKERAS_IB_PORT='x' is not an integer"):
-        TransportOptions.from_env({"RDKERAS_IB_PORT": "x"})
+    assert options.from_env({}).transport_options.nt_threshold == 8 << 20
+    with pytest.raises(ValueError, match="RDKERAS_IB_PORT='x' is not a whole number"):
+        options.from_env({"RDKERAS_IB_PORT": "x"})
     with pytest.raises(ValueError, match="RDKERAS_NT_THRESHOLD=-1 must not be negative"):
-        TransportOptions.from_env({"RDKERAS_NT_THRESHOLD": "-1"})
+        options.from_env({"RDKERAS_NT_THRESHOLD": "-1"})
     # ... and nothing in the C++ engine reads the environment itself.
     csrc = Path(__file__).resolve().parents[2] / "csrc"
     readers = [str(p) for p in csrc.rglob("*.cc") if "getenv" in p.read_text()]

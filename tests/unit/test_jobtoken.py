@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import stat
 
 import pytest
 
-from rdkeras import jobtoken
+from rdkeras import jobtoken, options
 
 
 @pytest.fixture
 def home(tmp_path):
-    """An environment whose config folder is empty (XDG_CONFIG_HOME points into tmp)."""
-    return {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    """Settings of an environment whose config folder is empty (XDG_CONFIG_HOME points into tmp)."""
+    return options.from_env({"XDG_CONFIG_HOME": str(tmp_path / "config")})
+
+
+def test_the_variables_are_read_into_the_settings(home):
+    settings = options.from_env({"RDKERAS_JOB_TOKEN": "abc", "RDKERAS_JOB_TOKEN_FILE": "/run/secret"})
+    assert (settings.job_token, settings.job_token_file) == ("abc", "/run/secret")
 
 
 def test_the_variable_wins(home):
-    assert jobtoken.resolve(4, "slurm|1|0", {**home, "RDKERAS_JOB_TOKEN": "abc"}) == b"abc"
+    assert jobtoken.resolve(4, "slurm|1|0", dataclasses.replace(home, job_token="abc")) == b"abc"
     assert not jobtoken.secret_path(home).exists()
 
 
@@ -26,10 +32,10 @@ def test_a_token_file_as_a_kubernetes_secret(home, tmp_path):
     secret = tmp_path / "mounted-token"
     secret.write_text("from-a-secret\n")
     secret.chmod(0o600)
-    assert jobtoken.resolve(2, None, {**home, "RDKERAS_JOB_TOKEN_FILE": str(secret)}) == b"from-a-secret"
+    assert jobtoken.resolve(2, None, dataclasses.replace(home, job_token_file=str(secret))) == b"from-a-secret"
     secret.chmod(0o644)
     with pytest.raises(jobtoken.TokenError, match=r"open to other users \(mode 0644\).*chmod 600"):
-        jobtoken.resolve(2, None, {**home, "RDKERAS_JOB_TOKEN_FILE": str(secret)})
+        jobtoken.resolve(2, None, dataclasses.replace(home, job_token_file=str(secret)))
 
 
 def test_the_user_secret_is_created_private_on_first_use(home):
@@ -46,7 +52,7 @@ def test_the_user_secret_is_created_private_on_first_use(home):
 
 
 def test_another_users_secret_gives_another_token(home, tmp_path):
-    other = {"XDG_CONFIG_HOME": str(tmp_path / "other")}
+    other = options.from_env({"XDG_CONFIG_HOME": str(tmp_path / "other")})
     assert jobtoken.resolve(2, "job", home) != jobtoken.resolve(2, "job", other)
 
 
@@ -76,8 +82,8 @@ def test_one_rank_needs_no_secret_and_no_job_means_a_clear_error(home):
     assert not jobtoken.secret_path(home).exists()
 
 
-def _race(env: dict, queue) -> None:
-    queue.put(jobtoken.resolve(8, "race", env))
+def _race(settings: options.Options, queue) -> None:
+    queue.put(jobtoken.resolve(8, "race", settings))
 
 
 def test_ranks_creating_the_secret_at_once_agree(home):

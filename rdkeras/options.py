@@ -1,0 +1,135 @@
+"""Every ``RDKERAS_*`` setting, read from the environment in one place.
+
+The environment is read here and in :mod:`rdkeras.cluster` (where this process
+sits in the job: ``RDKERAS_RANK``/``WORLD_SIZE``/``MASTER_*``, TF_CONFIG,
+torchrun's and SLURM's variables) and nowhere else; everything below the Python
+face gets its settings passed in (a CI test keeps it so). An explicit argument
+(``RDMAStrategy(timeout=...)``, ``Engine(transport=...)``) always wins over the
+environment.
+
+=============================  =========================================================
+variable                       setting
+=============================  =========================================================
+``RDKERAS_TRANSPORT``          transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
+``RDKERAS_TIMEOUT``            seconds any wait may take before it fails naming the peer
+``RDKERAS_ARENA_BYTES``        registered address space each process reserves
+``RDKERAS_STORE``              who hosts the rendezvous store: rank0 or launcher
+``RDKERAS_DATA_MODE``          data-parallel exchange: allreduce or ps
+``RDKERAS_JOB_TOKEN``          the job's shared secret (:mod:`rdkeras.jobtoken`)
+``RDKERAS_JOB_TOKEN_FILE``     a file holding it
+``RDKERAS_LOG``                rdkeras's messages on stderr from this level (info, ...)
+``RDKERAS_GPU``                which GPUs a worker uses: auto, all, none, or indices
+``RDKERAS_GPU_MEMORY_GROWTH``  1 (default) or 0: allocate GPU memory as needed
+``RDKERAS_IB_DEVICE``          verbs: device name ("": the first with an active port)
+``RDKERAS_IB_PORT``            verbs: port (0: the first active one)
+``RDKERAS_IB_GID_INDEX``       verbs: GID table index
+``RDKERAS_NT_THRESHOLD``       bytes from which copies stream their stores (0: never)
+``RDKERAS_CACHE``              where data sets fetched once are kept
+=============================  =========================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rdkeras.transports.base import TransportOptions
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
+
+
+@dataclass(frozen=True)
+class Options:
+    """The ``RDKERAS_*`` settings of this process (the module docstring lists them)."""
+
+    transport: str = "auto"
+    timeout: float = DEFAULT_TIMEOUT
+    arena_bytes: int = DEFAULT_ARENA_BYTES
+    store: str = "rank0"
+    data_mode: str = "allreduce"
+    job_token: str | None = None
+    job_token_file: str | None = None
+    log: str | None = None
+    gpu: str = "auto"
+    gpu_memory_growth: bool = True
+    transport_options: TransportOptions = field(default_factory=TransportOptions)
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rdkeras")
+    config_dir: Path = field(default_factory=lambda: Path.home() / ".config")  # $XDG_CONFIG_HOME
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Options:
+    """The settings in `env` (default: this process's environment); a malformed value raises
+    ValueError naming the variable and what it takes."""
+    env = os.environ if env is None else env
+
+    def text(name: str) -> str | None:
+        value = env.get(name, "").strip()
+        return value or None
+
+    def whole(name: str, default: int) -> int:
+        value = text(name)
+        if value is None:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a whole number") from None
+        if number < 0:
+            raise ValueError(f"{name}={number} must not be negative")
+        return number
+
+    def choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+        value = text(name) or default
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: choose {' or '.join(allowed)}")
+        return value
+
+    defaults = Options()
+    timeout = text("RDKERAS_TIMEOUT")
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    return Options(
+        transport=text("RDKERAS_TRANSPORT") or defaults.transport,
+        timeout=defaults.timeout if timeout is None else check_timeout(timeout, "RDKERAS_TIMEOUT"),
+        arena_bytes=whole("RDKERAS_ARENA_BYTES", defaults.arena_bytes),
+        store=choice("RDKERAS_STORE", defaults.store, ("rank0", "launcher")),
+        data_mode=choice("RDKERAS_DATA_MODE", defaults.data_mode, ("allreduce", "ps")),
+        job_token=env.get("RDKERAS_JOB_TOKEN") or None,
+        job_token_file=text("RDKERAS_JOB_TOKEN_FILE"),
+        log=text("RDKERAS_LOG"),
+        gpu=text("RDKERAS_GPU") or defaults.gpu,
+        gpu_memory_growth=(text("RDKERAS_GPU_MEMORY_GROWTH") or "1").lower() not in ("0", "false", "no"),
+        transport_options=TransportOptions(
+            ib_device=text("RDKERAS_IB_DEVICE") or "",
+            ib_port=whole("RDKERAS_IB_PORT", 0),
+            ib_gid_index=whole("RDKERAS_IB_GID_INDEX", 0),
+            nt_threshold=whole("RDKERAS_NT_THRESHOLD", TransportOptions.nt_threshold),
+        ),
+        cache_dir=Path(text("RDKERAS_CACHE") or home / ".cache" / "rdkeras"),
+        config_dir=Path(text("XDG_CONFIG_HOME") or home / ".config"),
+    )
+
+
+def check_timeout(value: float | str, what: str = "timeout") -> float:
+    """`value` as seconds > 0 (a finite number); ValueError naming `what` otherwise."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{what}={value!r}: a wait needs a finite number of seconds > 0")
+    return seconds
+
+
+def log_level(env: Mapping[str, str] | None = None) -> str | None:
+    """``RDKERAS_LOG`` alone (read at import, where another variable's error must not surface)."""
+    env = os.environ if env is None else env
+    return env.get("RDKERAS_LOG", "").strip() or None
+
+
+def quiet_tensorflow_logs() -> None:
+    """Hides TensorFlow's C++ start-up INFO and WARNING lines (unless the user chose a level)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
