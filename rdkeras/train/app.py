@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras import cluster
-from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, validate
+from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, rename_overrides, validate
 
 PROG = "rdkeras.train"
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rdkeras.data import DataError
 
-    args = sys.argv[1:] if argv is None else list(argv)
+    args = rename_overrides(sys.argv[1:] if argv is None else list(argv))
     hydra_main = hydra.main(config_path=hydra_sources(), config_name=CONFIG_NAME, version_base=None)(_task)
     full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")

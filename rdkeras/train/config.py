@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras import cluster
+from rdkeras._log import logger
 from rdkeras.engine import TRANSPORTS
 from rdkeras.parallel import check_settings
 
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
+# Keys renamed to RDMAStrategy's own words (old -> new); the old ones still work, with a warning.
+RENAMED_KEYS = {"parallel.kind": "parallel.parallelism", "parallel.num_stages": "parallel.stages"}
 
 
 class ConfigError(ValueError):
@@ -70,6 +73,36 @@ def compose(overrides: list[str] | None = None) -> Any:
         return hydra_compose(CONFIG_NAME, overrides=list(overrides or []))
 
 
+def _renamed(old: str) -> str:
+    new = RENAMED_KEYS[old]
+    logger.warning("%s is renamed %s (RDMAStrategy's word); the old key still works for now", old, new)
+    return new
+
+
+def rename_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with the renamed keys (RENAMED_KEYS) in their new words."""
+    out = []
+    for o in overrides:
+        prefix = o[: len(o) - len(o.lstrip("+~"))]
+        key, sep, value = o[len(prefix) :].partition("=")
+        out.append(f"{prefix}{_renamed(key)}{sep}{value}" if key in RENAMED_KEYS else o)
+    return out
+
+
+def rename_keys(cfg: Any) -> None:
+    """Moves renamed keys a config file still sets (a recipe of one's own) to their new names, in place."""
+    from omegaconf import open_dict
+
+    for old in RENAMED_KEYS:
+        group, _, key = old.partition(".")
+        node = cfg.get(group)
+        if node is None or key not in node:
+            continue
+        new_key = _renamed(old).partition(".")[2]
+        with open_dict(node):
+            node[new_key] = node.pop(key)
+
+
 def _positive(value: Any, name: str, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -79,6 +112,7 @@ def _positive(value: Any, name: str, allow_none: bool = False) -> None:
 
 def validate(cfg: Any) -> None:
     """Checks what can be checked before any worker starts; raises ConfigError."""
+    rename_keys(cfg)
     kind = cfg.cluster.kind
     if kind not in ("local", "env"):
         raise ConfigError(f"cluster.kind must be 'local' or 'env', got {kind!r}")
@@ -89,7 +123,7 @@ def validate(cfg: Any) -> None:
     parallel = cfg.parallel
     try:
         check_settings(
-            parallel.kind,
+            parallel.parallelism,
             parallel.get("mode"),
             dict(parallel.placement) if parallel.get("placement") else None,
             parallel.get("micro_batches", 1),
@@ -105,10 +139,10 @@ def validate(cfg: Any) -> None:
     for flag in ("resume", "shuffle"):
         if not isinstance(trainer.get(flag), bool):
             raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
-    if kind == "local" and parallel.kind != "model" and not cluster.in_job():  # (in a job, its size counts)
+    if kind == "local" and parallel.parallelism != "model" and not cluster.in_job():  # (in a job, its size counts)
         replicas = cfg.cluster.num_workers
-        if parallel.kind == "hybrid" and parallel.placement:
-            replicas //= max(1, max(parallel.placement.values()) + 1)
+        if parallel.parallelism == "hybrid" and parallel.placement:
+            replicas //= max(1, parallel.get("stages") or max(parallel.placement.values()) + 1)
         if replicas > 1 and trainer.batch_size % replicas:
             raise ConfigError(
                 f"trainer.batch_size={trainer.batch_size} is the global batch, split over {replicas} replicas, "

@@ -48,7 +48,7 @@ def text(results: dict, before: dict[str, float], after: dict[str, float], *, sy
     Args:
         results: The run's results (``workers``, ``steps``, ``batch_size``: the global batch, ``fit_seconds``,
             ``steady_steps`` / ``steady_seconds``: the steps after the first and their time, ``device``,
-            ``transport``, ``parallel``, ``model``; optionally ``one_process`` with a reference
+            ``transport``, ``parallelism``, ``model``; optionally ``one_process`` with a reference
             run's ``examples_per_s``).
         before: This worker's traffic counters when fit started; after: when it ended.
         synthetic: The data is random (inputs and labels), so its metrics mean nothing.
@@ -62,7 +62,7 @@ def text(results: dict, before: dict[str, float], after: dict[str, float], *, sy
     total = timed * batch / seconds
     results["examples_per_s"] = total
     lines = [
-        f"summary: {results['model']} on {workers} worker(s), parallel={results['parallel']}, "
+        f"summary: {results['model']} on {workers} worker(s), parallelism={results['parallelism']}, "
         f"transport={results['transport']}, device {results['device']}",
         f"  throughput: {total:,.0f} examples/s in total, {total / workers:,.0f} per worker, "
         f"{timed / seconds:.1f} steps/s ({how})",

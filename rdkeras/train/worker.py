@@ -25,20 +25,22 @@ def make_strategy(cfg: Any) -> Any:
 
     parallel = cfg.parallel
     kwargs: dict[str, Any] = {
-        "parallelism": parallel.kind,
+        "parallelism": parallel.parallelism,
         "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
         "timeout": cfg.transport.timeout,
     }
-    if parallel.kind in ("data", "hybrid"):
+    if parallel.parallelism in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
-    if parallel.kind in ("model", "hybrid"):
+    if parallel.parallelism in ("model", "hybrid"):
         kwargs.update(placement=dict(parallel.placement), micro_batches=parallel.micro_batches)
+    if parallel.get("stages") is not None:
+        kwargs.update(stages=parallel.stages)
     accepted = inspect.signature(rdkeras.RDMAStrategy).parameters
     missing = [k for k in kwargs if k not in accepted]
     if missing:
         raise ConfigError(
-            f"parallel={parallel.kind} is not available in this rdkeras (RDMAStrategy takes no {', '.join(missing)}); "
-            "use parallel=data"
+            f"parallel={parallel.parallelism} is not available in this rdkeras "
+            f"(RDMAStrategy takes no {', '.join(missing)}); use parallel=data"
         )
     try:
         return rdkeras.RDMAStrategy(**kwargs)
@@ -176,7 +178,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
     started = time.perf_counter()
     data = load_data(cfg)
-    if cfg.parallel.kind in ("model", "hybrid"):
+    if cfg.parallel.parallelism in ("model", "hybrid"):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
     strategy = make_strategy(cfg)
@@ -202,7 +204,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
         if chief:
             print(
                 f"model: {model.name}, {model.count_params():,} parameters; {strategy.num_workers} workers, "
-                f"parallel={cfg.parallel.kind}, transport={strategy.transport}",
+                f"parallelism={cfg.parallel.parallelism}, transport={strategy.transport}",
                 flush=True,
             )
 
@@ -241,7 +243,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             "model": model.name,
             "parameters": int(model.count_params()),
             "workers": strategy.num_workers,
-            "parallel": cfg.parallel.kind,
+            "parallelism": cfg.parallel.parallelism,
             "transport": strategy.transport,
             "data": data.description,
             "epochs": cfg.trainer.epochs,

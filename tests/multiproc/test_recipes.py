@@ -75,7 +75,7 @@ def test_each_of_the_six_recipes_trains_two_steps_on_two_workers(sweep):
         recipe = next(r for r in SIX if f"+recipe={r}\n" in overrides)
         results = json.loads((job / "results.json").read_text())
         seen[recipe] = results
-        assert results["workers"] == 2 and results["transport"] == "shm" and results["parallel"] == "data"
+        assert results["workers"] == 2 and results["transport"] == "shm" and results["parallelism"] == "data"
         assert math.isfinite(results["final"]["loss"]) and results["final"]["loss"] > 0
         # The chief printed Keras's progress; only the chief.
         assert "2/2" in (job / "worker-0.log").read_text()
@@ -130,7 +130,7 @@ def test_vgg16_model_parallel_recipe_trains_two_steps(tmp_path, parallel, worker
     done = _train(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["parallel"] == parallel and math.isfinite(results["final"]["loss"])
+    assert results["parallelism"] == parallel and math.isfinite(results["final"]["loss"])
     text = dict(_scalars(tmp_path / "tensorboard" / "rdkeras")["plan"])[0]
     assert "block5_pool:0 -> flatten" in text and "static" in text  # the cut edge between the workers
     assert ("2 stages x 2 replicas" in text) == (parallel == "hybrid")

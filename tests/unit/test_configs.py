@@ -72,7 +72,7 @@ def test_every_recipe_composes_and_builds_its_model(recipe):
     assert model.count_params() > 0
     names = [layer.name for layer in model.layers]
     assert names[-1] == "predictions"
-    if cfg.parallel.kind != "data":
+    if cfg.parallel.parallelism != "data":
         check_placement(cfg.parallel.placement, model)
         placed = {w for w in cfg.parallel.placement.values()}
         assert placed == set(range(cfg.cluster.num_workers))  # every worker gets layers
@@ -80,9 +80,27 @@ def test_every_recipe_composes_and_builds_its_model(recipe):
 
 def test_the_six_models_declare_data_parallelism_and_vgg16_has_a_model_parallel_variant():
     for recipe in SIX:
-        assert compose([f"+recipe={recipe}"]).parallel.kind == "data"
+        assert compose([f"+recipe={recipe}"]).parallel.parallelism == "data"
     cfg = compose(["+recipe=vgg16_model"])
-    assert cfg.parallel.kind == "model" and cfg.model._target_.endswith("vgg16")
+    assert cfg.parallel.parallelism == "model" and cfg.model._target_.endswith("vgg16")
+
+
+def test_config_keys_are_rdmastrategys_own_words_and_the_old_ones_still_work(caplog):
+    from rdkeras.train.config import rename_keys, rename_overrides
+
+    assert rename_overrides(["parallel.kind=hybrid", "+parallel.num_stages=2", "trainer.epochs=1"]) == [
+        "parallel.parallelism=hybrid", "+parallel.stages=2", "trainer.epochs=1",
+    ]  # fmt: skip
+    assert "parallel.kind is renamed parallel.parallelism" in caplog.text
+    cfg = compose(["parallel=hybrid", "parallel.placement={fc*:0,predictions:1}"])
+    assert "kind" not in cfg.parallel and "stages" in cfg.parallel  # the strategy's words
+    # A recipe of one's own that still says kind/num_stages (merged by Hydra, then struct again).
+    legacy = OmegaConf.merge(OmegaConf.to_container(cfg), {"parallel": {"kind": "model", "num_stages": 2}})
+    OmegaConf.set_struct(legacy, True)
+    rename_keys(legacy)
+    assert (legacy.parallel.parallelism, legacy.parallel.stages) == ("model", 2) and "kind" not in legacy.parallel
+    # The timeout is set once, whichever transport is chosen.
+    assert compose(["transport=tcp", "transport.timeout=60"]).transport == {"name": "tcp", "timeout": 60}
 
 
 def test_models_scale_to_the_published_sizes():
