@@ -22,14 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-# The Keras releases the test suite has run against (pyproject.toml pins the same range).
-KERAS_TESTED = ">=3.13,<3.16"
+
+def _tested_keras() -> str:
+    """The Keras releases the test suite runs against: pyproject.toml's pin, read from the installed metadata."""
+    import importlib.metadata
+
+    for requirement in importlib.metadata.requires("rdkeras") or []:
+        name, rest = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(.*)", requirement).groups()  # type: ignore[union-attr]
+        if name.lower() == "keras" and ";" not in rest:
+            return ",".join(sorted((part.strip() for part in rest.split(",")), reverse=True))  # >= before <
+    return ""
+
+
+KERAS_TESTED = _tested_keras()
 
 # (object path, attribute) of every private Keras name used here.
 _HOOKS = (

@@ -65,4 +65,4 @@ def test_the_installed_layout_runs_a_recipe_from_another_directory(wheel, tmp_pa
     cli += "runpy.run_module('rdkeras.train', run_name='__main__')"
     done = subprocess.run([sys.executable, "-S", "-c", cli], capture_output=True, text=True, timeout=120, cwd=elsewhere)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "kind: model" in done.stdout and "block*: 0" in done.stdout, done.stdout
+    assert "parallelism: model" in done.stdout and "block*: 0" in done.stdout, done.stdout
