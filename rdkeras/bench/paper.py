@@ -27,24 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras.bench import scale_model, workloads
-
-MB = 1 << 20
-
-# The seed's claims (slides; the arXiv version in brackets), what each figure is compared with.
-SEED = {
-    "sendrecv": "RDMA about 10x faster than gRPC for 1-256 MB messages",
-    "throughput": "8 workers, batch 32: up to 21x gRPC.TCP [25x], about 2x gRPC.RDMA [up to 169% more]",
-    "convergence": "time to the same loss 1.2-2.6x faster (CIFAR), perplexity 1.5-3.3x faster (Seq2Seq), 8 workers",
-    "scalability": "1-8 workers: VGG-16 2.5-3x, LSTM about 2x gRPC.TCP",
-}
-SEED_RANGES = {
-    "throughput_grpc": (None, 21.0),
-    "throughput_rpc": (None, 2.0),
-    "convergence_cnn": (1.2, 2.6),
-    "convergence_lm": (1.5, 3.3),
-    "scalability_vgg16": (2.5, 3.0),
-    "scalability_lstm": (2.0, 2.0),
-}
+from rdkeras.bench.labels import MB, STEP_PARTS
 
 # The paper's sizes, for the projection (the 2016 benchmark's LSTM/GRU: 2 x 256, 32 steps, 10k words).
 PUBLISHED: dict[str, dict[str, Any]] = {
@@ -118,14 +101,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 FIGURES = ("sendrecv", "throughput", "convergence", "scalability", "overlap")
-LABEL = {
-    "shm": "rdkeras shm",
-    "tcp": "rdkeras tcp",
-    "grpc": "gRPC (TCP)",
-    "rpc+shm": "RPC over shm",
-    "rpc+tcp": "RPC over tcp",
-    "none": "Local (1 process)",
-}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -498,7 +473,6 @@ def _published_models(names: list[str]) -> list[dict[str, Any]]:
 
 def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None) -> dict[str, Any]:
     """The scale model: calibration, validation against every run measured here, projection, sweep."""
-    from rdkeras.bench import report
     from rdkeras.parallel import collectives
 
     testbed = testbed or scale_model.Testbed()
@@ -545,7 +519,7 @@ def analyze(results: dict[str, Any], testbed: scale_model.Testbed | None = None)
                 "predicted_s": predicted,
                 "error": predicted / r["step_seconds"] - 1,
                 # Where the measured step went besides compute (what the transports timed, rank 0's).
-                **{k: r[k] for k in report.STEP_PARTS if r.get(k) is not None},
+                **{k: r[k] for k in STEP_PARTS if r.get(k) is not None},
             }
         )
     published = results.get("published_models") or []

@@ -6,9 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rdkeras.bench.paper import LABEL, SEED
-
-MB = 1 << 20
+from rdkeras.bench.labels import LABEL, MB, SEED, STEP_PARTS
 
 
 def _size(n: int) -> str:
@@ -665,10 +663,6 @@ def write(results: dict, out: Path) -> str:
 
 
 # -- why a target was missed: each from the step's measured parts -----------------------------------------
-
-
-# What the transports timed of a step besides compute, as a run (and the scale model's validation) records it.
-STEP_PARTS = ("wait_seconds_per_step", "copy_seconds_per_step", "wire_seconds_per_step")
 
 
 def _parts(record: dict, labels: tuple[str, str, str], fmt: Any) -> str:
