@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rdkeras.bench import report
+from rdkeras.bench.figures import overlap, scale_model, throughput
 
 
 def _run(transport, mode, step, compute, **parts):
@@ -18,7 +18,7 @@ def test_fit_vs_rpc_splits_each_step_into_compute_and_the_rest_and_bounds_the_ra
             _run("rpc+shm", "ps", 0.60, 0.10),
         ]
     }
-    allreduce, ps = report.why_fit_vs_rpc(th, "big", 1.5)[::-1]
+    allreduce, ps = throughput.why_fit_vs_rpc(th, "big", 1.5)[::-1]
     # Equal compute: the mean, 636.5 ms; rdkeras 70 ms beyond it, RPC 251 ms: (636.5+251)/(636.5+70) = 1.26.
     assert "607 ms compute + 70 ms beyond it" in allreduce and "666 ms compute + 251 ms beyond it" in allreduce
     assert "blocked 39 ms, copies 129 ms)" in allreduce and ": 1.26×" in allreduce
@@ -37,9 +37,9 @@ def test_overlap_step_is_compute_blocked_time_and_compute_slowed_beside_the_exch
         "allreduce_sequential_s": 3.167,
         "allreduce_breakdown": {"exposed_s": 0.166, "comm_work_s": 1.198, "hidden_s": 1.073},
     }
-    (line,) = report.why_overlap(ov)
+    (line,) = overlap.why_overlap(ov)
     assert "2322 ms = compute alone 1856 ms + 166 ms blocked" in line and "+ 300 ms of backprop" in line
-    assert report.why_overlap({**ov, "allreduce_breakdown": {}}) == []
+    assert overlap.why_overlap({**ov, "allreduce_breakdown": {}}) == []
 
 
 def test_scale_model_names_each_run_beyond_the_bound_with_its_compute_and_that_models_spread():
@@ -61,7 +61,7 @@ def test_scale_model_names_each_run_beyond_the_bound_with_its_compute_and_that_m
         v("rpc+shm", "ps", 0.0722, 0.1007, 0.0694),  # +39%
         v("grpc", "ps", 0.20, 0.21, 0.060, workers=4),  # another worker count: not in the spread
     ]
-    lines = report.why_scale_model(validation, 0.25)
+    lines = scale_model.why_scale_model(validation, 0.25)
     assert len(lines) == 2 and lines[0].startswith("lstm ps RPC over shm, 2 workers (+39%)")
     assert "measured 72.2 ms a step = 69.4 ms compute + 2.8 ms beyond it; predicted 31.3 ms beyond it" in lines[0]
     assert "each of its 2 groups of 2 workers in this run: 49.7-69.4 ms" in lines[0]

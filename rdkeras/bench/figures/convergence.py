@@ -1,0 +1,110 @@
+"""The convergence figure: loss (perplexity) against wall-clock time of two real applications, and the time
+each transport took to the loss both reach."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rdkeras.bench.figures.common import Section, fmt_x, load_note, pyplot, save_png, section
+from rdkeras.bench.labels import LABEL, SEED
+
+
+def _batch_losses(curve: list) -> list[tuple[float, float]]:
+    """Per-batch losses from Keras's running epoch mean, smoothed over a window."""
+    out, prev = [], 0.0
+    for k, (t, mean) in enumerate(curve, start=1):
+        out.append((t, mean * k - prev))
+        prev = mean * k
+    window = max(1, len(out) // 10)
+    return [
+        (out[i][0], sum(v for _, v in out[max(0, i - window + 1) : i + 1]) / len(out[max(0, i - window + 1) : i + 1]))
+        for i in range(len(out))
+    ]
+
+
+def time_to_target(curves: dict[str, list[tuple[float, float]]]) -> tuple[float | None, dict[str, float]]:
+    """The target is the highest of the curves' final smoothed losses (every run reaches it); returns it and
+    when each run first reached it."""
+    smooth = {t: _batch_losses(c) for t, c in curves.items() if c}
+    if not smooth:
+        return None, {}
+    target = max(s[-1][1] for s in smooth.values())
+    return target, {t: next(time for time, v in s if v <= target) for t, s in smooth.items()}
+
+
+def table(cv: dict) -> tuple[list[str], dict[str, Any]]:
+    """Time to the common target per task and transport; the speed-up per task."""
+    lines = [
+        "| task | metric | target | "
+        + " | ".join(f"time to target, {LABEL[t]}" for t in ("shm", "grpc"))
+        + " | speed-up | seconds per step (rdkeras / gRPC) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    facts = {}
+    for task, runs in cv.get("tasks", {}).items():
+        curves = {t: r["curve"] for t, r in runs.items()}
+        target, times = time_to_target(curves)
+        if target is None or len(times) < 2:
+            continue
+        lm = task == "lstm_lm"
+        speed = times["grpc"] / times["shm"] if times["shm"] else None
+        facts[task] = speed
+        per_step = {t: r["curve"][-1][0] / max(1, len(r["curve"]) - 1) for t, r in runs.items()}
+        lines.append(
+            f"| {task} | {'perplexity' if lm else 'training loss'} | "
+            f"{math.exp(target) if lm else target:.3f} | {times['shm']:.1f} s | {times['grpc']:.1f} s | "
+            f"{fmt_x(speed, 2)} | {per_step['shm'] * 1e3:.0f} ms / {per_step['grpc'] * 1e3:.0f} ms |"
+        )
+    for task, why in cv.get("skipped", {}).items():
+        lines.append(f"| {task} | skipped: {why} | | | | | |")
+    return lines, facts
+
+
+def plot(cv: dict, path: Path) -> None:
+    plt = pyplot()
+    tasks = list(cv.get("tasks", {}))
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.2 * max(1, len(tasks)), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=False):
+        lm = task == "lstm_lm"
+        runs = cv["tasks"][task]
+        for t, color in (("shm", "tab:blue"), ("grpc", "tab:red")):
+            if t in runs:
+                pts = _batch_losses(runs[t]["curve"])
+                ax.plot(
+                    [p[0] for p in pts],
+                    [math.exp(p[1]) if lm else p[1] for p in pts],
+                    color=color,
+                    label=f"{'rdkeras (shm)' if t == 'shm' else 'gRPC.TCP'}",
+                )
+        target, times = time_to_target({t: r["curve"] for t, r in runs.items()})
+        if target is not None and len(times) == 2:
+            ax.axhline(math.exp(target) if lm else target, color="0.5", lw=0.8, ls=":")
+            ax.set_title(
+                f"{task}: {times['grpc'] / times['shm']:.2f}× faster to the same {'perplexity' if lm else 'loss'}",
+                fontsize=9,
+            )
+        ax.set_xlabel("wall-clock time after the first step (s)")
+        ax.set_ylabel("perplexity (per character)" if lm else "training loss")
+        seed = "1.5-3.3x (Seq2Seq)" if lm else "1.2-2.6x (CIFAR)"
+        ax.text(0.98, 0.97, f"seed: {seed}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        ax.legend(fontsize=7, loc="center right")
+        ax.grid(True, alpha=0.3)
+    save_png(fig, path)
+
+
+def render(results: dict, out: Path) -> Section:
+    """The section (and convergence.png where a task ran) where convergence was measured; no targets."""
+    cv = results.get("convergence")
+    if not cv:
+        return [], []
+    lines, _ = table(cv)
+    if cv.get("tasks"):
+        plot(cv, out / "convergence.png")
+    intro = (
+        f"Seed: {SEED['convergence']}. {cv['workers']} workers, batch 32 per worker, "
+        "Adam; the same steps on the same data in both runs (so the same losses), so the speed-up is "
+        "the time per step. " + load_note(results, "convergence")
+    )
+    return section("Convergence", intro, lines, "convergence.png"), []

@@ -1,0 +1,216 @@
+"""The scale model's part of the report: its calibration, its predictions of every run measured here, and
+its projection to the seed's testbed and to larger clusters (docs/scale-model.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rdkeras.bench.figures.common import Section, Target, fmt_x, pyplot, save_png, size_table, step_parts
+from rdkeras.bench.labels import LABEL
+
+
+def _calibration(cal: dict) -> list[str]:
+    """Each transport's per-message and per-byte cost, its exchange against one transfer, and what one
+    collective cost beyond its transfers, by size."""
+    lines = [
+        "## Scale model",
+        "",
+        "Calibrated on this run's Send/Recv (per transport: the time of a transfer at each measured size, "
+        "interpolated between them; summarised below as a per-message cost a and a per-byte cost b, which the "
+        "projection uses), its exchange (both ways at once) and the Local runs' compute times; see "
+        "docs/scale-model.md.",
+        "",
+        "| transport | a (per message) | 1/b (per byte) |",
+        "|---|---|---|",
+    ]
+    for t, c in sorted(cal["transports"].items()):
+        lines.append(f"| {LABEL.get(t, t)} | {c['latency_us']:.1f} µs | {c['GBps']:.2f} GB/s |")
+    lines.append(f"| memcpy (reduction, assignment) | | {1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s |")
+    exchanges = []
+    for t, c in sorted(cal["transports"].items()):
+        one, two = dict(c["points"]), dict(c.get("exchange_points", []))
+        row = {x: f"{two[x] * 1e3:.2f} ms ({two[x] / one[x]:.2f}× one way)" for x in two if x in one}
+        if row:
+            exchanges.append(([LABEL.get(t, t)], row))
+    lines += size_table(
+        "What the predictions here use: an exchange, both ranks sending x bytes to each other at once (as in "
+        "every ring step and parameter-server push or pull), against one transfer of x bytes:",
+        ["transport"],
+        exchanges,
+    )
+    beyond = [
+        ([LABEL.get(t, t), "ring" if kind == "ring" else "PS"], {x: f"{y * 1e3:+.1f} ms" for x, y in points})
+        for t, c in sorted(cal["transports"].items())
+        for kind, points in c.get("beyond_transfers", {}).items()
+    ]
+    lines += size_table(
+        "What one collective between two workers took beyond its transfers and sums (measured, minus what the "
+        "exchange curve predicts for them: an RPC ring's concatenations and fresh arrays, the servers' copies); "
+        "the predictions add it, interpolated by gradient bytes (never below 0):",
+        ["transport", "collective"],
+        beyond,
+    )
+    return lines + _compute(cal)
+
+
+def _compute(cal: dict) -> list[str]:
+    computes = {m: c for m, c in cal.get("compute_seconds", {}).items() if c.get("all_cores") and m != "probe"}
+    if not computes:
+        return []
+    lines = [
+        "",
+        "Compute per step, one process alone and one per core at once (no communication). The predictions use "
+        "the compute each distributed run's own processes measured undistributed before and after it (the "
+        "validation's compute column), this table's second column where a run has none:",
+        "",
+        "| model | alone | every core at once | |",
+        "|---|---|---|---|",
+    ]
+    for m, c in computes.items():
+        alone, every = c["alone"], c["all_cores"]
+        lines.append(f"| {m} | {alone * 1e3:.1f} ms | {every * 1e3:.1f} ms | {every / alone:.2f}× |")
+    return lines
+
+
+def _validation(validation: list[dict]) -> list[str]:
+    if not validation:
+        return []
+    lines = [
+        "",
+        "Validation: every run measured here, predicted from the calibration alone.",
+        "",
+        "| model | mode | transport | workers | compute | measured s/step | predicted | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v in validation:
+        compute = f"{v['compute_s'] * 1e3:.1f} ms" if v.get("compute_s") else "–"
+        lines.append(
+            f"| {v['model']} | {v['mode']} | {LABEL.get(v['transport'], v['transport'])} | {v['workers']} | "
+            f"{compute} | {v['measured_s'] * 1e3:.1f} ms | {v['predicted_s'] * 1e3:.1f} ms | "
+            f"{v['error'] * 100:+.0f}% |"
+        )
+    return lines
+
+
+def _projection(sm: dict) -> list[str]:
+    if not sm.get("projections"):
+        return []
+    tb = sm["testbed"]
+    lines = [
+        "",
+        f"Projection to the seed's testbed: {tb['workers']} workers, {tb['gpu_tflops']} TFLOP/s GPUs at "
+        f"{tb['gpu_efficiency'] * 100:.0f}% of peak, {tb['link_gbps']:g} Gb/s RDMA, TCP at {tb['tcp_gbps']:g} "
+        f"Gb/s, {tb['memcpy_gb_per_s']:g} GB/s memcpy per core; the paper's model sizes. Per-worker "
+        "mini-batches/s, exchange after backprop (and overlapped):",
+        "",
+        "| model | mode | compute/step | rdkeras | RPC over RDMA | gRPC.TCP | rdkeras ÷ gRPC.TCP | "
+        "rdkeras ÷ RPC over RDMA | seed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in sm["projections"]:
+        r, o = p["rates"], p["rates_overlap"]
+        seed = "up to 21× / about 2× (over the three models)" if p["model"] in ("vgg16", "lstm", "fcn5") else ""
+        cells = " | ".join(f"{r[t]:.2f} ({o[t]:.2f})" if t in r else "–" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
+        xg = r["rdkeras"] / r["grpc_tcp"] if "grpc_tcp" in r else None
+        xr = r["rdkeras"] / r["rpc_rdma"] if "rpc_rdma" in r else None
+        lines.append(
+            f"| {p['model']} | {p['mode']} | {p['compute_s'] * 1e3:.0f} ms | {cells} | {fmt_x(xg)} | "
+            f"{fmt_x(xr, 2)} | {seed if p['mode'] == 'ps' else ''} |"
+        )
+    return lines
+
+
+def _sweep(sweeps: dict | None) -> list[str]:
+    if not sweeps:
+        return []
+    lines = [
+        "",
+        "Sweep (allreduce, exchange after backprop): per-worker mini-batches/s, rdkeras / RPC over RDMA / gRPC.TCP.",
+        "",
+        "| model | " + " | ".join(f"{r['workers']} workers" for r in next(iter(sweeps.values()))) + " |",
+        "|---|" + "---|" * len(next(iter(sweeps.values()))),
+    ]
+    for m, rows in sweeps.items():
+        cells = " | ".join(
+            " / ".join(f"{r['rates'].get(t, float('nan')):.2f}" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
+            for r in rows
+        )
+        lines.append(f"| {m} | {cells} |")
+    lines.append("")
+    return lines
+
+
+def tables(sm: dict) -> list[str]:
+    """The scale model's section: calibration, compute, validation, projection and sweep tables."""
+    return _calibration(sm["calibration"]) + _validation(sm["validation"]) + _projection(sm) + _sweep(sm.get("sweeps"))
+
+
+def plot(sm: dict, path: Path) -> None:
+    plt = pyplot()
+    sweeps = sm.get("sweeps", {})
+    fig, axes = plt.subplots(1, max(1, len(sweeps)), figsize=(4.2 * max(1, len(sweeps)), 3.8), squeeze=False)
+    for ax, (m, rows) in zip(axes[0], sweeps.items(), strict=False):
+        for t, label, color in (
+            ("rdkeras", "rdkeras (RDMA)", "tab:blue"),
+            ("rpc_rdma", "RPC over RDMA", "tab:purple"),
+            ("grpc_tcp", "gRPC.TCP", "tab:red"),
+        ):
+            pts = [(r["workers"], r["rates"][t]) for r in rows if t in r["rates"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers (P100 + 100 Gb/s IB each)")
+        ax.set_ylabel("mini-batches/s per worker")
+        ax.set_title(f"{m} (paper size), allreduce, projected", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+    save_png(fig, path)
+
+
+def why_scale_model(validation: list[dict], within: float) -> list[str]:
+    """Each run predicted outside `within`: its step as its own compute plus the rest, measured and predicted,
+    beside the spread of the same model's compute measured before its other groups of this run."""
+    out = []
+    for v in sorted(validation, key=lambda v: -abs(v["error"])):
+        if abs(v["error"]) <= within:
+            continue
+        # One compute a group of processes (a group's modes share it; rounds are groups of their own).
+        same = {w["compute_s"] for w in validation if (w["model"], w["workers"]) == (v["model"], v["workers"])}
+        parts = step_parts(v, ("blocked on peers", "RPC copies", "frames"), lambda x: f"{x * 1e3:.1f} ms")
+        out.append(
+            f"{v['model']} {v['mode']} {LABEL.get(v['transport'], v['transport'])}, {v['workers']} workers "
+            f"({v['error'] * 100:+.0f}%): measured {v['measured_s'] * 1e3:.1f} ms a step = "
+            f"{v['compute_s'] * 1e3:.1f} ms compute + {(v['measured_s'] - v['compute_s']) * 1e3:.1f} ms beyond it"
+            f"{f' ({parts})' if parts else ''}; "
+            f"predicted {(v['predicted_s'] - v['compute_s']) * 1e3:.1f} ms beyond it; this model's compute, "
+            f"measured so before each of its {len(same)} groups of {v['workers']} workers in this run: "
+            f"{min(same) * 1e3:.1f}-{max(same) * 1e3:.1f} ms."
+        )
+    return out
+
+
+def _target(validation: list[dict]) -> Target:
+    """The runs measured here predicted within 25%: the worst run and the median error."""
+    worst_run = max(validation, key=lambda v: abs(v["error"]))
+    worst = abs(worst_run["error"])
+    median = sorted(abs(v["error"]) for v in validation)[len(validation) // 2]
+    return Target(
+        "scale model predicts the runs measured here within 25%",
+        worst <= 0.25,
+        f"worst {worst * 100:.0f}% ({worst_run['model']} {worst_run['mode']} "
+        f"{LABEL.get(worst_run['transport'], worst_run['transport'])}, {worst_run['workers']} workers), "
+        f"median {median * 100:.0f}%",
+        why_scale_model(validation, 0.25),
+    )
+
+
+def render(results: dict, out: Path) -> Section:
+    """The section (and scale.png where it swept cluster sizes) where the scale model was calibrated."""
+    sm = results.get("scale_model")
+    if not sm or "validation" not in sm:
+        return [], []
+    lines = tables(sm)
+    if sm.get("sweeps"):
+        plot(sm, out / "scale.png")
+        lines += ["![Scale model](scale.png)", ""]
+    return lines, [_target(sm["validation"])] if sm["validation"] else []
