@@ -182,6 +182,19 @@ def run_local(
     )
 
 
+def call_command(target: str, kwargs: dict | None = None) -> list[str]:
+    """The command that calls ``module:function(**kwargs)`` in a fresh interpreter and prints what it returned
+    (JSON) where :func:`run_workers` reads it into ``RankResult.value``."""
+    module, func = target.split(":")
+    code = (
+        "import json, sys, importlib\n"
+        f"fn = getattr(importlib.import_module({module!r}), {func!r})\n"
+        "value = fn(**json.loads(sys.argv[1]))\n"
+        f"print({_RESULT_MARK!r} + json.dumps(value), flush=True)\n"
+    )
+    return [sys.executable, "-c", code, json.dumps(kwargs or {})]
+
+
 def spawn_call(
     target: str,
     world_size: int,
@@ -197,15 +210,8 @@ def spawn_call(
 
     Raises nothing itself: inspect ``returncode`` and ``output``. (Tests and benchmarks use this.)
     """
-    module, func = target.split(":")
-    code = (
-        "import json, sys, importlib\n"
-        f"fn = getattr(importlib.import_module({module!r}), {func!r})\n"
-        "value = fn(**json.loads(sys.argv[1]))\n"
-        f"print({_RESULT_MARK!r} + json.dumps(value), flush=True)\n"
-    )
     return run_local(
-        [sys.executable, "-c", code, json.dumps(kwargs or {})],
+        call_command(target, kwargs),
         Job(world_size),
         env=env,
         per_rank_env=per_rank_env,

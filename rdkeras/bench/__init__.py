@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import secrets
-import sys
 from typing import Any
 
 
@@ -39,12 +37,6 @@ def run_ranks_on_hosts(
     hosts): the first half on ``hosts[0]``, where rank 0 serves the rendezvous, the rest on ``hosts[1]``."""
     from rdkeras import launch
 
-    code = (
-        "import json, sys, importlib\n"
-        f"module, func = {target!r}.split(':')\n"
-        "value = getattr(importlib.import_module(module), func)(**json.loads(sys.argv[1]))\n"
-        f"print({launch._RESULT_MARK!r} + json.dumps(value), flush=True)\n"
-    )
     port, token = 29400 + secrets.randbelow(2000), secrets.token_hex(16)  # a fresh namespace has every port free
     per_host = -(-world_size // len(hosts))
     commands, envs = [], []
@@ -63,5 +55,5 @@ def run_ranks_on_hosts(
                 local_world_size=per_host,
             )
         )
-        commands.append(host.command([sys.executable, "-c", code, json.dumps(kwargs)]))
+        commands.append(host.command(launch.call_command(target, kwargs)))
     return _checked(bench, label, launch.run_workers(commands, envs, timeout=timeout))

@@ -66,12 +66,12 @@ def _compile(model: Any) -> Any:
 
 
 def _fit_seconds(model: Any, batch: int, steps: int, warmup: int = 3) -> float:
-    from rdkeras.bench.workloads import _timed_fit
+    from rdkeras.bench.workloads import timed_fit
 
     rng = np.random.default_rng(0)
     x = rng.random((batch * (steps + warmup), model.input_shape[-1]), dtype=np.float32)
     y = rng.integers(0, 10, len(x))
-    return _timed_fit(model, x, y, batch, warmup)["step_seconds"]
+    return timed_fit(model, x, y, batch, warmup)["step_seconds"]
 
 
 def _toward(timed: dict[int, float], goal: float) -> int:

@@ -134,7 +134,7 @@ def next_job(strategy: Any, i: int) -> None:
     os.environ["RDKERAS_MASTER_PORT"] = port.decode()
 
 
-def _timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
+def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
     """fit() once over (x, y); the steps after `warmup` are timed, with the engine's traffic over them.
 
     ``step_seconds`` is the median step (from one batch's end to the next): robust to the bursts of other
@@ -231,7 +231,7 @@ def throughput_rank(
                 model = _compiled(run["config"])
             warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
             x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
-            timed = _timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
+            timed = timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
             params = int(model.count_params())
             results.append(
                 {
@@ -270,7 +270,7 @@ def _compute_seconds(runs: list[dict[str, Any]], warmup: int, steps: int) -> dic
         model = _compiled(run["config"])
         warm, timed_steps = run.get("warmup", warmup), max(3, run.get("steps", steps) // 2)
         x, y = synthetic_data(model, run["batch"] * (warm + timed_steps))
-        compute[run["model"]] = _timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
+        compute[run["model"]] = timed_fit(model, x, y, run["batch"], warm)["step_seconds"]
         del model, x, y
         gc.collect()
     return compute
