@@ -1,4 +1,5 @@
-// The only binding file: a thin pybind11 face over csrc/engine. Buffers go in
+// The only binding file: a thin pybind11 face over csrc/engine (and, in the
+// submodule bench, csrc/bench's timed loops). Buffers go in
 // through the buffer protocol (numpy, memoryview, DLPack-backed arrays) and come
 // out as numpy arrays over engine memory that keep that memory alive. Every
 // call that can wait releases the GIL.
@@ -8,7 +9,7 @@
 
 #include <cstring>
 
-#include "engine/bench_loops.h"
+#include "bench/bench_loops.h"
 #include "engine/channel.h"
 #include "engine/collectives.h"
 #include "engine/copy.h"
@@ -397,15 +398,20 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("arrays"), py::arg("average") = false);
 
-  m.def("ping_pong", &pingPong, py::arg("tx"), py::arg("rx"), py::arg("iterations"), py::arg("initiator"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("send_many", [](StaticChannel& tx, const py::buffer& data, int iterations) {
+  // The benchmarks' timed loops in a submodule of their own, so the module's top level is the engine's;
+  // registered in sys.modules too, so `import rdkeras._engine.bench` (and stubtest) finds it.
+  py::module_ loops =
+      m.def_submodule("bench", "Timed loops over static channels for the benchmarks (rdkeras.bench).");
+  py::module_::import("sys").attr("modules")[loops.attr("__name__")] = loops;
+  loops.def("ping_pong", &bench::pingPong, py::arg("tx"), py::arg("rx"), py::arg("iterations"),
+            py::arg("initiator"), py::call_guard<py::gil_scoped_release>());
+  loops.def("send_many", [](StaticChannel& tx, const py::buffer& data, int iterations) {
     Span s = span(data, false);
     if (s.size != tx.nbytes()) throw py::value_error("data size differs from the channel's message size");
     py::gil_scoped_release nogil;
-    return sendMany(tx, s.ptr, iterations);
+    return bench::sendMany(tx, s.ptr, iterations);
   });
-  m.def("recv_many", &recvMany, py::call_guard<py::gil_scoped_release>());
+  loops.def("recv_many", &bench::recvMany, py::call_guard<py::gil_scoped_release>());
   m.def(
       "memcpy",
       [](const py::buffer& dst, const py::buffer& src, bool nontemporal) {

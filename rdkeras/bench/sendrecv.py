@@ -114,7 +114,7 @@ def rank_main(
     """Runs inside each of the two ranks; rank 0 (the sender) returns the timings (`collectives`: the ring
     and the parameter servers at these sizes too)."""
     import rdkeras
-    from rdkeras import _engine
+    from rdkeras._engine import bench as loops
 
     rounds = 5 if quick else 7
     native = transport in NATIVE
@@ -147,7 +147,7 @@ def rank_main(
                     t0 = time.perf_counter()
                     if sender:
                         if native and mode == "static":
-                            _engine.send_many(ch.channel, src, iters)  # type: ignore[arg-type]
+                            loops.send_many(ch.channel, src, iters)  # type: ignore[arg-type]
                         else:
                             for _ in range(iters):
                                 ch.send(src)
@@ -155,7 +155,7 @@ def rank_main(
                         times.append((time.perf_counter() - t0) / iters)
                     else:
                         if native and mode == "static":
-                            _engine.recv_many(ch.channel, iters)
+                            loops.recv_many(ch.channel, iters)
                         else:
                             for _ in range(iters):
                                 last = ch.recv()
@@ -199,7 +199,7 @@ def rank_main(
             for r in range(rounds + 1):
                 eng.barrier(f"lat-{size}-{r}")
                 if native:
-                    seconds = _engine.ping_pong(tx.channel, rx.channel, iters, sender)
+                    seconds = loops.ping_pong(tx.channel, rx.channel, iters, sender)
                 else:
                     t0 = time.perf_counter()
                     for _ in range(iters):

@@ -1,10 +1,12 @@
-// Timed loops over static channels for the benchmarks (rdkeras.bench): timing in
-// C++ keeps the Python call overhead out of latency and bandwidth figures.
+// Timed loops over static channels for the benchmarks (rdkeras.bench, bound as
+// rdkeras._engine.bench): timing in C++ keeps the Python call overhead out of
+// latency and bandwidth figures. Not part of the engine's library (rdkeras_core):
+// only the Python module links them.
 #pragma once
 
 #include "engine/channel.h"
 
-namespace rdkeras {
+namespace rdkeras::bench {
 
 // Round trips of `tx`/`rx` messages, timed in C++ (for latency benchmarks):
 // the initiator sends then receives, the other side receives then sends.
@@ -14,4 +16,4 @@ double pingPong(StaticChannel& tx, StaticChannel& rx, int iterations, bool initi
 double sendMany(StaticChannel& tx, const void* data, int iterations);
 double recvMany(StaticChannel& rx, int iterations);
 
-}  // namespace rdkeras
+}  // namespace rdkeras::bench

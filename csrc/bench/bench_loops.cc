@@ -1,10 +1,10 @@
-#include "engine/bench_loops.h"
+#include "bench/bench_loops.h"
 
 #include <algorithm>
 
 #include "engine/tensor_tracker.h"
 
-namespace rdkeras {
+namespace rdkeras::bench {
 
 double pingPong(StaticChannel& tx, StaticChannel& rx, int iterations, bool initiator) {
   // The message lives in registered memory, as an RDMA source must.
@@ -40,4 +40,4 @@ double recvMany(StaticChannel& rx, int iterations) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-}  // namespace rdkeras
+}  // namespace rdkeras::bench
