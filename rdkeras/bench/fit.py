@@ -207,6 +207,16 @@ def run_model_parallel(args: argparse.Namespace) -> int:
                 if r is None:
                     return 1
                 rows.append({**r, "transport": t, "split": split, "micro": micro})
+    _print_model_parallel(rows, alone, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fit_model_parallel.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out / 'fit_model_parallel.json'}")
+    return 0
+
+
+def _print_model_parallel(rows: list[dict], alone: dict, args: argparse.Namespace) -> None:
+    """Each pipeline configuration's rate against one process alone and against gRPC at the same cut."""
     print(
         f"\nmodel-parallel model.fit: VGG-16 {args.image_size}x{args.image_size}, width x{args.width} "
         f"({alone['params'] / 1e6:.1f} M params), pipeline batch {args.batch_size}, 2 workers pinned to one core each"
@@ -227,11 +237,6 @@ def run_model_parallel(args: argparse.Namespace) -> int:
         print(
             f"{r['config']:<48} {r.get('edge', '-'):<34} {r['rate']:>9.2f} {r['rate'] / alone['rate']:>11.2f} {xg:>7}"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fit_model_parallel.json").write_text(json.dumps(rows, indent=1))
-    print(f"\nwrote {out / 'fit_model_parallel.json'}")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -278,6 +283,17 @@ def run(args: argparse.Namespace) -> int:
             }
         )
 
+    _print_data_parallel(rows, width, hidden, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fit.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out / 'fit.json'}")
+    return 0
+
+
+def _print_data_parallel(rows: list[dict], width: int, hidden: int, args: argparse.Namespace) -> None:
+    """Each configuration's per-worker rate against one worker, N independent ones and gRPC; the targets."""
+    n = args.workers
     rate = {r["transport"]: r["per_worker_batches_per_s"] for r in rows}
     params = rows[0]["params"]
     print(
@@ -298,8 +314,3 @@ def run(args: argparse.Namespace) -> int:
             f"({rate['shm'] / rate['independent']:.2f} x {n} independent workers sharing this host)"
         )
         print(f"  [{'met' if speedup >= 3 else 'MISSED'}] rdkeras shm >= 3 x grpc: {speedup:.1f}x")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fit.json").write_text(json.dumps(rows, indent=1))
-    print(f"\nwrote {out / 'fit.json'}")
-    return 0

@@ -82,6 +82,33 @@ def _toward(timed: dict[int, float], goal: float) -> int:
     return int(math.ceil(max(16.0, b0 + (goal - t0) / per_example) / 16) * 16)
 
 
+def _propose_batch(model: Any, steps: int, goal: float) -> tuple[float, dict[str, Any]]:
+    """The batch whose step this process computes in `goal` seconds, from its times at two batch sizes and
+    then at the one they point to; and those times."""
+    t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
+    # Then once more through the batch that proposes: the time per example changes with the batch as
+    # activations outgrow the caches (one line from 256 and 1024 rows to ~4000 was a third off either way).
+    first = _toward(t, goal)
+    t[first] = _fit_seconds(model, first, max(3, steps // 2))
+    return float(_toward(t, goal)), {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
+
+
+def _comm_alone(strategy: Any, model: Any, bucket_bytes: int, steps: int) -> tuple[float, int]:
+    """The median time of one step's bucketed ring allreduces without the model (after two), and the buckets."""
+    from rdkeras.parallel import collectives
+
+    grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
+    coll = strategy.collectives
+    buckets = collectives.reverse_buckets([a.nbytes for a in grads], bucket_bytes)
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        for b, members in enumerate(buckets):
+            coll.allreduce([grads[i] for i in members], True, purpose=f"grads{b}")
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:])), len(buckets)
+
+
 def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width: int = WIDTH) -> dict:
     """Inside each of the two workers (see the module docstring). `batch` 0: the per-worker batch is chosen
     here, from this process's own compute times at two batch sizes and the one they point to, so that one
@@ -101,14 +128,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     gradient_bytes = sum(tensor_bytes(model))
     proposal = float(batch)
     if not batch:
-        goal = gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE
-        t = {b: _fit_seconds(model, b, max(3, steps // 2)) for b in (BATCH, 4 * BATCH)}
-        # Then once more through the batch that proposes: the time per example changes with the batch as
-        # activations outgrow the caches (one line from 256 and 1024 rows to ~4000 was a third off either way).
-        first = _toward(t, goal)
-        t[first] = _fit_seconds(model, first, max(3, steps // 2))
-        proposal = float(_toward(t, goal))
-        out["calibration"] = {"compute_s": {str(b): v for b, v in t.items()}, "goal_compute_s": goal}
+        proposal, out["calibration"] = _propose_batch(model, steps, gradient_bytes * 8 / rate_bits / TARGET_COMM_SHARE)
     jobs = iter(range(10))
     strategy = rdkeras.RDMAStrategy()
     (agreed,) = strategy.collectives.allreduce([np.array([proposal, -proposal])], average=False)
@@ -121,17 +141,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
         strategy = rdkeras.RDMAStrategy(mode=mode)
         workers = strategy.num_workers
         if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
-            grads = [np.zeros(w.shape, np.float32) for w in model.trainable_weights]
-            coll = strategy.collectives
-            buckets = collectives.reverse_buckets([a.nbytes for a in grads], bucket_bytes)
-            times = []
-            for _ in range(steps + 2):
-                t0 = time.perf_counter()
-                for b, members in enumerate(buckets):
-                    coll.allreduce([grads[i] for i in members], True, purpose=f"grads{b}")
-                times.append(time.perf_counter() - t0)
-            out["comm_s"] = float(np.median(times[2:]))
-            out["buckets"] = len(buckets)
+            out["comm_s"], out["buckets"] = _comm_alone(strategy, model, bucket_bytes, steps)
         for _trial in range(2):
             for label, bucket in (("sequential", 0), ("overlapped", bucket_bytes)):
                 strategy.overlap_bytes = bucket

@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras.bench.figures.common import fmt_size
+from rdkeras.bench.figures.sendrecv import plot_rows
+
 MB = 1 << 20
 BANDWIDTH_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
 LATENCY_SIZES = [8, 64, 512, 4096, 65536]
@@ -114,7 +117,6 @@ def rank_main(
     """Runs inside each of the two ranks; rank 0 (the sender) returns the timings (`collectives`: the ring
     and the parameter servers at these sizes too)."""
     import rdkeras
-    from rdkeras._engine import bench as loops
 
     rounds = 5 if quick else 7
     native = transport in NATIVE
@@ -123,109 +125,126 @@ def rank_main(
         _pin(eng.rank)
         sender = eng.rank == 0
         done = eng.static_channel("done", 1, 0, (1,), np.uint8)  # "all received": the clock stops
-        modes = ["static", "dynamic"] if native else ["rpc"]
-        for mode in modes:
+        for mode in ["static", "dynamic"] if native else ["rpc"]:
             for size in sizes:
-                iters = _iterations(size, transport, quick)
-                name = f"{mode}-{size}"
-                ch: Any  # a static or dynamic channel; the static one's backend end is timed in C++
-                if mode == "dynamic":
-                    ch = eng.dynamic_channel(name, 0, 1)
-                else:
-                    ch = eng.static_channel(name, 0, 1, (size,), np.uint8)
-                src = eng.empty(size) if native else np.empty(size, np.uint8)
-                src[:] = 7
-                # memcpy rounds interleave with transfer rounds, so both see the same machine.
-                with_memcpy = sender and native and mode == "static"
-                copy_dst = np.zeros(size, np.uint8) if with_memcpy else None
-                times, glibc, stream = [], [], []
-                for r in range(rounds + 1):  # round 0 warms up (page faults, pool)
-                    if with_memcpy:
-                        glibc.append(_memcpy_seconds(src, copy_dst, iters, False))
-                        stream.append(_memcpy_seconds(src, copy_dst, iters, True))
-                    eng.barrier(f"{name}-{r}")
-                    t0 = time.perf_counter()
-                    if sender:
-                        if native and mode == "static":
-                            loops.send_many(ch.channel, src, iters)  # type: ignore[arg-type]
-                        else:
-                            for _ in range(iters):
-                                ch.send(src)
-                        done.recv()
-                        times.append((time.perf_counter() - t0) / iters)
-                    else:
-                        if native and mode == "static":
-                            loops.recv_many(ch.channel, iters)
-                        else:
-                            for _ in range(iters):
-                                last = ch.recv()
-                            assert last[0] == 7 and last[-1] == 7, "payload corrupted"
-                        done.send(np.zeros(1, np.uint8))
-                if sender:
-                    out["bandwidth"].append([mode, size, statistics.median(times[1:])])
-                if with_memcpy:
-                    out["memcpy"].append([size, statistics.median(glibc[1:])])
-                    out["memcpy_nt"].append([size, statistics.median(stream[1:])])
-                if mode == "dynamic" and sender:
-                    ch.flush()
-                del ch, src, copy_dst
+                _one_way(eng, done, mode, size, _iterations(size, transport, quick), rounds, native, out)
         # Exchange: both ranks send a message to each other at once, as every rank does in a ring step or a
         # parameter-server push/pull; RPC's serialize and parse then share each core with the other side's.
         for size in sizes:
-            tx, rx = _pair(eng, "exchange", size)
-            iters = _iterations(size, transport, quick)
-            msg = eng.empty(size) if native else np.empty(size, np.uint8)
-            msg[:] = 7
-            times = []
-            for r in range(rounds + 1):
-                eng.barrier(f"x-{size}-{r}")
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    tx.send(msg)
-                    got = rx.recv()
-                times.append((time.perf_counter() - t0) / iters)
-                assert got[0] == 7 and got[-1] == 7, "payload corrupted"
-            if sender:
-                out["exchange"].append([size, statistics.median(times[1:])])
-            del tx, rx, msg, got
+            _exchange(eng, size, _iterations(size, transport, quick), rounds, native, out)
         if collectives:
             out.update(_collectives(eng, collectives, 3))
         # One-way latency: ping-pong over a pair of static channels.
         for size in latency_sizes:
-            tx, rx = _pair(eng, "ping", size)
             iters = {"shm": 2000, "tcp": 2000, "rpc+shm": 500, "rpc+tcp": 500}.get(transport, 50)  # verbs: a VM
-            msg = np.ones(size, np.uint8)
-            best = float("inf")
-            for r in range(rounds + 1):
-                eng.barrier(f"lat-{size}-{r}")
-                if native:
-                    seconds = loops.ping_pong(tx.channel, rx.channel, iters, sender)
-                else:
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        if sender:
-                            tx.send(msg)
-                            rx.recv()
-                        else:
-                            rx.recv()
-                            tx.send(msg)
-                    seconds = time.perf_counter() - t0
-                if r:
-                    best = min(best, seconds / iters / 2)
-            if sender:
-                out["latency"].append([size, best])
+            _latency(eng, size, iters, rounds, native, out)
     return out if sender else {}
+
+
+def _one_way(
+    eng: Any, done: Any, mode: str, size: int, iters: int, rounds: int, native: bool, out: dict[str, Any]
+) -> None:
+    """`iters` messages of `size` bytes from rank 0 to rank 1 a round, over a channel of `mode`; on rank 0
+    the median round's time per message, and single-core memcpy's of the same size between the rounds."""
+    from rdkeras._engine import bench as loops
+
+    sender = eng.rank == 0
+    name = f"{mode}-{size}"
+    ch: Any  # a static or dynamic channel; the static one's backend end is timed in C++
+    if mode == "dynamic":
+        ch = eng.dynamic_channel(name, 0, 1)
+    else:
+        ch = eng.static_channel(name, 0, 1, (size,), np.uint8)
+    src = eng.empty(size) if native else np.empty(size, np.uint8)
+    src[:] = 7
+    # memcpy rounds interleave with transfer rounds, so both see the same machine.
+    with_memcpy = sender and native and mode == "static"
+    copy_dst = np.zeros(size, np.uint8) if with_memcpy else None
+    times, glibc, stream = [], [], []
+    for r in range(rounds + 1):  # round 0 warms up (page faults, pool)
+        if with_memcpy:
+            glibc.append(_memcpy_seconds(src, copy_dst, iters, False))
+            stream.append(_memcpy_seconds(src, copy_dst, iters, True))
+        eng.barrier(f"{name}-{r}")
+        t0 = time.perf_counter()
+        if sender:
+            if native and mode == "static":
+                loops.send_many(ch.channel, src, iters)  # type: ignore[arg-type]
+            else:
+                for _ in range(iters):
+                    ch.send(src)
+            done.recv()
+            times.append((time.perf_counter() - t0) / iters)
+        else:
+            if native and mode == "static":
+                loops.recv_many(ch.channel, iters)
+            else:
+                for _ in range(iters):
+                    last = ch.recv()
+                assert last[0] == 7 and last[-1] == 7, "payload corrupted"
+            done.send(np.zeros(1, np.uint8))
+    if sender:
+        out["bandwidth"].append([mode, size, statistics.median(times[1:])])
+    if with_memcpy:
+        out["memcpy"].append([size, statistics.median(glibc[1:])])
+        out["memcpy_nt"].append([size, statistics.median(stream[1:])])
+    if mode == "dynamic" and sender:
+        ch.flush()
+
+
+def _exchange(eng: Any, size: int, iters: int, rounds: int, native: bool, out: dict[str, Any]) -> None:
+    """Both ranks send `size` bytes to each other at once, `iters` times a round; rank 0 records the median
+    round's time per exchange."""
+    tx, rx = _pair(eng, "exchange", size)
+    msg = eng.empty(size) if native else np.empty(size, np.uint8)
+    msg[:] = 7
+    times = []
+    for r in range(rounds + 1):
+        eng.barrier(f"x-{size}-{r}")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            tx.send(msg)
+            got = rx.recv()
+        times.append((time.perf_counter() - t0) / iters)
+        assert got[0] == 7 and got[-1] == 7, "payload corrupted"
+    if eng.rank == 0:
+        out["exchange"].append([size, statistics.median(times[1:])])
+
+
+def _latency(eng: Any, size: int, iters: int, rounds: int, native: bool, out: dict[str, Any]) -> None:
+    """One-way latency of `size`-byte messages: the best round's ping-pong time / 2 (timed in C++ over the
+    native transports)."""
+    from rdkeras._engine import bench as loops
+
+    sender = eng.rank == 0
+    tx, rx = _pair(eng, "ping", size)
+    msg = np.ones(size, np.uint8)
+    best = float("inf")
+    for r in range(rounds + 1):
+        eng.barrier(f"lat-{size}-{r}")
+        if native:
+            seconds = loops.ping_pong(tx.channel, rx.channel, iters, sender)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                if sender:
+                    tx.send(msg)
+                    rx.recv()
+                else:
+                    rx.recv()
+                    tx.send(msg)
+            seconds = time.perf_counter() - t0
+        if r:
+            best = min(best, seconds / iters / 2)
+    if sender:
+        out["latency"].append([size, best])
 
 
 def _engine_threshold() -> str:
     from rdkeras import options
 
     t = options.from_env().transport_options.nt_threshold  # what the benchmark's engines were given
-    return "never" if t == 0 else _fmt_size(t)
-
-
-def _fmt_size(n: int) -> str:
-    return f"{n // MB} MB" if n >= MB else f"{n // 1024} KB" if n >= 1024 else f"{n} B"
+    return "never" if t == 0 else fmt_size(t)
 
 
 def measure(
@@ -326,17 +345,30 @@ def run(args: argparse.Namespace) -> int:
         xg = f"{row['x_grpc']:.1f}" if row["x_grpc"] is not None else "-"
         xr = f"{row['x_rpc']:.2f}" if row["x_rpc"] is not None else "-"
         print(
-            f"{row['transport']:<9} {row['mode']:<8} {_fmt_size(row['bytes']):>7} {row['seconds'] * 1e3:>12.3f} "
+            f"{row['transport']:<9} {row['mode']:<8} {fmt_size(row['bytes']):>7} {row['seconds'] * 1e3:>12.3f} "
             f"{row['GBps']:>7.2f} {xm:>9} {xg:>8} {xr:>6}"
         )
 
     print("\nOne-way latency (ping-pong / 2), static channels")
     lat_sizes = latency_sizes
-    print(f"{'transport':<9} " + " ".join(f"{_fmt_size(s):>9}" for s in lat_sizes))
+    print(f"{'transport':<9} " + " ".join(f"{fmt_size(s):>9}" for s in lat_sizes))
     for t, r in results.items():
         lat = dict((s, sec) for s, sec in r["latency"])
         print(f"{t:<9} " + " ".join(f"{lat[s] * 1e6:>7.2f}us" for s in lat_sizes))
 
+    _print_targets(rows, results)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    latency = {t: r["latency"] for t, r in results.items()}
+    (out / "sendrecv.json").write_text(json.dumps({"rows": rows, "latency": latency, "quick": args.quick}, indent=1))
+    plot_rows(rows, out / "sendrecv.png")
+    print(f"\nwrote {out / 'sendrecv.json'} and {out / 'sendrecv.png'}")
+    return 0
+
+
+def _print_targets(rows: list[dict], results: dict[str, dict]) -> None:
+    """The benchmark's own targets: shm static against memcpy and gRPC, and shm's 8-byte latency."""
     targets = []
     shm_static = [x for x in rows if x["transport"] == "shm" and x["mode"] == "static" and x["x_memcpy"]]
     if shm_static:
@@ -345,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
             (
                 "shm static >= 0.85 x memcpy at 1-256 MB",
                 worst["x_memcpy"] >= 0.85,
-                f"worst {worst['x_memcpy']:.2f} at {_fmt_size(worst['bytes'])}",
+                f"worst {worst['x_memcpy']:.2f} at {fmt_size(worst['bytes'])}",
             )
         )
         at64 = next((x for x in shm_static if x["bytes"] == 64 * MB and x["x_grpc"]), None)
@@ -358,46 +390,3 @@ def run(args: argparse.Namespace) -> int:
         print("\nTargets")
         for what, ok, detail in targets:
             print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    latency = {t: r["latency"] for t, r in results.items()}
-    (out / "sendrecv.json").write_text(json.dumps({"rows": rows, "latency": latency, "quick": args.quick}, indent=1))
-    _plot(rows, out / "sendrecv.png")
-    print(f"\nwrote {out / 'sendrecv.json'} and {out / 'sendrecv.png'}")
-    return 0
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    series: dict[str, list] = {}
-    for row in rows:
-        series.setdefault(f"{row['transport']} {row['mode']}".replace("grpc rpc", "gRPC"), []).append(row)
-    for label, pts in sorted(series.items()):
-        pts.sort(key=lambda x: x["bytes"])
-        style: dict[str, Any] = (
-            {"linestyle": "--" if "glibc" in label else ":", "color": "k"}
-            if label.startswith("memcpy")
-            else {"marker": "o"}
-        )
-        ax.plot([p["bytes"] / MB for p in pts], [p["seconds"] * 1e3 for p in pts], label=label, **style)
-    ax.set_xscale("log", base=2)
-    ticks = sorted({r["bytes"] / MB for r in rows})
-    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (MB)")
-    ax.set_ylabel("time per transfer (ms)")
-    ax.set_title("Send/Recv between two processes")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -186,6 +186,43 @@ def _compiled(config: dict[str, Any]) -> Any:
     return model
 
 
+def _mode_groups(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Consecutive runs of one data-parallel mode, in order (each group shares one RDMAStrategy)."""
+    groups: list[list[dict[str, Any]]] = []
+    for run in runs:
+        if groups and groups[-1][0]["mode"] == run["mode"]:
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    return groups
+
+
+def _time_run(
+    run: dict[str, Any], strategy: Any, workers: int, transport: str, warmup: int, steps: int
+) -> dict[str, Any]:
+    """One run: its model compiled (under `strategy` where distributed), fit timed, and what it measured."""
+    if strategy:  # read when the model is attached (None: the transport's default)
+        strategy.overlap_bytes = run.get("overlap")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = _compiled(run["config"])
+    warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
+    x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
+    timed = timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
+    params = int(model.count_params())
+    return {
+        **{k: v for k, v in run.items() if k != "config"},
+        **timed,
+        "rate": 1.0 / timed["step_seconds"],
+        "params": params,
+        "gradient_bytes": sum(tensor_bytes(model)),
+        "tensors": len(model.trainable_weights),
+        "tensor_bytes": tensor_bytes(model),
+        "forward_flops": forward_flops(model),
+        "workers": workers,
+        "transport": transport,
+    }
+
+
 def throughput_rank(
     runs: list[dict[str, Any]],
     distributed: bool,
@@ -212,12 +249,7 @@ def throughput_rank(
     import rdkeras
 
     results: list[dict[str, Any]] = []
-    groups: list[list[dict[str, Any]]] = []
-    for run in runs:
-        if groups and groups[-1][0]["mode"] == run["mode"]:
-            groups[-1].append(run)
-        else:
-            groups.append([run])
+    groups = _mode_groups(runs)
     before = _compute_seconds(runs, warmup, steps) if distributed and compute_around else {}
     transport = "none"
     for g, group in enumerate(groups):
@@ -225,29 +257,7 @@ def throughput_rank(
         workers = strategy.num_workers if strategy else 1
         transport = strategy.transport if strategy else "none"
         for run in group:
-            if strategy:  # read when the model is attached (None: the transport's default)
-                strategy.overlap_bytes = run.get("overlap")
-            with strategy.scope() if strategy else contextlib.nullcontext():
-                model = _compiled(run["config"])
-            warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
-            x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
-            timed = timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
-            params = int(model.count_params())
-            results.append(
-                {
-                    **{k: v for k, v in run.items() if k != "config"},
-                    **timed,
-                    "rate": 1.0 / timed["step_seconds"],
-                    "params": params,
-                    "gradient_bytes": sum(tensor_bytes(model)),
-                    "tensors": len(model.trainable_weights),
-                    "tensor_bytes": tensor_bytes(model),
-                    "forward_flops": forward_flops(model),
-                    "workers": workers,
-                    "transport": transport,
-                }
-            )
-            del model, x, y
+            results.append(_time_run(run, strategy, workers, transport, warmup, steps))
             gc.collect()
         if strategy:
             if g + 1 < len(groups):

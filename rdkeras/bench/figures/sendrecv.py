@@ -103,6 +103,42 @@ def plot(sr: dict, path: Path) -> None:
     save_png(fig, path)
 
 
+def plot_rows(rows: list[dict], path: Path) -> None:
+    """`bench sendrecv`'s own plot: every (transport, mode) of its rows, memcpy dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    series: dict[str, list] = {}
+    for row in rows:
+        series.setdefault(f"{row['transport']} {row['mode']}".replace("grpc rpc", "gRPC"), []).append(row)
+    for label, pts in sorted(series.items()):
+        pts.sort(key=lambda x: x["bytes"])
+        style: dict[str, Any] = (
+            {"linestyle": "--" if "glibc" in label else ":", "color": "k"}
+            if label.startswith("memcpy")
+            else {"marker": "o"}
+        )
+        ax.plot([p["bytes"] / MB for p in pts], [p["seconds"] * 1e3 for p in pts], label=label, **style)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["bytes"] / MB for r in rows})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (MB)")
+    ax.set_ylabel("time per transfer (ms)")
+    ax.set_title("Send/Recv between two processes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def render(results: dict, out: Path) -> Section:
     """The section (and sendrecv.png) where Send/Recv was measured; its targets at 64 MB."""
     sr = results.get("sendrecv")
