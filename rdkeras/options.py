@@ -130,6 +130,7 @@ def log_level(env: Mapping[str, str] | None = None) -> str | None:
     return env.get("RDKERAS_LOG", "").strip() or None
 
 
-def quiet_tensorflow_logs() -> None:
-    """Hides TensorFlow's C++ start-up INFO and WARNING lines (unless the user chose a level)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def quiet_tensorflow_logs(level: int = 2) -> None:
+    """Hides TensorFlow's C++ start-up lines below `level` (2: INFO and WARNING; 3: errors too), unless the
+    user chose a level; processes started from this one inherit it."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", str(level))

@@ -49,6 +49,8 @@ class RDMAStrategy:
             (0: one exchange after the backward pass; None: the transport's default -- off where this
             process's own cores move the bytes, 4 MiB elsewhere). Also settable later, for models
             attached afterwards.
+        cluster: where this process sits in the job (default: :func:`rdkeras.cluster.resolve`, from the
+            environment), as tf.distribute's strategies take a ``cluster_resolver``.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class RDMAStrategy:
         stages: int | None = None,
         global_batch: bool = True,
         overlap_bytes: int | None = None,
+        cluster: cluster_lib.Cluster | None = None,
     ):
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
@@ -70,7 +73,7 @@ class RDMAStrategy:
         mode = mode or settings.data_mode
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
         keras_internals.check()
-        c = cluster_lib.resolve()
+        c = cluster_lib.resolve() if cluster is None else cluster
         self.cluster = c
         check_settings(parallelism, mode, placement, micro_batches, c.world_size)
         self.engine = Engine(

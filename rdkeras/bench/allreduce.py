@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rdkeras import cluster, options
+
 MB = 1 << 20
 SIZES = [1 * MB, 4 * MB, 16 * MB, 40 * MB, 64 * MB]
 LABEL = {
@@ -47,17 +49,18 @@ def _iters(backend: str, size: int, quick: bool) -> int:
     return int(np.clip((0.1 if quick else 0.4) * speed / size, 2, 50))
 
 
-def rank_main(backend: str, sizes: list[int], quick: bool) -> dict:
+def rank_main(backend: str, sizes: list[int], quick: bool, gloo_port: int = 0) -> dict:
     """Runs in each worker; rank 0 returns median seconds per allreduce for every size."""
     rounds = 3 if quick else 5
-    rank = int(os.environ["RDKERAS_RANK"])
+    place = cluster.resolve()
+    rank = place.rank
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:  # every backend alike: one core per worker
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     if backend == "tf-grpc":
         out = _tf_seconds(sizes, quick, rounds)
     elif backend == "gloo":
-        out = _gloo_seconds(sizes, quick, rounds, rank)
+        out = _gloo_seconds(sizes, quick, rounds, rank, place.world_size, gloo_port)
     else:  # an rdkeras transport
         out = _rdkeras_seconds(backend, sizes, quick, rounds)
     return {str(k): v for k, v in out.items()} if rank == 0 else {}
@@ -86,7 +89,7 @@ def _rdkeras_seconds(backend: str, sizes: list[int], quick: bool, rounds: int) -
 
 def _tf_seconds(sizes: list[int], quick: bool, rounds: int) -> dict[int, float]:
     """TensorFlow's MultiWorkerMirroredStrategy ring (its gRPC collective), no Keras involved."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    options.quiet_tensorflow_logs(level=3)
     import tensorflow as tf
 
     comm = tf.distribute.experimental.CommunicationOptions(
@@ -120,16 +123,16 @@ def _tf_seconds(sizes: list[int], quick: bool, rounds: int) -> dict[int, float]:
     return out
 
 
-def _gloo_seconds(sizes: list[int], quick: bool, rounds: int, rank: int) -> dict[int, float]:
+def _gloo_seconds(sizes: list[int], quick: bool, rounds: int, rank: int, world: int, port: int) -> dict[int, float]:
     """torch.distributed's gloo allreduce."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{os.environ['BENCH_GLOO_PORT']}",
+        init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=int(os.environ["RDKERAS_WORLD_SIZE"]),
+        world_size=world,
     )
     out = {}
     for size in sizes:
@@ -158,8 +161,6 @@ def _env_for(backend: str) -> tuple[dict, list[dict] | None]:
         return {}, [
             {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in range(2)
         ]
-    if backend == "gloo":
-        return {"BENCH_GLOO_PORT": str(free_port())}, None
     return {}, None
 
 
@@ -193,6 +194,7 @@ def _print(results: dict[str, dict[int, float]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rdkeras.bench import run_ranks
+    from rdkeras.launch import free_port
 
     results: dict[str, dict[int, float]] = {}
     notes = []
@@ -210,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             backend,
             "rdkeras.bench.allreduce:rank_main",
             2,
-            {"backend": backend, "sizes": SIZES, "quick": args.quick},
+            {"backend": backend, "sizes": SIZES, "quick": args.quick, "gloo_port": free_port()},
             env=env,
             per_rank_env=per_rank,
             timeout=args.timeout,

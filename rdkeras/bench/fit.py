@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras import cluster, options
+
 # (input/output width, hidden width): FCN-5 is input -> 3 x hidden (sigmoid) -> softmax output.
 FCN5_SIZES = {"small": (4096, 1024), "full": (26752, 2048)}
 
@@ -56,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int, warmup: int) -> dict:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    options.quiet_tensorflow_logs(level=3)
+    rank = cluster.resolve().rank
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     import keras
@@ -100,7 +102,7 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
 
 
 def _pin_one_core() -> None:
-    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    rank = cluster.resolve().rank
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     import tensorflow as tf
@@ -113,7 +115,7 @@ def model_parallel_rank(
     split: str, micro: int, image_size: int, width: float, batch: int, steps: int, warmup: int, distributed: bool
 ) -> dict:
     """One worker of a 2-stage VGG-16 pipeline cut after layer `split` (or the whole model alone)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    options.quiet_tensorflow_logs(level=3)
     _pin_one_core()
     import contextlib
 

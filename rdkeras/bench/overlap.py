@@ -26,11 +26,12 @@ alternately, twice each, and compute alone again (the better of each pair counts
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
 import numpy as np
+
+from rdkeras import cluster, options
 
 WIDTH, LAYERS = 1024, 8  # the full run's; the quick one halves the width (a quarter of the bytes and compute)
 BATCH = 256  # BATCH and 4 x BATCH: the batch sizes the workers time first (smaller ones underrate the slope)
@@ -114,10 +115,10 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     here, from this process's own compute times at two batch sizes and the one they point to, so that one
     step's gradient bytes take TARGET_COMM_SHARE x the compute on a link of `rate_bits`; the workers agree
     on the larger choice."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    options.quiet_tensorflow_logs(level=3)
     from rdkeras.bench.workloads import next_job, pin_and_thread, tensor_bytes
 
-    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    rank = cluster.resolve().rank
     pin_and_thread(rank, 2)  # the start ops need an executor thread beside the one running backprop
     import rdkeras
     from rdkeras.parallel import collectives
@@ -133,12 +134,12 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     strategy = rdkeras.RDMAStrategy()
     (agreed,) = strategy.collectives.allreduce([np.array([proposal, -proposal])], average=False)
     batch = int(math.ceil(max(proposal, -float(agreed[1]) - proposal) / 16) * 16)  # the larger proposal
-    next_job(strategy, next(jobs))
+    job = next_job(strategy, next(jobs))
     strategy.close()
     out["batch"], out["gradient_bytes"] = batch, gradient_bytes
     out["compute_s"] = _fit_seconds(model, batch, steps)
     for mode in ("allreduce", "ps"):
-        strategy = rdkeras.RDMAStrategy(mode=mode)
+        strategy = rdkeras.RDMAStrategy(mode=mode, cluster=job)
         workers = strategy.num_workers
         if mode == "allreduce":  # the same bucketed ring calls the overlapped step makes, without the model
             out["comm_s"], out["buckets"] = _comm_alone(strategy, model, bucket_bytes, steps)
@@ -157,7 +158,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
                         out[f"{mode}_breakdown"] = _breakdown(list(mine[0].timeline)[-steps:])
         out[f"{mode}_traffic"] = strategy.engine.traffic()
         if mode == "allreduce":
-            next_job(strategy, next(jobs))
+            job = next_job(strategy, next(jobs))
         strategy.close()
     # Compute alone once more, after the trainings: like them, the better of two (this machine's speed
     # moves by tens of percent from one minute to the next).

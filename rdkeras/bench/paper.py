@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rdkeras import options
 from rdkeras.bench import measure, workloads
 from rdkeras.bench.analysis import analyze
 from rdkeras.bench.labels import MB
@@ -162,7 +163,7 @@ def _save(results: dict[str, Any], out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # the workers inherit it too
+    options.quiet_tensorflow_logs(level=3)  # the workers inherit it too
     from rdkeras.bench import report
 
     out = Path(args.out)

@@ -88,7 +88,7 @@ def _collectives(eng: Any, sizes: list[int], rounds: int) -> dict[str, list]:
         out["ring"].append([size, _median_seconds(eng, f"ring-{size}", rounds, ring, [grad], True)])
         ps = ParameterServer(eng, f"calibration-ps-{size}")
         halves = np.array_split(grad, 2)
-        ps._setup([h.shape for h in halves], [np.dtype(np.float32)] * 2)
+        ps.setup([h.shape for h in halves], [np.dtype(np.float32)] * 2)
         out["ps"].append([size, _median_seconds(eng, f"ps-{size}", rounds, _ps_step, ps, halves)])
         ps.close()
         del ps, grad, halves, ring

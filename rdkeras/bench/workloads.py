@@ -10,6 +10,7 @@ same in every configuration and only communication differs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import itertools
@@ -18,6 +19,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from rdkeras import cluster, options
 
 SEED_MODELS = ("vgg16", "lstm", "fcn5", "alexnet", "inception_v3", "gru")
 
@@ -123,15 +126,16 @@ def pin_and_thread(rank: int, inter_op: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(inter_op)
 
 
-def next_job(strategy: Any, i: int) -> None:
-    """Before closing a strategy: rank 0 picks the next one's rendezvous port and tells everyone."""
+def next_job(strategy: Any, i: int) -> Any:
+    """Before closing a strategy: rank 0 picks the next one's rendezvous port and tells everyone; returns the
+    cluster to give the next strategy (``RDMAStrategy(cluster=...)``)."""
     from rdkeras.launch import free_port
 
     store = strategy.engine.store
     if strategy.worker_index == 0:
         store.set(f"next_port/{i}", str(free_port()).encode())
     (port,) = store.get([f"next_port/{i}"], waiting_for=[0])
-    os.environ["RDKERAS_MASTER_PORT"] = port.decode()
+    return dataclasses.replace(strategy.cluster, master_port=int(port))
 
 
 def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
@@ -242,8 +246,8 @@ def throughput_rank(
     same minute and processes -- what a prediction of these runs needs on a shared machine, whose speed moves
     by tens of percent from one minute to the next.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    options.quiet_tensorflow_logs(level=3)
+    rank = cluster.resolve().rank
     pin_and_thread(rank, inter_op)
 
     import rdkeras
@@ -252,8 +256,9 @@ def throughput_rank(
     groups = _mode_groups(runs)
     before = _compute_seconds(runs, warmup, steps) if distributed and compute_around else {}
     transport = "none"
+    job = None  # the cluster the next strategy joins (None: the environment's)
     for g, group in enumerate(groups):
-        strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"]) if distributed else None
+        strategy = rdkeras.RDMAStrategy(mode=group[0]["mode"], cluster=job) if distributed else None
         workers = strategy.num_workers if strategy else 1
         transport = strategy.transport if strategy else "none"
         for run in group:
@@ -261,7 +266,7 @@ def throughput_rank(
             gc.collect()
         if strategy:
             if g + 1 < len(groups):
-                next_job(strategy, g)
+                job = next_job(strategy, g)
             strategy.close()
     if before:  # and once more after the runs: their compute is the mean of the two, which bracket them
         after = _compute_seconds(runs, warmup, steps)
@@ -295,8 +300,8 @@ def convergence_rank(
     task "lstm_lm": the character LSTM on Shakespeare (the Seq2Seq stand-in), perplexity = exp(loss).
     `batch` is per worker. Every worker sees the same data in the same order as one process would.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    rank = int(os.environ.get("RDKERAS_RANK", 0))
+    options.quiet_tensorflow_logs(level=3)
+    rank = cluster.resolve().rank
     pin_and_thread(rank, inter_op)
     import keras
 

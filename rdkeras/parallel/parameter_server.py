@@ -69,7 +69,9 @@ class ParameterServer:
 
     # -- setup ----------------------------------------------------------------
 
-    def _setup(self, shapes: list[tuple], dtypes: list[np.dtype]) -> None:
+    def setup(self, shapes: list[tuple], dtypes: list[np.dtype]) -> None:
+        """Deals the variables of these shapes and dtypes out to their owners and registers this rank's
+        blocks (collective; the first ``apply`` does it for a model's variables)."""
         n, r = self.n, self.rank
         sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)]
         self.owner = deal(sizes, n)
@@ -254,7 +256,7 @@ class ParameterServer:
         if self.n == 1:
             return base(grads, variables)
         if not self.owner:  # the owner map is needed while tracing (collective: every worker traces once)
-            self._setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
+            self.setup([tuple(v.shape) for v in variables], [np.dtype(v.dtype) for v in variables])
         mine = [i for i in range(len(variables)) if self.owner[i] == self.rank]
         others = [i for i in range(len(variables)) if self.owner[i] != self.rank]
         if self.overlap_bytes > 0 and not tf.executing_eagerly() and all(g.shape.is_fully_defined() for g in grads):

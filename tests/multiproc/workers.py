@@ -221,7 +221,7 @@ def ps_then_teardown(servers: int) -> dict:
     def use(eng: rdkeras.Engine, i: int) -> list:
         ps = ParameterServer(eng, f"ps{i}", overlap_bytes=0)
         grads = [np.full(256, eng.rank + i, np.float32) for _ in range(eng.world_size)]
-        ps._setup([g.shape for g in grads], [g.dtype for g in grads])
+        ps.setup([g.shape for g in grads], [g.dtype for g in grads])
         new = [float(v[0]) for v in ps.publish_and_pull(*ps.push_and_reduce(*grads))]
         ps.close()
         mean = (eng.world_size - 1) / 2 + i
@@ -429,7 +429,7 @@ def workload_until_failure(kind: str, seconds: float) -> dict:
 
                 ps = ParameterServer(eng, "ps")
                 shapes = [(256, 64), (64,), (64, 10), (10,)]
-                ps._setup(shapes, [np.float32] * len(shapes))
+                ps.setup(shapes, [np.float32] * len(shapes))
                 grads = [np.full(s, 1.0, np.float32) for s in shapes]
 
                 def step() -> None:
@@ -517,7 +517,7 @@ def soak(steps: int, sample_every: int, warmup: int) -> dict:
         ring = eng.ring("grads", 4 << 20)
         ps = ParameterServer(eng, "ps")
         shapes = [(128, 64), (64,), (64, 10)]
-        ps._setup(shapes, [np.float32] * 3)
+        ps.setup(shapes, [np.float32] * 3)
         grads = [np.full(s, r + 1.0, np.float32) for s in shapes]
         x = np.full((256, 256), r, np.float32)
         checks = 0
