@@ -13,9 +13,8 @@ namespace {
 
 #if defined(__x86_64__)
 // Streaming runs over four pages at once, a row of each in turn, as glibc's large memcpy does:
-// four store streams keep more DRAM pages open and more write-combining buffers busy than one.
-// Measured on one core here: 64 MB in 6.5 ms against 8-9 ms streaming one page after another
-// (glibc memcpy: 6.3), 16 MB in 1.2-1.3 ms against 1.6-2.0 (glibc: 2.1-2.4).
+// four store streams keep more DRAM pages open and more write-combining buffers busy than one
+// (docs/architecture.md, "Transports", has the measurements).
 constexpr size_t kPage = 4096;
 constexpr size_t kPages = 4;
 
