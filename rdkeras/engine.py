@@ -8,7 +8,7 @@
             rx = eng.static_channel("act", src=0, dst=1, shape=(32, 128), dtype="float32")
             y = rx.recv()            # a view into registered memory: no copy
 
-The face runs the rendezvous (rdkeras._bootstrap) and names channels and rings;
+The face runs the rendezvous (rdkeras.rendezvous) and names channels and rings;
 everything else is the backend's (rdkeras.transports.base.Backend), chosen by
 name in one place (rdkeras.transports): the native engine for shm, tcp and
 verbs (rdkeras._engine, C++), the RPC baseline for grpc. A benchmark flips the
@@ -27,9 +27,9 @@ import numpy as np
 
 from rdkeras import _engine, cluster, jobtoken, transports
 from rdkeras import options as options_lib
-from rdkeras._bootstrap import Store, transport_key
 from rdkeras._log import logger
 from rdkeras.errors import EngineError, PeerError
+from rdkeras.rendezvous import Store, transport_key
 from rdkeras.transports.base import Backend, BackendConfig, DynamicChannelEnd, StaticChannelEnd, TransportOptions
 from rdkeras.transports.base import Ring as RingEnd
 

@@ -17,29 +17,29 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from rdkeras import _bootstrap
+    from rdkeras.rendezvous import StoreServer, wire
 
 TOKEN = b"fuzz-token"
-SERVER = _bootstrap.StoreServer("127.0.0.1", 0, TOKEN, 4)
+SERVER = StoreServer("127.0.0.1", 0, TOKEN, 4)
 _runs = 0
 
 
 def _authenticated(rank: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", SERVER.port), timeout=5)
-    challenge = _bootstrap._recv(s)
+    challenge = wire.recv(s)
     nonce = os.urandom(32)
-    mac = _bootstrap._mac(TOKEN, b"client", bytes.fromhex(challenge["nonce"]), str(rank).encode(), b"4")
-    s.sendall(_bootstrap._frame({"rank": rank, "world": 4, "nonce": nonce.hex(), "mac": mac}))
-    assert _bootstrap._recv(s)["ok"]
+    mac = wire.mac(TOKEN, b"client", bytes.fromhex(challenge["nonce"]), str(rank).encode(), b"4")
+    s.sendall(wire.frame({"rank": rank, "world": 4, "nonce": nonce.hex(), "mac": mac}))
+    assert wire.recv(s)["ok"]
     return s
 
 
 def _still_serves() -> None:
     s = _authenticated(3)
-    s.sendall(_bootstrap._frame({"op": "set", "key": "alive", "value": "00"}))
-    assert _bootstrap._recv(s) == {"ok": True}
-    s.sendall(_bootstrap._frame({"op": "bye"}))
-    _bootstrap._recv(s)
+    s.sendall(wire.frame({"op": "set", "key": "alive", "value": "00"}))
+    assert wire.recv(s) == {"ok": True}
+    s.sendall(wire.frame({"op": "bye"}))
+    wire.recv(s)
     s.close()
 
 

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
-from rdkeras._bootstrap import Store, transport_key
 from rdkeras.launch import free_port
+from rdkeras.rendezvous import Store, transport_key
 from tests.conftest import run_ranks
 
 MAGIC = 0x4B484452

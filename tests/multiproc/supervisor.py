@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rdkeras._bootstrap import StoreServer
+from rdkeras.rendezvous import StoreServer
 
 REPO = Path(__file__).resolve().parents[2]
 _MARK = "@@rdkeras-result@@"

@@ -366,7 +366,7 @@ def subgroup_rings() -> dict:
 def store_holds_no_secret() -> dict:
     """Rank 0 looks through everything the rendezvous store holds after set-up for the token and the
     transport key, raw or in hex (it may read its own store's table: this is the check)."""
-    from rdkeras._bootstrap import transport_key
+    from rdkeras.rendezvous import transport_key
 
     with rdkeras.Engine() as eng:
         eng.static_channel("x", 0, 1, (4,), "float32")
