@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from rdkeras.engine import DynamicChannel, StaticChannel
+    from rdkeras.channels import DynamicChannel, StaticChannel
 
 
 def rdma_send(sender: StaticChannel | DynamicChannel, tensor: Any, name: str, after: Sequence[Any] = ()) -> Any:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from rdkeras import errors
-from rdkeras.engine import Engine, Ring
+from rdkeras.channels import Ring
+from rdkeras.engine import Engine
 
 _FLOAT_KINDS = ("float32", "float64")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rdkeras.engine import DynamicChannel, Engine, StaticChannel
+from rdkeras.channels import DynamicChannel, StaticChannel
+from rdkeras.engine import Engine
 from rdkeras.graph import Plan, build_stage
 
 

@@ -1,11 +1,11 @@
-"""The engine face's typed ends (rdkeras/engine.py): a channel end refuses the other end's call."""
+"""The engine face's typed ends (rdkeras/channels.py): a channel end refuses the other end's call."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rdkeras.engine import DynamicChannel, StaticChannel
+from rdkeras.channels import DynamicChannel, StaticChannel
 from rdkeras.errors import EngineError
 
 
