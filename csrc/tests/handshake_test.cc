@@ -63,6 +63,23 @@ void sendBytes(int fd, const void* p, size_t n) {
 // Reads exactly n bytes (blocking); false on EOF.
 bool readBytes(int fd, void* p, size_t n) { return recvAll(fd, p, n); }
 
+// After a proof on `fd` the server must refuse: it answers kBadProof, admits nobody for it, and
+// still admits the two real channels of rank 1 afterwards.
+void expectRefusedThenRealPeersAdmitted(Server& server, int fd) {
+  uint8_t w[kWelcomeBytes];
+  uint32_t status = kOk;
+  REQUIRE(readBytes(fd, w, sizeof(w)));
+  REQUIRE(decodeWelcome(w, sizeof(w), &status));
+  CHECK(status == kBadProof);
+  close(fd);
+  CHECK(server.admitted == 0);
+  const HandshakeIdentity me{Link::kTcp, 1, 2, kKey};
+  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 0, Deadline(10)));
+  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 1, Deadline(10)));
+  server.thread.join();
+  CHECK(server.admitted == 2);
+}
+
 }  // namespace
 
 TEST_CASE("messages round-trip, and anything else is refused") {
@@ -145,18 +162,7 @@ TEST_CASE("a wrong key fails on both sides, and the server still takes the right
   CHECK(c.status == kOk);
   const auto proof = encodeProof(clientMac(std::string(32, 'x'), hello.data(), c.nonce));
   sendBytes(fd, proof.data(), proof.size());
-  uint8_t w[kWelcomeBytes];
-  uint32_t status = kOk;
-  REQUIRE(readBytes(fd, w, sizeof(w)));
-  REQUIRE(decodeWelcome(w, sizeof(w), &status));
-  CHECK(status == kBadProof);
-  close(fd);
-  CHECK(server.admitted == 0);
-  const HandshakeIdentity me{Link::kTcp, 1, 2, kKey};
-  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 0, Deadline(10)));
-  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 1, Deadline(10)));
-  server.thread.join();
-  CHECK(server.admitted == 2);
+  expectRefusedThenRealPeersAdmitted(server, fd);
 }
 
 TEST_CASE("a recorded proof replayed on a new connection is refused") {
@@ -179,17 +185,7 @@ TEST_CASE("a recorded proof replayed on a new connection is refused") {
   REQUIRE(decode(buf, sizeof(buf), &c2));
   CHECK(c2.nonce != c.nonce);
   sendBytes(second, recorded.data(), recorded.size());
-  uint8_t w[kWelcomeBytes];
-  uint32_t status = kOk;
-  REQUIRE(readBytes(second, w, sizeof(w)));
-  REQUIRE(decodeWelcome(w, sizeof(w), &status));
-  CHECK(status == kBadProof);
-  close(second);
-  const HandshakeIdentity me{Link::kTcp, 1, 2, kKey};
-  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 0, Deadline(10)));
-  close(connectAuthenticated([&] { return dialTo(server.port); }, me, 0, 1, Deadline(10)));
-  server.thread.join();
-  CHECK(server.admitted == 2);
+  expectRefusedThenRealPeersAdmitted(server, second);
 }
 
 TEST_CASE("silent and half-finished strangers do not hold up the real peer") {
