@@ -282,6 +282,21 @@ BACKUP_LOAD_HOOK = "_load_model"
 # -- instance overrides ------------------------------------------------------------------
 
 
+def set_untracked(obj: Any, name: str, value: Any) -> None:
+    """Sets attribute `name` on a Keras object past Keras's attribute tracking (a Layer tracks what is set on
+    it: variables, sublayers, what it serializes), so the value is never saved or serialized."""
+    object.__setattr__(obj, name, value)
+
+
+def untracked(obj: Any, name: str, default: Any = None) -> Any:
+    """An attribute :func:`set_untracked` set on this very object (not its class), or `default`."""
+    return obj.__dict__.get(name, default) if hasattr(obj, "__dict__") else default
+
+
+def remove_untracked(obj: Any, name: str) -> None:
+    obj.__dict__.pop(name, None)
+
+
 def override(obj: Any, name: str, fn: Callable[..., Any]) -> None:
     """Replaces method `name` of this one object by ``fn(obj, *args, **kwargs)``; the class is untouched.
     :func:`original` gives the method it replaced."""

@@ -27,17 +27,18 @@ if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
 
 _PARALLEL_ATTR = "_rdkeras"  # on the model object: the parallelism it is distributed with
+_JIT_ATTR = "_rdkeras_jit_compile"  # the user's jit_compile, given back when the model leaves the strategy
 
 
 def parallel_of(model: Any) -> Parallelism | None:
     """The parallelism a model is distributed with, or None."""
-    return model.__dict__.get(_PARALLEL_ATTR) if hasattr(model, "__dict__") else None
+    return keras_internals.untracked(model, _PARALLEL_ATTR)
 
 
 def distribute_model(model: Any, parallel: Parallelism) -> None:
     """Makes a compiled model's fit/evaluate/predict run distributed with `parallel`."""
-    object.__setattr__(model, _PARALLEL_ATTR, parallel)
-    model.__dict__["_rdkeras_jit_compile"] = model.jit_compile
+    keras_internals.set_untracked(model, _PARALLEL_ATTR, parallel)
+    keras_internals.set_untracked(model, _JIT_ATTR, model.jit_compile)
     model.jit_compile = False  # the exchanges are tf.numpy_function ops
     methods: dict[str, Callable[..., Any]] = {
         "fit": _fit,
@@ -59,8 +60,9 @@ def undistribute(model: Any) -> None:
     if parallel_of(model) is None:
         return
     keras_internals.restore(model)
-    model.jit_compile = model.__dict__.pop("_rdkeras_jit_compile", model.jit_compile)
-    model.__dict__.pop(_PARALLEL_ATTR, None)
+    model.jit_compile = keras_internals.untracked(model, _JIT_ATTR, model.jit_compile)
+    keras_internals.remove_untracked(model, _JIT_ATTR)
+    keras_internals.remove_untracked(model, _PARALLEL_ATTR)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         keras_internals.restore(optimizer)
