@@ -64,7 +64,7 @@ void StaticChannel::send(const void* data, size_t n) {
   uint64_t slot = seq_ == 0 ? 0 : 1 - last_slot_;
   if (seq_ >= 1) {
     // Prefer the slot of message n-1 once it is released too: it is still in
-    // this core's cache (docs/architecture.md, "Channels", has the measurement).
+    // this core's cache (docs/evaluation/design-choices.md has the measurement).
     // For large messages, give a receiver that is about to release it a moment.
     auto released = [&] { return loadAcquire(local_) >= seq_; };
     bool reuse = released();

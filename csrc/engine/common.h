@@ -106,7 +106,7 @@ LocalWakeup& localWakeup();
 // until a thread of this process delivers (LocalWakeup). A long wait -- a
 // gradient bucket on a slow link -- so wakes up at most a thousand times a
 // second, not ten thousand: on a core shared with backprop each wake-up takes
-// the core from the compute (docs/architecture.md, "Channels", measures it); a
+// the core from the compute (docs/evaluation/design-choices.md measures it); a
 // flag a peer process writes is seen at most ~3% of the wait late, one tcp's
 // progress thread stores at once. `check()` runs about every millisecond once
 // the spin phase is over (peer liveness); it throws to abort the wait. Returns

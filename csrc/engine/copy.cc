@@ -14,7 +14,7 @@ namespace {
 #if defined(__x86_64__)
 // Streaming runs over four pages at once, a row of each in turn, as glibc's large memcpy does:
 // four store streams keep more DRAM pages open and more write-combining buffers busy than one
-// (docs/architecture.md, "Transports", has the measurements).
+// (docs/evaluation/design-choices.md has the measurements).
 constexpr size_t kPage = 4096;
 constexpr size_t kPages = 4;
 
