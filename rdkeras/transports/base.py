@@ -3,10 +3,11 @@
 A backend is one process's endpoint in a fixed world of ranks: registered
 memory, one-sided access to peers' memory as (key, offset, length), channels
 and a ring allreduce. The native engine (``rdkeras._engine.Engine``: shm, tcp,
-verbs) implements it in C++; the gRPC baseline (``rdkeras.transports.grpc``)
-in Python. ``rdkeras.Engine`` (the face) talks to nothing else, so a new
-backend -- another baseline, another fabric -- is one more implementation of
-these protocols plus one line in ``rdkeras.transports`` (the registry).
+shm+tcp, verbs, in ``csrc/``) implements it in C++; the Python baselines (grpc,
+rpc+*) on their common base, ``rdkeras.transports.baseline``. ``rdkeras.Engine``
+(the face) talks to nothing else, so a new backend -- another baseline, another
+fabric -- is one more implementation of these protocols plus one line in
+``rdkeras.transports`` (the registry).
 
 Lifecycle: created (listening), ``descriptor`` all-gathered through the
 rendezvous store, ``connect(descriptors, key)``, used, ``close()``. Every

@@ -8,9 +8,10 @@ region access becomes Write/Read/Flag RPCs so the conformance tests apply.
 Every RPC carries ``rank:counter:HMAC(key, ranks | counter | method | header
 fields)`` in its metadata: the key never travels, and a recorded RPC cannot be
 replayed (each counter is accepted once). Payloads are not covered, as on every
-rdkeras transport (see docs/security.md). ``GrpcBackend`` implements
-``rdkeras.transports.base.Backend``, like the native engine, so the face and
-every benchmark treat it as one more transport.
+rdkeras transport (see docs/security.md). ``GrpcBackend`` is a
+``rdkeras.transports.baseline.BaselineBackend`` (region table, channel ends,
+ring: the base's), so the face and every benchmark treat it as one more
+transport; this module is only gRPC's RPCs and messages.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hmac
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -28,8 +29,9 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
-from rdkeras.transports.base import BackendConfig
+from rdkeras.errors import EngineError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras.transports.base import BackendConfig, Buffer
+from rdkeras.transports.baseline import BaselineBackend, FailureRecord
 
 _SERVICE = "rdkeras.Baseline"
 _METHODS = ("Write", "Read", "Flag", "RecvTensor", "Ping", "Abort")
@@ -62,18 +64,6 @@ def _build_message_class() -> Any:
 
 
 TensorMessage = _build_message_class()
-
-
-_COUNTER_NAMES = (
-    "registrations",
-    "deregistrations",
-    "bytes_registered",
-    "cache_hits",
-    "pool_allocations",
-    "pool_reuses",
-    "pool_bytes_reserved",
-    "pool_bytes_in_use",
-)
 
 
 class _ReplayWindow:
@@ -141,22 +131,16 @@ class _Mailbox:
             return self._pulled.get(channel, 0)
 
 
-class GrpcBackend:
-    """The Backend interface over gRPC: region access as RPCs, channels as receiver-pull RPCs."""
+class GrpcBackend(BaselineBackend):
+    """The baseline over gRPC: region access as Write/Read/Flag RPCs, channels as receiver-pull RPCs."""
 
     def __init__(self, config: BackendConfig):
-        self.rank, self.world_size, self.timeout = config.rank, config.world_size, config.timeout
-        self._regions: dict[int, np.ndarray] = {}
-        self._next_key = itertools.count(1)
-        self._counters = dict.fromkeys(_COUNTER_NAMES, 0)
-        self._traffic: dict[str, float] = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0, "flags": 0}
-        self._traffic.update(bytes_received=0, wait_seconds=0.0)
+        super().__init__(config)
         self.mailbox = _Mailbox()
+        self.failures = FailureRecord(self.rank, self.world_size, self._tell, self.mailbox.fail)
         self._key = b""
         self._counter = itertools.count(1)
         self._windows = [_ReplayWindow() for _ in range(self.world_size)]
-        self._failure: tuple[int, int, str] | None = None  # (failed rank, reporter, what), latched
-        self._failure_lock = threading.Lock()
         self._stubs: dict[int, dict[str, Any]] = {}
         self._grpc_channels: list[grpc.Channel] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
@@ -175,7 +159,7 @@ class GrpcBackend:
         self._server.start()
         self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    def connect(self, descriptors: Sequence[str], key: bytes, watch: Any = None) -> None:
+    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
         self._key = bytes(key)  # channels open lazily: nothing here waits, so `watch` is not needed
         for r, desc in enumerate(descriptors):
             if r == self.rank:
@@ -197,57 +181,23 @@ class GrpcBackend:
         for ch in self._grpc_channels:
             ch.close()
 
-    # -- client side -----------------------------------------------------------
-
-    # -- failures: the same root-cause protocol as the native engine (csrc/engine/engine.h) ----
+    # -- failures: the root-cause record, passed on with Abort RPCs -------------------------
 
     @property
     def failure(self) -> tuple[int, int, str] | None:
-        """(failed rank, rank that saw it, what it saw) once any rank reported a failure, else None."""
-        return self._failure
-
-    def _latch(self, failed: int, reporter: int, why: str) -> bool:
-        with self._failure_lock:
-            if self._failure is not None:
-                return False
-            self._failure = (failed, reporter, why)
-        self.mailbox.fail()
-        if reporter != self.rank:  # pass a peer's record on: whoever sees this rank leave has heard it first
-            threading.Thread(target=self._tell_others, args=(failed, reporter, why), daemon=True).start()
-        return True
-
-    def _tell_others(self, failed: int, reporter: int, why: str) -> None:
-        for r in self._stubs:
-            if r not in (failed, reporter):
-                try:
-                    self._call(r, "Abort", TensorMessage(key=failed, value=reporter, channel=why[:200]), 1.0)
-                except (grpc.RpcError, ValueError):
-                    pass  # unreachable as well (or closed); the others still hear
-
-    def _described(self, lost: int | None = None) -> PeerError:
-        assert self._failure is not None
-        failed, reporter, why = self._failure
-        if reporter == self.rank:
-            err = PeerError(why)
-        else:
-            then = f"; this rank then lost rank {lost}" if lost is not None and lost != failed else ""
-            err = PeerError(f"rank {failed} failed: {why} (seen by rank {reporter}){then}")
-        err.rank = failed
-        return err
-
-    def _root_cause(self, peer: int, message: str) -> PeerError:
-        """`peer` failed as seen here: the failure known first, else this one, told to every other rank."""
-        if self._failure is None and self._latch(peer, self.rank, message):
-            self._tell_others(peer, self.rank, message)  # before raising: they hear it before we leave
-        return self._described(lost=peer)
+        return self.failures.failure
 
     def report_failure(self, rank: int, why: str) -> None:
-        if self._failure is None and 0 <= rank < self.world_size and rank != self.rank:
-            self._root_cause(rank, why)
+        self.failures.report(rank, why)
 
-    def _check_failure(self) -> None:
-        if self._failure is not None:
-            raise self._described()
+    def _tell(self, peer: int, failed: int, reporter: int, why: str) -> None:
+        if peer in self._stubs:
+            try:
+                self._call(peer, "Abort", TensorMessage(key=failed, value=reporter, channel=why[:200]), 1.0)
+            except (grpc.RpcError, ValueError):
+                pass  # unreachable as well (or closed); the others still hear
+
+    # -- client side ---------------------------------------------------------------------
 
     def _call(self, peer: int, name: str, msg: Any, timeout: float) -> Any:
         counter = next(self._counter)
@@ -258,15 +208,15 @@ class GrpcBackend:
         """One RPC to `peer`, its failures mapped to the engine's errors (a dead peer: the root cause)."""
         if peer not in self._stubs:
             raise EngineError(f"grpc: no connection to rank {peer}")
-        self._check_failure()
+        self.failures.check()
         try:
             return self._call(peer, name, msg, timeout or self.timeout)
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.ABORTED and e.details().startswith("rdkeras-abort:"):
                 failed, reporter, why = e.details().split(":", 3)[1:]
-                self._latch(int(failed), int(reporter), why)
-                raise self._described(lost=peer) from None
+                self.failures.latch(int(failed), int(reporter), why)
+                raise self.failures.described(lost=peer) from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise RemoteAccessError(e.details()) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -275,55 +225,33 @@ class GrpcBackend:
                 ) from None
             if code == grpc.StatusCode.UNAVAILABLE:
                 why = f"rank {peer} is unreachable over grpc (process exited?): {e.details()}"
-                raise self._root_cause(peer, why) from None
+                raise self.failures.root_cause(peer, why) from None
             raise EngineError(f"grpc {name} to rank {peer} failed: {code.name} {e.details()}") from None
 
-    def traffic(self) -> dict[str, float]:
-        return dict(self._traffic)
+    def remote_write(self, peer: int, data: np.ndarray, key: int, offset: int) -> None:
+        self.rpc(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=data.tobytes()))
 
-    def count_received(self, nbytes: int) -> None:
-        self._traffic["bytes_received"] += nbytes
+    def remote_read(self, peer: int, into: np.ndarray, key: int, offset: int) -> None:
+        reply = self.rpc(peer, "Read", TensorMessage(key=key, offset=offset, length=into.nbytes))
+        into[:] = np.frombuffer(reply.tensor_content, dtype=np.uint8)
 
-    def count(self, kind: str, nbytes: int = 0) -> None:
-        """Adds one operation of `kind` ("writes" or "reads") moving `nbytes`."""
-        self._traffic[f"bytes_{'written' if kind == 'writes' else 'read'}"] += nbytes
-        self._traffic[kind] += 1
-
-    def count_wait(self, seconds: float) -> None:
-        self._traffic["wait_seconds"] += seconds
-
-    def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
-        data = memoryview(src).tobytes()
-        self.rpc(peer, "Write", TensorMessage(key=key, offset=offset, tensor_content=data))
-        self.count("writes", len(data))
-
-    def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
-        view = memoryview(dst).cast("B")
-        reply = self.rpc(peer, "Read", TensorMessage(key=key, offset=offset, length=view.nbytes))
-        view[:] = reply.tensor_content
-        self.count("reads", view.nbytes)
-
-    def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
+    def remote_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         self.rpc(peer, "Flag", TensorMessage(key=key, offset=offset, value=value))
-        self._traffic["flags"] += 1
-
-    def flush(self, peer: int) -> None:
-        self.check_peer(peer)  # every call above is synchronous
 
     def check_peer(self, peer: int) -> None:
         self.rpc(peer, "Ping", TensorMessage(), timeout=min(self.timeout, 5.0))
 
-    def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
+    def wait_flag(self, buffer: Buffer, offset: int, value: int, peer: int) -> None:
         flag = np.frombuffer(memoryview(buffer).cast("B")[offset : offset + 8], dtype=np.uint64)
         self.wait_until(lambda: int(flag[0]) >= value, peer, "flag")
 
-    def wait_until(self, ready: Any, peer: int, what: str) -> None:
+    def wait_until(self, ready: Callable[[], bool], peer: int, what: str) -> None:
         """Polls `ready()` until true, pinging `peer` twice a second; bounded by the timeout."""
         start = time.monotonic()
         deadline, next_ping = start + self.timeout, start + 0.5
         try:
             while not ready():
-                self._check_failure()
+                self.failures.check()
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"timed out after {self.timeout:g} s waiting for rank {peer} ({what})")
@@ -334,39 +262,10 @@ class GrpcBackend:
         finally:
             self.count_wait(time.monotonic() - start)
 
-    # -- regions -----------------------------------------------------------------
+    def link(self, sender: bool, peer: int, message_bytes: int | None) -> _GrpcLink:
+        return _GrpcLink(self, peer)  # a mailbox holds any number of messages
 
-    def alloc(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, dtype=np.uint8)
-
-    def register(self, buffer: Any) -> int:
-        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)  # holds the buffer alive
-        key = next(self._next_key) << 32 | 1
-        self._regions[key] = view
-        self._counters["registrations"] += 1
-        self._counters["bytes_registered"] += view.nbytes
-        return key
-
-    def deregister(self, key: int) -> None:
-        if self._regions.pop(key, None) is None:
-            raise EngineError(f"deregister: no region with key {key:#x}")
-        self._counters["deregistrations"] += 1
-
-    def counters(self) -> dict[str, int]:
-        return dict(self._counters)
-
-    # -- channels and rings --------------------------------------------------------
-
-    def static_channel(self, sender: bool, peer: int, nbytes: int) -> GrpcStaticChannel:
-        return GrpcStaticChannel(self, sender, peer, nbytes)
-
-    def dynamic_channel(self, sender: bool, peer: int) -> GrpcDynamicChannel:
-        return GrpcDynamicChannel(self, sender, peer)
-
-    def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> GrpcRing:
-        return GrpcRing(self, capacity_bytes, list(members))
-
-    # -- server side -------------------------------------------------------------
+    # -- server side -------------------------------------------------------------------
 
     def _authorize(self, method: str, req: Any, context: Any) -> None:
         """Aborts the RPC unless its metadata proves a rank of this job sent it, and sent it once."""
@@ -381,38 +280,27 @@ class GrpcBackend:
         if not ok:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "not an RPC of this job (or a replayed one)")
 
-    def _region(self, op: str, method: str, req: Any, length: int, context: Any) -> np.ndarray:
+    def _access(self, method: str, req: Any, context: Any, op: Callable[[], Any]) -> Any:
+        """`op()` (a region access) for an authorized request; a bad key, bound or alignment aborts the RPC."""
         self._authorize(method, req, context)
-        region = self._regions.get(req.key)
-        if region is None:
-            context.abort(  # raises
-                grpc.StatusCode.NOT_FOUND,
-                f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, "
-                "or never registered)",
-            )
-            raise AssertionError("unreachable")
-        if req.offset > region.nbytes or length > region.nbytes - req.offset:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{op} of {length} bytes at offset {req.offset} is out of bounds of rank {self.rank}'s "
-                f"region {req.key:#x} ({region.nbytes} bytes)",
-            )
-        return region
+        try:
+            return op()
+        except RemoteAccessError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise AssertionError("unreachable") from None  # abort() raises
 
     def _rpc_write(self, req: Any, context: Any) -> Any:
-        region = self._region("write", "Write", req, len(req.tensor_content), context)
-        region[req.offset : req.offset + len(req.tensor_content)] = np.frombuffer(req.tensor_content, np.uint8)
+        n = len(req.tensor_content)
+        region = self._access("Write", req, context, lambda: self.regions.find("write", req.key, req.offset, n))
+        region[:] = np.frombuffer(req.tensor_content, np.uint8)
         return TensorMessage()
 
     def _rpc_read(self, req: Any, context: Any) -> Any:
-        region = self._region("read", "Read", req, req.length, context)
-        return TensorMessage(tensor_content=region[req.offset : req.offset + req.length].tobytes())
+        region = self._access("Read", req, context, lambda: self.regions.find("read", req.key, req.offset, req.length))
+        return TensorMessage(tensor_content=region.tobytes())
 
     def _rpc_flag(self, req: Any, context: Any) -> Any:
-        if req.offset % 8:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"flag offset {req.offset} is not 8-byte aligned")
-        region = self._region("writeFlag", "Flag", req, 8, context)
-        region[req.offset : req.offset + 8].view(np.uint64)[0] = req.value
+        self._access("Flag", req, context, lambda: self.regions.store_flag(req.key, req.offset, req.value))
         return TensorMessage()
 
     def _rpc_ping(self, req: Any, context: Any) -> Any:
@@ -422,35 +310,50 @@ class GrpcBackend:
     def _rpc_abort(self, req: Any, context: Any) -> Any:
         self._authorize("Abort", req, context)
         if 0 <= req.key < self.world_size and 0 <= req.value < self.world_size:
-            self._latch(int(req.key), int(req.value), req.channel or "it exited or lost its connections")
+            self.failures.latch(int(req.key), int(req.value), req.channel or "it exited or lost its connections")
         return TensorMessage()
 
     def _rpc_recvtensor(self, req: Any, context: Any) -> Any:
         self._authorize("RecvTensor", req, context)
         msg = self.mailbox.take(req.channel, req.seq, time.monotonic() + self.timeout, context.is_active)
-        if msg is None and self._failure is not None:  # a failure elsewhere: the puller learns its cause
-            failed, reporter, why = self._failure
+        if msg is None and self.failures.failure is not None:  # a failure elsewhere: the puller learns its cause
+            failed, reporter, why = self.failures.failure
             context.abort(grpc.StatusCode.ABORTED, f"rdkeras-abort:{failed}:{reporter}:{why}")
         if msg is None:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self.rank} never sent {req.channel}#{req.seq}")
         return msg
 
 
-class _GrpcChannel:
-    """One end of a channel over gRPC: the sender serializes into its mailbox, the receiver
-    pulls with RecvTensor (static and dynamic channels differ only in what they check)."""
+class _GrpcLink:
+    """One direction of a channel over gRPC: the sender serializes each message into its mailbox, as
+    TensorFlow does when a tensor is sent, and the receiver pulls it with RecvTensor."""
 
     _ids = itertools.count()
 
-    def __init__(self, backend: GrpcBackend, sender: bool, peer: int):
-        self.backend, self.sender, self.peer = backend, sender, peer
+    def __init__(self, backend: GrpcBackend, peer: int):
+        self.backend, self.peer = backend, peer
         self.name = f"{backend.rank}:{next(self._ids)}"
-        self.sequence = 0
-        self._remote_name = ""
-        self.descriptor = f"channel;name={self.name}"
+        self.descriptor = f"name={self.name}"
+        self._remote_name = ""  # the sender's mailbox name, which the receiver pulls from
 
     def connect(self, remote_descriptor: str) -> None:
         self._remote_name = remote_descriptor.split("name=", 1)[1]
+
+    def send(self, seq: int, dtype: str, shape: Sequence[int], content: np.ndarray) -> None:
+        # Serialize now: the caller may reuse its buffer.
+        msg = TensorMessage(
+            dtype=dtype, shape=list(shape), tensor_content=content.tobytes(), channel=self.name, seq=seq
+        )
+        self.wait_acked(seq - 1)  # at most two messages outstanding, like the native channels
+        self.backend.mailbox.put(self.name, seq, msg)
+
+    def recv(self, seq: int, land: Callable[[Any, int], np.ndarray]) -> tuple[Any, np.ndarray]:
+        start = time.monotonic()
+        msg = self.backend.rpc(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=seq))
+        self.backend.count_wait(time.monotonic() - start)
+        content = land(msg, len(msg.tensor_content))
+        content[:] = np.frombuffer(msg.tensor_content, dtype=np.uint8)
+        return msg, content
 
     @property
     def acked(self) -> int:
@@ -458,107 +361,3 @@ class _GrpcChannel:
 
     def wait_acked(self, count: int) -> None:
         self.backend.wait_until(lambda: self.acked >= count, self.peer, "receiver to pull")
-
-    def _send(self, a: np.ndarray, dtype: str, shape: Sequence[int]) -> int:
-        if not self.sender:
-            raise EngineError("send() called on the receiving end of a channel")
-        # Serialize now, as TF does when the tensor is sent: the caller may reuse its buffer.
-        msg = TensorMessage(
-            dtype=dtype, shape=list(shape), tensor_content=a.tobytes(), channel=self.name, seq=self.sequence
-        )
-        self.wait_acked(self.sequence - 1)  # at most two messages outstanding, like the native channels
-        self.backend.mailbox.put(self.name, self.sequence, msg)
-        self.backend.count("writes", a.nbytes)
-        self.sequence += 1
-        return self.sequence - 1
-
-    def _recv(self) -> Any:
-        if self.sender:
-            raise EngineError("recv() called on the sending end of a channel")
-        start = time.monotonic()
-        msg = self.backend.rpc(self.peer, "RecvTensor", TensorMessage(channel=self._remote_name, seq=self.sequence))
-        self.backend.count_wait(time.monotonic() - start)
-        self.backend.count("reads", len(msg.tensor_content))
-        self.backend.count_received(len(msg.tensor_content))
-        self.sequence += 1
-        return msg
-
-
-class GrpcStaticChannel(_GrpcChannel):
-    """A channel of fixed-size messages."""
-
-    def __init__(self, backend: GrpcBackend, sender: bool, peer: int, nbytes: int):
-        super().__init__(backend, sender, peer)
-        self.nbytes = nbytes
-
-    def send(self, data: Any) -> None:
-        a = np.asarray(data)
-        if a.nbytes != self.nbytes:
-            raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
-        self._send(a, "|u1", [a.nbytes])
-
-    def recv(self) -> np.ndarray:
-        return np.frombuffer(self._recv().tensor_content, dtype=np.uint8).copy()  # writable, as TF allocates
-
-
-class GrpcDynamicChannel(_GrpcChannel):
-    """A channel whose tensors carry their dtype and shape."""
-
-    def send(self, data: Any, dtype: str, shape: Sequence[int]) -> int:
-        return self._send(np.asarray(data), dtype, shape)
-
-    def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]:
-        msg = self._recv()
-        return np.frombuffer(msg.tensor_content, dtype=np.uint8).copy(), msg.dtype, tuple(msg.shape)
-
-
-def _field(descriptor: str, key: str) -> str:
-    return dict(kv.split("=", 1) for kv in descriptor.split(";")[1:])[key]
-
-
-class GrpcRing:
-    """Ring allreduce over gRPC channels, as TensorFlow's gRPC collective does it:
-    reduce-scatter then allgather, every chunk a serialized RPC message."""
-
-    def __init__(self, backend: GrpcBackend, capacity_bytes: int, members: list[int]):
-        n, r = len(members), members.index(backend.rank)
-        self.n, self.position, self.capacity = n, r, capacity_bytes
-        left, right = members[(r - 1) % n], members[(r + 1) % n]
-        self._tx = backend.dynamic_channel(True, right) if n > 1 else None
-        self._rx = backend.dynamic_channel(False, left) if n > 1 else None
-        tx, rx = (self._tx.name, self._rx.name) if self._tx and self._rx else ("", "")
-        self.descriptor = f"ring;rank={backend.rank};tx={tx};rx={rx};capacity={capacity_bytes}"
-
-    def connect(self, left: str, right: str) -> None:
-        for d in (left, right):
-            if int(_field(d, "capacity")) != self.capacity:
-                raise EngineError(f"allreduce: rank {_field(d, 'rank')} declared another capacity ({d})")
-        assert self._tx is not None and self._rx is not None
-        self._rx.connect(f"channel;name={_field(left, 'tx')}")  # we pull what the left member sends us
-        self._tx.connect(f"channel;name={_field(right, 'rx')}")
-
-    def allreduce(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
-        flat = np.concatenate([np.asarray(a).ravel() for a in arrays]) if arrays else np.zeros(0, np.float32)
-        if flat.nbytes > self.capacity:
-            raise EngineError(f"allreduce of {flat.nbytes} bytes exceeds this ring's capacity of {self.capacity}")
-        n, r = self.n, self.position
-        if n > 1:
-            assert self._tx is not None and self._rx is not None
-            chunks = np.array_split(flat, n)
-            for s in range(n - 1):
-                c = chunks[(r - s) % n]
-                self._tx.send(c, c.dtype.str, c.shape)
-                k = (r - s - 1) % n
-                chunks[k] = chunks[k] + self._rx.recv()[0].view(flat.dtype)
-            for s in range(n - 1):
-                c = chunks[(r + 1 - s) % n]
-                self._tx.send(c, c.dtype.str, c.shape)
-                chunks[(r - s) % n] = self._rx.recv()[0].view(flat.dtype)
-            flat = np.concatenate(chunks)
-        if average:
-            flat = flat / n
-        out, at = [], 0
-        for a in arrays:
-            out.append(flat[at : at + a.size].reshape(a.shape).astype(a.dtype, copy=False))
-            at += a.size
-        return out

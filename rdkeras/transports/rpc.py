@@ -30,14 +30,14 @@ One-sided region access (``write``/``read``/``write_flag``, the parameter
 server's push and pull) becomes unary RPCs, as in the grpc baseline: a request
 stream to the target, served in order by a server thread there (started once
 this rank registers memory, the only thing requests can address), and a reply
-stream back that the caller reads itself. ``RpcBackend`` implements
-``rdkeras.transports.base.Backend``; ``rdkeras.transports`` registers it once
-per inner transport.
+stream back that the caller reads itself. ``RpcBackend`` is a
+``rdkeras.transports.baseline.BaselineBackend`` (region table, channel ends,
+ring: the base's); this module is only the serialization and framing over the
+native transport. ``rdkeras.transports`` registers it once per inner transport.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 import threading
@@ -47,12 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import _engine
 from rdkeras.errors import EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
-from rdkeras.transports.base import BackendConfig
+from rdkeras.transports.base import BackendConfig, Buffer
+from rdkeras.transports.baseline import BaselineBackend
+from rdkeras.transports.baseline_channels import copy_bytes
 from rdkeras.transports.grpc import TensorMessage
 
-INNER = ("shm", "tcp", "verbs")  # what "rpc+NAME" may carry over
 FRAME_BYTES = 1 << 20  # the largest frame: messages are split into frames this size
 SERVICE_FRAMES = 8  # frame slots of a request/reply stream or a dynamic channel (8 MiB of buffer)
 _HEADER = 64  # per frame slot: the flag word, alone in its cache line
@@ -73,27 +73,13 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _bytes_of(data: Any) -> np.ndarray:
-    """A uint8 view of any C-contiguous buffer (numpy of any dtype, bytes, memoryview)."""
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-
-
-def _copy(dst: Any, src: Any) -> None:
-    if src.nbytes >= 1 << 16:
-        _engine.memcpy(dst, src, False)  # glibc memcpy with the GIL released
-    elif src.nbytes:
-        dst[...] = src
-
-
 def _frames_for(nbytes: int) -> int:
     return max(1, math.ceil((nbytes + _META_MAX) / FRAME_BYTES))
 
 
 def _fields(descriptor: str) -> dict[str, str]:
-    """ "kind a=1 b=2" -> {"a": "1", "b": "2"}."""
-    return dict(kv.split("=", 1) for kv in descriptor.split()[1:])
+    """ "a=1 b=2" -> {"a": "1", "b": "2"}."""
+    return dict(kv.split("=", 1) for kv in descriptor.split())
 
 
 class _SendStream:
@@ -137,8 +123,8 @@ class _SendStream:
         buf = self._staging(total)
         t0 = time.perf_counter()
         buf[: len(meta)] = np.frombuffer(meta, np.uint8)
-        if n:
-            _copy(buf[len(meta) : total], content)  # serialization: the tensor into the RPC buffer
+        if content is not None:
+            copy_bytes(buf[len(meta) : total], content)  # serialization: the tensor into the RPC buffer
         t1 = time.perf_counter()
         for start in range(0, total, FRAME_BYTES):
             self._frame(buf[start : min(total, start + FRAME_BYTES)])
@@ -203,7 +189,7 @@ class _RecvStream:
             take = min(frame.nbytes - at, n - filled)
             if take and dest is not None:
                 t0 = time.perf_counter()
-                _copy(dest[filled : filled + take], frame[at : at + take])  # merge + deserialize
+                copy_bytes(dest[filled : filled + take], frame[at : at + take])  # merge + deserialize
                 copying += time.perf_counter() - t0
             filled += take
             self._release()
@@ -214,22 +200,17 @@ class _RecvStream:
             frame, at = self._next_frame(), 0
 
 
-class RpcBackend:
-    """The Backend interface as RPC over a native transport (see the module docstring)."""
+class RpcBackend(BaselineBackend):
+    """The baseline as RPC over a native transport (see the module docstring)."""
+
+    reuses_landing = True  # received tensors land in RPC-managed buffers, reused
 
     def __init__(self, config: BackendConfig, inner: str, native: Any):
-        """`native` is the inner transport's backend (rdkeras._engine.Engine), listening, not connected."""
-        if inner not in INNER:
-            raise ValueError(f"rpc: cannot carry RPC over {inner!r}; choose one of {', '.join(INNER)}")
-        self.rank, self.world_size, self.timeout = config.rank, config.world_size, config.timeout
+        """`native` is the backend of the native transport named `inner` (rdkeras._engine.Engine, as the
+        registry configured it), listening, not connected."""
+        super().__init__(config)
         self.inner_name = inner
         self.inner: Any = native  # Any: numpy arrays are buffers, which the stub's typing misses
-        self._regions: dict[int, np.ndarray] = {}
-        self._next_key = itertools.count(1)
-        self._regions_lock = threading.Lock()
-        self._traffic: dict[str, float] = dict.fromkeys(
-            ("bytes_written", "bytes_read", "writes", "reads", "flags", "bytes_received", "wait_seconds"), 0
-        )
         self._traffic.update(copy_seconds=0.0, wire_seconds=0.0)  # where an RPC's time goes (benchmarks)
         peers = [p for p in range(self.world_size) if p != self.rank]
         # Per peer: requests to it and their replies, requests from it and our replies.
@@ -241,7 +222,6 @@ class RpcBackend:
         self._servers: list[threading.Thread] = []
         self._server_error: dict[int, BaseException] = {}
         self._closing = False
-        self._channels: list[Any] = []
         service = ",".join(
             f"{p}:{self._requests[p].ack_key}:{self._replies_in[p].key}:{self._requests_in[p].key}:"
             f"{self._replies[p].ack_key}"
@@ -290,57 +270,40 @@ class RpcBackend:
             t.join(timeout=10)
         self.inner.close()
 
-    # -- failures: the inner engine's root-cause protocol (a peer's death is seen on its wire) ----
+    # -- what the native engine underneath does better: memory, waiting, failures ---------
 
-    @property
-    def failure(self) -> tuple[int, int, str] | None:
-        return self.inner.failure
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return self.inner.alloc(nbytes)
 
-    def report_failure(self, rank: int, why: str) -> None:
-        self.inner.report_failure(rank, why)
-
-    # -- what happened ---------------------------------------------------------------
+    def register(self, buffer: Buffer) -> int:
+        key = super().register(buffer)
+        self._start_servers()  # requests can address this rank from now on
+        return key
 
     def counters(self) -> dict[str, int]:
         return self.inner.counters()
 
-    def traffic(self) -> dict[str, float]:
-        return dict(self._traffic)
+    def check_peer(self, peer: int) -> None:
+        self.inner.check_peer(peer)
 
-    def count_received(self, nbytes: int) -> None:
-        self._traffic["bytes_received"] += nbytes
+    def wait_flag(self, buffer: Buffer, offset: int, value: int, peer: int) -> None:
+        start = time.monotonic()
+        try:
+            self.inner.wait_flag(buffer, offset, value, peer)
+        finally:
+            self.count_wait(time.monotonic() - start)
 
-    def count(self, kind: str, nbytes: int) -> None:
-        self._traffic["bytes_written" if kind == "writes" else "bytes_read"] += nbytes
-        self._traffic[kind] += 1
+    @property
+    def failure(self) -> tuple[int, int, str] | None:
+        return self.inner.failure  # a peer's death is seen on the native wire: its root-cause record
 
-    def count_wait(self, seconds: float) -> None:
-        self._traffic["wait_seconds"] += seconds
+    def report_failure(self, rank: int, why: str) -> None:
+        self.inner.report_failure(rank, why)
 
     def count_time(self, copy: float = 0.0, wire: float = 0.0) -> None:
         """Seconds spent (de)serializing (copies) and writing frames (the inner wire, slot waits included)."""
         self._traffic["copy_seconds"] += copy
         self._traffic["wire_seconds"] += wire
-
-    # -- registered memory -------------------------------------------------------------
-
-    def alloc(self, nbytes: int) -> np.ndarray:
-        return self.inner.alloc(nbytes)
-
-    def register(self, buffer: Any) -> int:
-        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)  # holds the buffer alive
-        if view.flags.writeable is False:
-            raise EngineError("register: the buffer is read-only (peers write into registered memory)")
-        with self._regions_lock:
-            key = next(self._next_key) << 32 | 1
-            self._regions[key] = view
-        self._start_servers()  # requests can address this rank from now on
-        return key
-
-    def deregister(self, key: int) -> None:
-        with self._regions_lock:
-            if self._regions.pop(key, None) is None:
-                raise EngineError(f"deregister: no region with key {key:#x}")
 
     # -- one-sided access, as unary RPCs -----------------------------------------------------
 
@@ -363,50 +326,16 @@ class RpcBackend:
             raise EngineError(reply.channel)
         return reply
 
-    def write(self, peer: int, src: Any, key: int, offset: int = 0) -> None:
-        data = _bytes_of(src)
+    def remote_write(self, peer: int, data: np.ndarray, key: int, offset: int) -> None:
         self._call(peer, TensorMessage(key=key, offset=offset, length=data.nbytes, channel="Write"), data)
-        self.count("writes", data.nbytes)
 
-    def read(self, peer: int, dst: Any, key: int, offset: int = 0) -> None:
-        view = _bytes_of(dst)
-        if not view.flags.writeable:
-            raise EngineError("read: the destination is read-only")
-        self._call(peer, TensorMessage(key=key, offset=offset, length=view.nbytes, channel="Read"), into=view)
-        self.count("reads", view.nbytes)
+    def remote_read(self, peer: int, into: np.ndarray, key: int, offset: int) -> None:
+        self._call(peer, TensorMessage(key=key, offset=offset, length=into.nbytes, channel="Read"), into=into)
 
-    def write_flag(self, peer: int, key: int, offset: int, value: int) -> None:
+    def remote_flag(self, peer: int, key: int, offset: int, value: int) -> None:
         self._call(peer, TensorMessage(key=key, offset=offset, value=value, channel="Flag"))
-        self._traffic["flags"] += 1
-
-    def flush(self, peer: int) -> None:
-        self.check_peer(peer)  # every call above waited for its reply
-
-    def check_peer(self, peer: int) -> None:
-        self.inner.check_peer(peer)
-
-    def wait_flag(self, buffer: Any, offset: int, value: int, peer: int) -> None:
-        start = time.monotonic()
-        try:
-            self.inner.wait_flag(buffer, offset, value, peer)
-        finally:
-            self.count_wait(time.monotonic() - start)
 
     # -- the server side -----------------------------------------------------------------
-
-    def _region(self, op: str, req: Any, length: int) -> np.ndarray:
-        with self._regions_lock:
-            region = self._regions.get(req.key)
-        if region is None:
-            raise RemoteAccessError(
-                f"{op}: rank {self.rank} has no region with key {req.key:#x} (stale: deregistered, or never registered)"
-            )
-        if req.offset > region.nbytes or length > region.nbytes - req.offset:
-            raise RemoteAccessError(
-                f"{op} of {length} bytes at offset {req.offset} is out of bounds of rank {self.rank}'s region "
-                f"{req.key:#x} ({region.nbytes} bytes)"
-            )
-        return region
 
     def _serve(self, peer: int) -> None:
         """Serves `peer`'s requests in order until the backend closes or the peer dies."""
@@ -417,11 +346,10 @@ class RpcBackend:
             if req.channel != "Write":
                 return None
             try:
-                region = self._region("write", req, n)
+                return self.regions.find("write", req.key, req.offset, n)  # deserialized straight into the region
             except RemoteAccessError as e:
                 failure.append(e)
                 return None
-            return region[req.offset : req.offset + n]  # deserialized straight into the region
 
         while not self._closing:
             failure.clear()
@@ -440,13 +368,9 @@ class RpcBackend:
                 if req.channel == "Write":
                     self.count_received(req.length)
                 elif req.channel == "Read":
-                    region = self._region("read", req, req.length)
-                    content = region[req.offset : req.offset + req.length]
+                    content = self.regions.find("read", req.key, req.offset, req.length)
                 elif req.channel == "Flag":
-                    if req.offset % 8:
-                        raise RemoteAccessError(f"flag offset {req.offset} is not 8-byte aligned")
-                    region = self._region("writeFlag", req, 8)
-                    region[req.offset : req.offset + 8].view(np.uint64)[0] = req.value
+                    self.regions.store_flag(req.key, req.offset, req.value)
                 else:
                     raise EngineError(f"rpc: rank {peer} sent an unknown request {req.channel!r}")
             except EngineError as e:
@@ -458,34 +382,30 @@ class RpcBackend:
                     self._server_error[peer] = e
                 return
 
-    # -- channels and rings -------------------------------------------------------------
+    # -- channels: each direction a stream of framed messages --------------------------------
 
-    def static_channel(self, sender: bool, peer: int, nbytes: int) -> RpcStaticChannel:
-        return RpcStaticChannel(self, sender, peer, nbytes)
-
-    def dynamic_channel(self, sender: bool, peer: int) -> RpcDynamicChannel:
-        return RpcDynamicChannel(self, sender, peer)
-
-    def ring(self, capacity_bytes: int, bucket_bytes: int, members: Sequence[int]) -> RpcRing:
-        return RpcRing(self, capacity_bytes, list(members))
+    def link(self, sender: bool, peer: int, message_bytes: int | None) -> _RpcLink:
+        return _RpcLink(self, sender, peer, message_bytes)
 
 
-class _RpcChannel:
-    """One end of a channel: the sender's half of a stream, or the receiver's (which owns the slots).
+class _RpcLink:
+    """One direction of a channel: the sender's half of a stream, or the receiver's (which owns the slots,
+    room for two whole messages: ``SERVICE_FRAMES`` where their size is not known).
 
     Descriptors: the receiver's says where its slots are, the sender's where its ack word is.
     """
 
-    def __init__(self, backend: RpcBackend, sender: bool, peer: int, slots: int, message_bytes: int = 0):
-        self.backend, self.sender, self.peer = backend, sender, peer
-        self.sequence = 0
+    def __init__(self, backend: RpcBackend, sender: bool, peer: int, message_bytes: int | None):
+        self.backend = backend
+        self.sent = 0
+        slots = SERVICE_FRAMES if message_bytes is None else 2 * _frames_for(message_bytes)
         if sender:
-            self._tx: _SendStream | None = _SendStream(backend, peer, message_bytes)
+            self._tx: _SendStream | None = _SendStream(backend, peer, message_bytes or 0)
             self._rx: _RecvStream | None = None
-            self.descriptor = f"rpc-channel ack={self._tx.ack_key}"
+            self.descriptor = f"ack={self._tx.ack_key}"
         else:
             self._tx, self._rx = None, _RecvStream(backend, peer, slots)
-            self.descriptor = f"rpc-channel key={self._rx.key} slots={slots}"
+            self.descriptor = f"key={self._rx.key} slots={slots}"
 
     def connect(self, remote_descriptor: str) -> None:
         f = _fields(remote_descriptor)
@@ -495,166 +415,27 @@ class _RpcChannel:
             assert self._rx is not None
             self._rx.connect(int(f["ack"]))
 
-    def _send(self, data: np.ndarray, dtype: str, shape: Sequence[int]) -> int:
-        if self._tx is None:
-            raise EngineError("send() called on the receiving end of a channel")
-        self._tx.send(TensorMessage(dtype=dtype, shape=list(shape), seq=self.sequence), data)
-        self.backend.count("writes", data.nbytes)
-        self.sequence += 1
-        return self.sequence - 1
+    def send(self, seq: int, dtype: str, shape: Sequence[int], content: np.ndarray) -> None:
+        assert self._tx is not None
+        self._tx.send(TensorMessage(dtype=dtype, shape=list(shape), seq=seq), content)
+        self.sent += 1
 
-    def _recv(self, destination: Callable[[Any, int], np.ndarray]) -> tuple[Any, np.ndarray]:
-        if self._rx is None:
-            raise EngineError("recv() called on the sending end of a channel")
+    def recv(self, seq: int, land: Callable[[Any, int], np.ndarray]) -> tuple[Any, np.ndarray]:
+        rx = self._rx
+        assert rx is not None
         start = time.monotonic()
-        header, data = self._rx.recv(destination)
-        self.backend.count_wait(time.monotonic() - start - self._rx.last_copy_seconds)
-        if header.seq != self.sequence:
-            raise EngineError(f"rpc: expected message {self.sequence} from rank {self.peer}, got {header.seq}")
-        assert data is not None
-        self.backend.count("reads", data.nbytes)
-        self.backend.count_received(data.nbytes)
-        self.sequence += 1
-        return header, data
+        header, content = rx.recv(land)
+        self.backend.count_wait(time.monotonic() - start - rx.last_copy_seconds)
+        if header.seq != seq:
+            raise EngineError(f"rpc: expected message {seq} from rank {rx.peer}, got {header.seq}")
+        assert content is not None
+        return header, content
 
     # RPC copies the tensor when it is sent: the source is free at once.
     @property
     def acked(self) -> int:
-        return self.sequence
+        return self.sent
 
     def wait_acked(self, count: int) -> None:
-        if count > self.sequence:
-            raise EngineError(f"wait_acked({count}): only {self.sequence} messages were sent")
-
-
-class RpcStaticChannel(_RpcChannel):
-    """Fixed-size messages; the receive buffer holds two (a send waits only when both are unread)."""
-
-    def __init__(self, backend: RpcBackend, sender: bool, peer: int, nbytes: int):
-        super().__init__(backend, sender, peer, 2 * _frames_for(nbytes), nbytes)
-        self.nbytes = nbytes
-        # Where received tensors land, alternating: each stays valid until the next recv().
-        self._landing = [] if sender else [backend.inner.alloc(max(nbytes, 1)) for _ in range(2)]
-
-    def send(self, data: Any) -> None:
-        a = _bytes_of(data)
-        if a.nbytes != self.nbytes:
-            raise EngineError(f"static channel carries {self.nbytes} bytes per message, got {a.nbytes}")
-        self._send(a, "|u1", [a.nbytes])
-
-    def recv(self) -> np.ndarray:
-        landing = self._landing[self.sequence % 2]
-
-        def destination(header: Any, n: int) -> np.ndarray:
-            if n != self.nbytes:
-                raise EngineError(f"static channel carries {self.nbytes} bytes per message, rank {self.peer} sent {n}")
-            return landing[:n]
-
-        return self._recv(destination)[1]
-
-
-class RpcDynamicChannel(_RpcChannel):
-    """Messages that carry their dtype and shape; each lands in a fresh buffer the array owns."""
-
-    def __init__(self, backend: RpcBackend, sender: bool, peer: int):
-        super().__init__(backend, sender, peer, SERVICE_FRAMES)
-
-    def send(self, data: Any, dtype: str, shape: Sequence[int]) -> int:
-        return self._send(_bytes_of(data), dtype, shape)
-
-    def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]:
-        header, data = self._recv(lambda header, n: self.backend.inner.alloc(n))
-        return data, header.dtype, tuple(header.shape)
-
-
-class RpcRing:
-    """Ring allreduce over RPC messages, as TensorFlow's gRPC collective runs it: reduce-scatter then
-    allgather, every chunk a serialized message deserialized on arrival (reductions in numpy)."""
-
-    def __init__(self, backend: RpcBackend, capacity_bytes: int, members: list[int]):
-        n, r = len(members), members.index(backend.rank)
-        self.backend, self.n, self.position, self.capacity = backend, n, r, capacity_bytes
-        chunk = math.ceil(capacity_bytes / n) + 64
-        self._chunk_bytes = chunk
-        if n > 1:
-            left, right = members[(r - 1) % n], members[(r + 1) % n]
-            slots = 2 * _frames_for(chunk)
-            self._tx: _SendStream | None = _SendStream(backend, right, chunk)
-            self._rx: _RecvStream | None = _RecvStream(backend, left, slots)
-            self._scratch = backend.inner.alloc(chunk)
-            self._scratch[:] = 0
-            self.descriptor = (
-                f"rpc-ring rank={backend.rank} capacity={capacity_bytes} rx={self._rx.key} slots={slots} "
-                f"txack={self._tx.ack_key}"
-            )
-        else:
-            self._tx = self._rx = None
-            self.descriptor = f"rpc-ring rank={backend.rank} capacity={capacity_bytes}"
-
-    def connect(self, left: str, right: str) -> None:
-        lf, rf = _fields(left), _fields(right)
-        for f in (lf, rf):
-            if int(f["capacity"]) != self.capacity:
-                raise EngineError(f"allreduce: rank {f['rank']} declared another capacity ({f['capacity']})")
-        assert self._tx is not None and self._rx is not None
-        self._rx.connect(int(lf["txack"]))
-        self._tx.connect(int(rf["rx"]), int(rf["slots"]))
-
-    def _send(self, chunk: np.ndarray) -> None:
-        assert self._tx is not None
-        data = chunk.view(np.uint8)
-        self._tx.send(TensorMessage(dtype=chunk.dtype.str, shape=[chunk.size]), data)
-        self.backend.count("writes", data.nbytes)
-
-    def _recv_into(self, out: np.ndarray) -> None:
-        rx = self._rx
-        assert rx is not None
-        start = time.monotonic()
-
-        def destination(header: Any, n: int) -> np.ndarray:
-            if n != out.nbytes:
-                raise EngineError(f"allreduce: rank {rx.peer} sent a chunk of {n} bytes, expected {out.nbytes}")
-            return out.view(np.uint8)
-
-        rx.recv(destination)
-        self.backend.count_wait(time.monotonic() - start - rx.last_copy_seconds)
-        self.backend.count("reads", out.nbytes)
-        self.backend.count_received(out.nbytes)
-
-    def allreduce(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
-        arrays = [np.asarray(a) for a in arrays]
-        if not arrays:
-            return []
-        dtype = arrays[0].dtype
-        if dtype.kind != "f" or dtype.itemsize not in (4, 8) or any(a.dtype != dtype for a in arrays):
-            raise TypeError("allreduce supports float32 and float64 tensors, all of one dtype")
-        # Each tensor starts on a 64-byte boundary, so TensorFlow can alias the outputs (the padding sums zeros).
-        pad = 64 // dtype.itemsize
-        starts, total = [], 0
-        for a in arrays:
-            starts.append(total)
-            total += -(-a.size // pad) * pad
-        if total * dtype.itemsize > self.capacity:
-            raise EngineError(
-                f"allreduce of {total * dtype.itemsize} bytes exceeds this ring's capacity of {self.capacity}"
-            )
-        flat = self.backend.inner.alloc(max(total * dtype.itemsize, 1)).view(dtype)[:total]
-        for a, at in zip(arrays, starts, strict=True):
-            _copy(flat[at : at + a.size].view(np.uint8), _bytes_of(a))
-            flat[at + a.size : at + -(-a.size // pad) * pad] = 0
-        n, r = self.n, self.position
-        if n > 1:
-            bounds = [total * i // n for i in range(n + 1)]
-            chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
-            for s in range(n - 1):  # reduce-scatter
-                self._send(chunk[(r - s) % n])
-                k = (r - s - 1) % n
-                incoming = self._scratch[: chunk[k].nbytes].view(dtype)
-                self._recv_into(incoming)
-                np.add(chunk[k], incoming, out=chunk[k])
-            for s in range(n - 1):  # allgather: straight into the output
-                self._send(chunk[(r + 1 - s) % n])
-                self._recv_into(chunk[(r - s) % n])
-        if average:
-            np.divide(flat, n, out=flat)
-        return [flat[at : at + a.size].reshape(a.shape) for a, at in zip(arrays, starts, strict=True)]
+        if count > self.sent:
+            raise EngineError(f"wait_acked({count}): only {self.sent} messages were sent")

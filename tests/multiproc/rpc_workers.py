@@ -19,7 +19,7 @@ def rpc_wire_format() -> dict:
             ch.send(x)
             after = inner.traffic()
             # The serialized bytes in the send buffer (after the 16-byte length prefix) are a TensorMessage.
-            staged = ch.channel._tx._buffer
+            staged = ch.channel._link._tx._buffer
             total = 16 + int(np.frombuffer(staged[:4], np.uint32)[0]) + int(np.frombuffer(staged[4:8], np.uint32)[0])
             total += x.nbytes
             msg = TensorMessage.FromString(staged[16:total].tobytes())
