@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import errors
+from rdkeras import errors, transports
 from rdkeras.channels import Ring
 from rdkeras.engine import Engine
 
@@ -144,10 +144,10 @@ BUCKET_BYTES = 4 << 20  # the bucket size where overlap is on
 
 def overlap_bytes(transport: str) -> int:
     """The default gradient bucket size for overlapping the exchange with backprop on `transport`: 0 (off)
-    where the bytes are moved by this process's own cores while they also compute (shm and rpc+shm with no
-    GPU: the exchange would only take turns with backprop on the same core -- measured 20% slower), else
-    ``BUCKET_BYTES``. ``RDMAStrategy(overlap_bytes=...)`` overrides it."""
-    if transport in ("shm", "rpc+shm"):
+    where the bytes are moved by this process's own cores while they also compute (a transport whose spec
+    sets ``copies_on_own_cores``, with no GPU: the exchange would only take turns with backprop on the same
+    core -- measured 20% slower), else ``BUCKET_BYTES``. ``RDMAStrategy(overlap_bytes=...)`` overrides it."""
+    if transports.get(transport).copies_on_own_cores:
         tf = sys.modules.get("tensorflow")  # not imported: no TensorFlow compute (the engine-only tests)
         if tf is None or not tf.config.list_physical_devices("GPU"):
             return 0

@@ -24,6 +24,9 @@ class BackendSpec:
     summary: str
     why_not_viable: Callable[[], str]  # "" when it can run in this process
     create: Callable[[BackendConfig], Backend]
+    # The exchange's bytes are copied by this process's own cores (shm: a memcpy into the peer's memory),
+    # so overlapping it with compute on the same cores only takes turns (rdkeras.parallel.collectives).
+    copies_on_own_cores: bool = False
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -114,7 +117,11 @@ def _grpc(config: BackendConfig) -> Backend:
     return GrpcBackend(config)
 
 
-register(BackendSpec("shm", "one host: peers map each other's memory", _compiled("shm"), _native("shm")))
+register(
+    BackendSpec(
+        "shm", "one host: peers map each other's memory", _compiled("shm"), _native("shm"), copies_on_own_cores=True
+    )
+)
 register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))
 register(
     BackendSpec(
@@ -152,6 +159,7 @@ for _inner in ("shm", "tcp", "verbs"):
             f"the RPC baseline carried over {_inner}: serialized messages, frames, parsing on arrival",
             get(_inner).why_not_viable,
             _rpc(_inner),
+            copies_on_own_cores=get(_inner).copies_on_own_cores,  # the frames move as the inner's bytes do
         )
     )
 

@@ -147,6 +147,18 @@ def test_every_backend_implements_the_one_interface(transport):
         assert np.array_equal(out[0], np.arange(4, dtype=np.float32))  # a ring of one is the identity
 
 
+def test_overlap_is_off_where_this_process_copies_the_bytes(monkeypatch):
+    import sys
+
+    from rdkeras import transports
+    from rdkeras.parallel import collectives
+
+    assert {n for n in transports.names() if transports.get(n).copies_on_own_cores} == {"shm", "rpc+shm"}
+    monkeypatch.delitem(sys.modules, "tensorflow", raising=False)  # no TensorFlow compute here, so no GPU
+    on = collectives.BUCKET_BYTES
+    assert [collectives.overlap_bytes(n) for n in ("shm", "rpc+shm", "tcp", "rpc+tcp", "grpc")] == [0, 0, on, on, on]
+
+
 def test_the_face_has_no_transport_branch():
     import inspect
 
