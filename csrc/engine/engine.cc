@@ -9,12 +9,50 @@
 
 namespace rdkeras {
 
-std::vector<std::string> nativeTransports() {
+namespace {
+
+// Makes this rank's transport of one kind (verbs also becomes the tracker's registrar).
+using TransportFactory = std::unique_ptr<Transport> (*)(int rank, int world_size, Arena& arena,
+                                                        TensorTracker& tracker,
+                                                        const TransportOptions& options);
+
+template <typename T>
+std::unique_ptr<Transport> make(int rank, int world_size, Arena& arena, TensorTracker& /*tracker*/,
+                                const TransportOptions& options) {
+  return std::make_unique<T>(rank, world_size, arena, options);
+}
+
 #ifdef RDKERAS_WITH_VERBS
-  return {"shm", "tcp", "shm+tcp", "verbs"};
-#else
-  return {"shm", "tcp", "shm+tcp"};
+std::unique_ptr<Transport> makeVerbs(int rank, int world_size, Arena& arena, TensorTracker& tracker,
+                                     const TransportOptions& options) {
+  auto verbs = std::make_unique<VerbsTransport>(rank, world_size, arena, tracker, options);
+  tracker.setRegistrar(verbs.get());  // every registration becomes an ibv_reg_mr
+  return verbs;
+}
 #endif
+
+struct NativeTransport {
+  const char* name;
+  TransportFactory make;
+};
+
+// Every transport compiled into this build: the Engine makes its transport from this table, and
+// nativeTransports() lists it.
+constexpr NativeTransport kNativeTransports[] = {
+    {"shm", make<ShmTransport>},
+    {"tcp", make<TcpTransport>},
+    {"shm+tcp", make<MixedTransport>},
+#ifdef RDKERAS_WITH_VERBS
+    {"verbs", makeVerbs},
+#endif
+};
+
+}  // namespace
+
+std::vector<std::string> nativeTransports() {
+  std::vector<std::string> names;
+  for (const NativeTransport& t : kNativeTransports) names.emplace_back(t.name);
+  return names;
 }
 
 std::string verbsWhyNotViable() {
@@ -34,21 +72,10 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
   control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
-  if (options.transport == "shm")
-    transport_ = std::make_unique<ShmTransport>(rank, world_size, *arena_, options.transport_options);
-  else if (options.transport == "tcp")
-    transport_ = std::make_unique<TcpTransport>(rank, world_size, *arena_, options.transport_options);
-  else if (options.transport == "shm+tcp")
-    transport_ = std::make_unique<MixedTransport>(rank, world_size, *arena_, options.transport_options);
-#ifdef RDKERAS_WITH_VERBS
-  else if (options.transport == "verbs") {
-    auto verbs =
-        std::make_unique<VerbsTransport>(rank, world_size, *arena_, *tracker_, options.transport_options);
-    tracker_->setRegistrar(verbs.get());  // every registration becomes an ibv_reg_mr
-    transport_ = std::move(verbs);
-  }
-#endif
-  else
+  for (const NativeTransport& t : kNativeTransports)
+    if (options.transport == t.name)
+      transport_ = t.make(rank, world_size, *arena_, *tracker_, options.transport_options);
+  if (!transport_)
     throw EngineError(strCat("unknown or unavailable native transport '", options.transport, "'"));
 }
 

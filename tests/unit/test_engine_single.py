@@ -147,6 +147,19 @@ def test_every_backend_implements_the_one_interface(transport):
         assert np.array_equal(out[0], np.arange(4, dtype=np.float32))  # a ring of one is the identity
 
 
+def test_every_native_transport_of_the_build_is_made_from_its_one_table():
+    from rdkeras import transports
+
+    listed = _engine.native_transports()
+    assert set(listed) <= set(transports.names())  # the registry offers every one
+    for name in listed:
+        if transports.get(name).why_not_viable():
+            continue  # compiled in, but not usable here (verbs without a device)
+        _engine.Engine(0, 1, name, 1 << 26, 5.0).close()
+    with pytest.raises(rdkeras.EngineError, match="unknown or unavailable native transport 'grpc'"):
+        _engine.Engine(0, 1, "grpc", 1 << 26, 5.0)
+
+
 def test_overlap_is_off_where_this_process_copies_the_bytes(monkeypatch):
     import sys
 
