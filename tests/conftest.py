@@ -16,6 +16,8 @@ _VERBS_WHY = _engine.verbs_why_not_viable()
 VERBS = pytest.param("verbs", marks=pytest.mark.skipif(bool(_VERBS_WHY), reason=f"verbs: {_VERBS_WHY}"))
 NATIVE = ["shm", "tcp", VERBS]
 ALL_TRANSPORTS = ["shm", "tcp", VERBS, "grpc"]
+# The RPC baseline over each native wire: the conformance tests run over these as well.
+RPC = ["rpc+shm", "rpc+tcp", pytest.param("rpc+verbs", marks=VERBS.marks)]
 
 
 def run_ranks(

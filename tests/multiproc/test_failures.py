@@ -10,7 +10,7 @@ from tests.conftest import ALL_TRANSPORTS, run_ranks
 
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["sender-dies", "receiver-dies"])
-@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+@pytest.mark.parametrize("transport", [*ALL_TRANSPORTS, "rpc+shm", "rpc+tcp"])
 def test_killing_the_peer_mid_transfer_names_it_within_10s(transport, victim):
     results = run_ranks("kill_peer_during_transfer", transport=transport, check=False, timeout=90, victim=victim)
     killed, survivor = results[victim], results[1 - victim]
