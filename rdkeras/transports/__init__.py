@@ -1,10 +1,21 @@
 """Transports: the one place a backend is chosen by name.
 
-Every transport is a :class:`~rdkeras.transports.base.Backend`. The registry
-maps a name to a factory and a viability check; ``rdkeras.Engine`` asks it for
-``create(name, config)`` and never looks at the name itself. Adding a backend
-is one ``register(BackendSpec(...))`` call (as tensorpipe and gloo register
-theirs).
+What lives where:
+
+- this package holds the registry (here), the one interface every transport
+  implements (``base.py``: :class:`~rdkeras.transports.base.Backend`), and the
+  Python baselines: their common base (``baseline.py``, ``baseline_channels.py``),
+  ``grpc.py`` (gRPC) and ``rpc.py`` (RPC messages over a native transport);
+- the native transports (shm, tcp, shm+tcp, verbs) are C++, one folder each in
+  ``csrc/transport/``, behind the engine in ``csrc/engine/`` and reached
+  through ``rdkeras._engine``.
+
+The registry maps a name to a factory, a viability check and what other code
+may need to know about a transport (its capabilities, e.g. ``copies_on_own_cores``);
+``rdkeras.Engine`` asks it for ``create(name, config)`` and never looks at the
+name itself, and other code asks ``get(name)`` for a capability instead of
+branching on the name. Adding a backend is one ``register(BackendSpec(...))``
+call (as tensorpipe and gloo register theirs).
 """
 
 from __future__ import annotations
