@@ -22,6 +22,7 @@ same user cannot join each other, and nobody without the file can compute it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -47,14 +48,42 @@ def secret_path(settings: options.Options | None = None) -> Path:
     return settings.config_dir / "rdkeras" / "job-token"
 
 
-def _read_private(path: Path, what: str) -> bytes:
-    """The contents of `path`, which must belong to this user and be closed to everyone else."""
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+          stat.S_IFBLK: "a device", stat.S_IFLNK: "a symbolic link"}  # fmt: skip
+
+
+def _check_folder(path: Path, what: str) -> None:
+    """The folder holding a token must be writable by this user alone (else another user could put a token of
+    their choosing there): owned by this user (or root, as a mounted secret's is), not group/world-writable."""
+    folder = path.parent
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.stat(folder)
     except OSError as e:
+        raise TokenError(f"cannot read the folder of the {what} {path}: {e.strerror}") from None
+    if st.st_uid not in (os.geteuid(), 0) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise TokenError(
+            f"the {what} {path} is in {folder}, which others can write (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): someone else could put a token there. Keep it in a folder only you "
+            f"can write (`chmod go-w {folder}`, or move the file)"
+        )
+
+
+def _read_private(path: Path, what: str) -> bytes:
+    """The contents of `path`, which must be a regular file of this user's, closed to everyone else, in a folder
+    only this user can write. Never blocks: a FIFO or a device is refused, not opened for reading."""
+    _check_folder(path, what)
+    try:
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (the type is checked next).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TokenError(f"the {what} {path} is a symbolic link: use the file it points to") from None
         raise TokenError(f"cannot read the {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise TokenError(f"the {what} {path} is {kind}: it must be a regular file holding the token")
         if st.st_uid != os.geteuid():
             raise TokenError(f"the {what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):

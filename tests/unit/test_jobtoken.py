@@ -71,8 +71,53 @@ def test_a_symlinked_secret_is_refused(home, tmp_path):
     path = jobtoken.secret_path(home)
     path.parent.mkdir(parents=True)
     path.symlink_to(target)
-    with pytest.raises(jobtoken.TokenError, match="cannot read the job-token file"):
+    with pytest.raises(jobtoken.TokenError, match=r"job-token file .* is a symbolic link: use the file it points to"):
         jobtoken.resolve(2, "job", home)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_token_path_that_is_not_a_file_is_refused_at_once(home, tmp_path, kind):
+    token = tmp_path / "private" / "token"
+    token.parent.mkdir(mode=0o700)
+    os.mkfifo(token, 0o600) if kind == "fifo" else token.mkdir(mode=0o700)
+    settings = dataclasses.replace(home, job_token_file=str(token))
+    expected = "a FIFO" if kind == "fifo" else "a directory"
+    # A FIFO would block open() until a writer came: it must be refused, not read (the timeout proves it).
+    with pytest.raises(jobtoken.TokenError, match=rf"is {expected}: it must be a regular file"):
+        _within(5, jobtoken.resolve, 2, None, settings)
+
+
+def test_a_token_in_a_folder_others_can_write_is_refused(home, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    token = shared / "token"
+    token.write_text("planted-by-someone")
+    token.chmod(0o600)
+    with pytest.raises(jobtoken.TokenError, match=r"in .*shared, which others can write .*mode 0777.*chmod go-w"):
+        jobtoken.resolve(2, None, dataclasses.replace(home, job_token_file=str(token)))
+
+
+def _within(seconds: float, fn, *args):
+    """fn(*args) in a daemon thread (left behind if it hangs); fails the test if it has not returned in time."""
+    import threading
+
+    outcome: list = []
+
+    def call():
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as e:
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{fn.__name__} did not return within {seconds} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def test_one_rank_needs_no_secret_and_no_job_means_a_clear_error(home):
