@@ -50,7 +50,10 @@ def _job_shape(
         world_size = job.world_size if world_size is None else world_size
         master_addr = job.master_addr if master_addr is None else master_addr
         master_port = job.master_port if master_port is None else master_port
-    return int(rank), int(world_size), str(master_addr), int(master_port)  # type: ignore[arg-type]
+    port = int(master_port)  # type: ignore[arg-type]
+    if not 0 <= port <= 65535:
+        raise EngineError(f"rendezvous port {port} is not a TCP port: choose one in 1-65535 (RDKERAS_MASTER_PORT)")
+    return int(rank), int(world_size), str(master_addr), port  # type: ignore[arg-type]
 
 
 class Engine:

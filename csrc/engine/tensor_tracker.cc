@@ -11,6 +11,9 @@ TensorTracker::TensorTracker(Arena& arena) : arena_(arena), bump_(Arena::kHeader
 
 size_t TensorTracker::sizeClass(size_t n) {
   if (n <= kAlignment) return kAlignment;
+  // Past 2^62 bytes the rounding below would overflow; no arena holds that much anyway.
+  if (n > (size_t{1} << 62))
+    throw EngineError(strCat("cannot allocate ", n, " bytes: more than any arena holds"));
   // Quarter steps between powers of two: at most 25% slack, few classes.
   size_t p = size_t{1} << (63 - __builtin_clzll(n));
   size_t step = std::max(p / 4, kAlignment);

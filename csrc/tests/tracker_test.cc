@@ -20,6 +20,9 @@ TEST_CASE("size classes cover n with at most a quarter (or one 64-byte granule) 
   CHECK(TensorTracker::sizeClass(64) == 64);
   CHECK(TensorTracker::sizeClass(65) == 128);
   CHECK(TensorTracker::sizeClass(size_t{3} << 30) == size_t{3} << 30);
+  CHECK(TensorTracker::sizeClass(size_t{1} << 62) == size_t{1} << 62);
+  // A size whose rounding would wrap around is refused, not rounded to 0.
+  CHECK_THROWS_AS(TensorTracker::sizeClass(~size_t{0} - 7), EngineError);
 }
 
 TEST_CASE("a released block comes back for the same class, aligned") {

@@ -189,3 +189,10 @@ def test_a_bare_engine_takes_its_place_from_the_cluster_under_slurm(monkeypatch)
     monkeypatch.setattr("rdkeras.cluster.expand_hostlist", lambda nodes: nodes.split(","))
     assert _job_shape(None, None, None, None) == (1, 2, "nodea", 29507)
     assert _job_shape(0, 1, "127.0.0.1", 0) == (0, 1, "127.0.0.1", 0)  # explicit arguments win
+
+
+def test_a_port_out_of_range_is_named_before_any_socket():
+    from rdkeras.engine import _job_shape
+
+    with pytest.raises(EngineError, match=r"rendezvous port 70000 is not a TCP port: choose one in 1-65535"):
+        _job_shape(0, 2, "127.0.0.1", 70000)

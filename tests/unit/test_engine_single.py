@@ -11,6 +11,7 @@ import pytest
 
 import rdkeras
 from rdkeras import _engine
+from rdkeras.errors import EngineError
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,8 @@ def test_size_classes_have_bounded_slack():
         c = _engine.size_class(n)
         assert c >= n and c % 64 == 0
         assert c <= n + max(64, n / 4), (n, c)  # quarter steps between powers of two, 64-byte granules
+    with pytest.raises(EngineError, match=r"cannot allocate 18446744073709551608 bytes: more than any arena holds"):
+        _engine.size_class(2**64 - 8)  # its rounding would wrap around to 0
 
 
 def test_empty_is_aligned_registered_memory_and_reused(solo):
@@ -286,3 +289,9 @@ def test_streaming_copy_moves_every_byte_and_none_past_the_end(size, shift):
     _engine.memcpy(dst[shift : shift + size], src[shift : shift + size], True)  # type: ignore[arg-type]
     assert np.array_equal(dst[shift : shift + size], src[shift : shift + size])
     assert not dst[:shift].any() and not dst[shift + size :].any()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_a_timeout_that_cannot_end_a_wait_is_refused_naming_it(timeout):
+    with pytest.raises(ValueError, match=r"timeout=.*: a wait needs a finite number of seconds > 0"):
+        rdkeras.Engine(0, 1, transport="shm", timeout=timeout)
