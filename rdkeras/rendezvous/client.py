@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hmac
 import os
 import socket
@@ -46,6 +47,7 @@ class Store:
         self._server = StoreServer(bind, port, token, world_size) if serve else None
         self.port = self._server.port if self._server else port
         self._lock = threading.Lock()
+        self._broken: Exception | None = None  # set once a call timed out: the stream may be mid-frame
         # Called with (rank, message) when the store reports a failed rank (the face tells the transport).
         self.on_failure: Any = None
         try:
@@ -102,26 +104,42 @@ class Store:
         return sock
 
     def _call(self, req: dict, timeout: float | None = None) -> dict:
-        with self._lock:
+        """One request and its answer, within `timeout` seconds (default: the engine's timeout) in all: a
+        store whose host stopped or hung is named, never waited for forever."""
+        timeout = self.timeout if timeout is None else timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise TimeoutError(f"another thread of rank {self.rank} held the job's store for {timeout:g} s")
+        try:
+            if self._broken is not None:
+                raise self._broken
+            self._sock.settimeout(timeout)
+            self._sock.sendall(frame(req))
+            return recv(self._sock)
+        except builtins.TimeoutError:
+            # Half a frame may be in flight: this connection is done for.
+            self._broken = peer_error(
+                0 if self._owner == "rank 0" else None,
+                f"{self._owner}'s store did not answer within {timeout:g} s: {self._owner} is stopped, hung or "
+                "unreachable",
+            )
+            raise self._broken from None
+        except (ConnectionError, OSError) as e:
+            if self._owner == "rank 0" and self.rank != 0:
+                err = peer_error(0, f"rank 0 is gone: lost the connection to its store ({e})")
+                if self.on_failure is not None:
+                    self.on_failure(0, str(err))
+                raise err from None
+            raise peer_error(None, f"lost the connection to the job's store ({self._owner}: {e})") from None
+        finally:
             try:
-                self._sock.settimeout(timeout)
-                self._sock.sendall(frame(req))
-                return recv(self._sock)
-            except (ConnectionError, OSError) as e:
-                if self._owner == "rank 0" and self.rank != 0:
-                    err = peer_error(0, f"rank 0 is gone: lost the connection to its store ({e})")
-                    if self.on_failure is not None:
-                        self.on_failure(0, str(err))
-                    raise err from None
-                raise peer_error(None, f"lost the connection to the job's store ({self._owner}: {e})") from None
-            finally:
-                try:
-                    self._sock.settimeout(None)
-                except OSError:
-                    pass
+                self._sock.settimeout(None)
+            except OSError:
+                pass
+            self._lock.release()
 
     def set(self, key: str, value: bytes) -> None:
-        self._call({"op": "set", "key": key, "value": value.hex()})
+        # A store answers a set at once: 30 s without an answer means its host is stopped or hung.
+        self._call({"op": "set", "key": key, "value": value.hex()}, timeout=min(self.timeout, 30.0))
 
     def get(
         self, keys: Sequence[str], waiting_for: Sequence[int] | None = None, timeout: float | None = None
