@@ -77,6 +77,10 @@ class Engine:
             keyed by the job). The local launcher generates one per job.
         timeout: Seconds any wait may take before it fails naming the peer
             (``RDKERAS_TIMEOUT``, default 300).
+        heartbeat_timeout: Seconds a peer may stay silent before it is declared stalled (stopped, hung,
+            swapped out) and named to every rank (``RDKERAS_HEARTBEAT_TIMEOUT``, default 30; 0: no
+            heartbeat). The native transports beat from a thread that runs no Python, so a long step
+            beats and a stopped process does not.
         arena_bytes: Registered address space to reserve (``RDKERAS_ARENA_BYTES``).
         options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
             ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
@@ -100,6 +104,7 @@ class Engine:
         master_port: int | None = None,
         token: str | bytes | None = None,
         timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
         arena_bytes: int | None = None,
         options: TransportOptions | None = None,
         settings: options_lib.Options | None = None,
@@ -108,6 +113,9 @@ class Engine:
         self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
         self.transport = str(settings.transport if transport is None else transport)
         self.timeout = options_lib.check_timeout(settings.timeout if timeout is None else timeout)
+        self.heartbeat_timeout = options_lib.check_heartbeat(
+            settings.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
+        )
         arena_bytes = int(settings.arena_bytes if arena_bytes is None else arena_bytes)
         if self.transport != "auto":
             spec = transports.get(self.transport)  # an unknown name fails here, before any connection
@@ -151,6 +159,7 @@ class Engine:
                 advertise_host=host,
                 bind_host=host,
                 options=options,
+                heartbeat_timeout=self.heartbeat_timeout,
             )
             self.backend: Backend = transports.create(self.transport, config)
             descriptors = self.store.all_gather("endpoints", self.backend.descriptor.encode())

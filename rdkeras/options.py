@@ -12,6 +12,7 @@ variable                       setting
 =============================  =========================================================
 ``RDKERAS_TRANSPORT``          transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
 ``RDKERAS_TIMEOUT``            seconds any wait may take before it fails naming the peer
+``RDKERAS_HEARTBEAT_TIMEOUT``  seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
 ``RDKERAS_ARENA_BYTES``        registered address space each process reserves
 ``RDKERAS_STORE``              who hosts the rendezvous store: rank0 or launcher
 ``RDKERAS_DATA_MODE``          data-parallel exchange: allreduce or ps
@@ -39,6 +40,7 @@ from pathlib import Path
 from rdkeras.transports.base import TransportOptions
 
 DEFAULT_TIMEOUT = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
 
 
@@ -48,6 +50,7 @@ class Options:
 
     transport: str = "auto"
     timeout: float = DEFAULT_TIMEOUT
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     arena_bytes: int = DEFAULT_ARENA_BYTES
     store: str = "rank0"
     data_mode: str = "allreduce"
@@ -89,11 +92,14 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         return value
 
     defaults = Options()
-    timeout = text("RDKERAS_TIMEOUT")
+    timeout, heartbeat = text("RDKERAS_TIMEOUT"), text("RDKERAS_HEARTBEAT_TIMEOUT")
     home = Path(env["HOME"]) if env.get("HOME") else Path.home()
     return Options(
         transport=text("RDKERAS_TRANSPORT") or defaults.transport,
         timeout=defaults.timeout if timeout is None else check_timeout(timeout, "RDKERAS_TIMEOUT"),
+        heartbeat_timeout=(
+            defaults.heartbeat_timeout if heartbeat is None else check_heartbeat(heartbeat, "RDKERAS_HEARTBEAT_TIMEOUT")
+        ),
         arena_bytes=whole("RDKERAS_ARENA_BYTES", defaults.arena_bytes),
         store=choice("RDKERAS_STORE", defaults.store, ("rank0", "launcher")),
         data_mode=choice("RDKERAS_DATA_MODE", defaults.data_mode, ("allreduce", "ps")),
@@ -121,6 +127,19 @@ def check_timeout(value: float | str, what: str = "timeout") -> float:
         raise ValueError(f"{what}={value!r} is not a number of seconds") from None
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{what}={value!r}: a wait needs a finite number of seconds > 0")
+    return seconds
+
+
+def check_heartbeat(value: float | str, what: str = "heartbeat_timeout") -> float:
+    """`value` as seconds a peer may stay silent: finite and > 0, or 0 for no heartbeat."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+    if seconds == 0:
+        return 0.0
+    if not math.isfinite(seconds) or seconds < 1:
+        raise ValueError(f"{what}={value!r}: a heartbeat timeout is at least 1 s (or 0: no heartbeat)")
     return seconds
 
 

@@ -37,7 +37,9 @@ class RDMAStrategy:
             baseline ("grpc", "rpc+shm", "rpc+tcp", "rpc+verbs"); see :class:`rdkeras.Engine`.
         mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``) or "ps".
         bucket_bytes: bytes the ring allreduce moves per pass.
-        timeout: seconds any wait may take before it fails naming the peer.
+        timeout: seconds any wait may take before it fails naming the peer (also ``RDKERAS_TIMEOUT``).
+        heartbeat_timeout: seconds a worker may stay silent (stopped, hung, swapped out) before every other
+            worker fails naming it (default 30; also ``RDKERAS_HEARTBEAT_TIMEOUT``; 0: no heartbeat).
         placement: model/hybrid: layer-name glob -> pipeline stage, e.g. ``{"conv*": 0, "fc*": 1}``;
             unplaced layers follow their producer.
         micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
@@ -60,6 +62,7 @@ class RDMAStrategy:
         mode: str | None = None,
         bucket_bytes: int = 64 << 20,
         timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
         placement: dict[str, int] | None = None,
         micro_batches: int = 1,
         stages: int | None = None,
@@ -83,6 +86,7 @@ class RDMAStrategy:
             master_addr=c.master_addr,
             master_port=c.master_port,
             timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout,
             settings=settings,
         )
         self.parallelism = parallelism

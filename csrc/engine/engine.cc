@@ -1,5 +1,8 @@
 #include "engine/engine.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -69,6 +72,7 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw EngineError(strCat("invalid rank ", rank, " for world size ", world_size));
   if (!(options.timeout_s > 0)) throw EngineError("timeout must be positive");
+  if (!(options.heartbeat_s >= 0)) throw EngineError("heartbeat timeout must be positive (or 0: none)");
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
   control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
@@ -96,23 +100,89 @@ void Engine::connect(const std::vector<std::string>& descriptors, const std::str
   transport_->connect(descriptors, key, deadline());
   transport_->setSetupWatch({});
   connected_ = true;
+  if (world_size_ > 1 && options_.heartbeat_s > 0) heartbeat_ = std::thread(&Engine::heartbeatLoop, this);
 }
 
 namespace {
 
 // An abort record in one 8-byte word: (failed rank + 1) | (reporter + 1) << 32 | cause << 56.
-enum Cause : uint64_t { kLost = 0, kStopped = 1 };
+enum Cause : uint64_t { kLost = 0, kStopped = 1, kStalled = 2 };
 uint64_t encodeAbort(int failed, int reporter, Cause cause) {
   return (static_cast<uint64_t>(failed) + 1) | (static_cast<uint64_t>(reporter) + 1) << 32 | cause << 56;
 }
 
 Engine::Failure decodeAbort(uint64_t word) {
+  const uint64_t cause = word >> 56;
   return {static_cast<int>((word & 0xffffffff) - 1), static_cast<int>(((word >> 32) & 0xffffff) - 1),
-          (word >> 56) == kStopped ? "it stopped on an error of its own (see its log)"
-                                   : "it exited or lost its connections"};
+          cause == kStopped ? "it stopped on an error of its own (see its log)"
+          : cause == kStalled
+              ? "it stalled: no heartbeat within the heartbeat timeout (the process is stopped, "
+                "hung or swapped out)"
+              : "it exited or lost its connections"};
 }
 
 }  // namespace
+
+// Control block: [abort word | beats from the left neighbour | beats from the right neighbour].
+constexpr uint64_t kBeatsFromLeft = 8, kBeatsFromRight = 16;
+
+void Engine::heartbeatLoop() {
+  using Seconds = std::chrono::duration<double>;
+  const double silent_max = options_.heartbeat_s;
+  const auto interval =
+      std::chrono::duration_cast<Clock::duration>(Seconds(std::clamp(silent_max / 10, 0.05, 1.0)));
+  const int left = (rank_ + world_size_ - 1) % world_size_, right = (rank_ + 1) % world_size_;
+  struct Watch {
+    int peer;
+    uint64_t offset;
+    uint64_t seen = 0;
+    int64_t heard = 0;
+    Clock::time_point since;
+  };
+  Watch watches[2] = {{left, kBeatsFromLeft}, {right, kBeatsFromRight}};
+  for (Watch& w : watches) w.since = Clock::now();
+  const uint64_t* block = reinterpret_cast<const uint64_t*>(control_->data());
+  for (uint64_t beat = 1;; ++beat) {
+    {
+      std::unique_lock<std::mutex> lock(heartbeat_mu_);
+      if (heartbeat_cv_.wait_for(lock, interval, [&] { return heartbeat_stop_; })) return;
+    }
+    // I am my right neighbour's left neighbour, and my left neighbour's right one.
+    for (const auto& [peer, offset] : {std::pair{right, kBeatsFromLeft}, std::pair{left, kBeatsFromRight}}) {
+      try {
+        transport_->writeFlag(peer, abort_keys_[peer], offset, beat, Deadline(Seconds(interval).count()));
+      } catch (const std::exception&) {  // a dead peer is the waits' to name; a stalled one, the watch's
+      }
+    }
+    const auto now = Clock::now();
+    for (Watch& w : watches) {
+      const uint64_t seen = loadAcquire(block + w.offset / 8);
+      const int64_t heard = transport_->lastHeardNs(w.peer);
+      if (seen != w.seen || heard != w.heard) {
+        w.seen = seen;
+        w.heard = heard;
+        w.since = now;
+      } else if (Seconds(now - w.since).count() > silent_max) {
+        declareStalled(w.peer, Seconds(now - w.since).count());
+        w.since = now;  // declared once (a later failure is latched already)
+      }
+    }
+  }
+}
+
+void Engine::declareStalled(int peer, double silent_s) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank >= 0) return;  // a failure is known already: that one is the cause
+    failure_ = {peer, rank_,
+                strCat("rank ", peer, " stalled: no heartbeat for ", static_cast<int>(silent_s),
+                       " s (the process is stopped, hung or swapped out)")};
+    has_failure_.store(true, std::memory_order_release);
+  }
+  transport_->cutOff(peer, strCat("declared stalled by rank ", rank_, " (no heartbeat)"));
+  broadcastAbort(encodeAbort(peer, rank_, kStalled), peer);
+  localWakeup().notify();  // sleeping waits check the failure at once
+}
 
 bool Engine::failure(Failure* out) const {
   std::lock_guard<std::mutex> lock(failure_mu_);
@@ -222,6 +292,12 @@ void Engine::broadcastAbort(uint64_t word, int skip) {
 
 void Engine::close() {
   if (closed_) return;
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
   closed_ = true;
   if (transport_) transport_->shutdown();
 }

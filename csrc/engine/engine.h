@@ -11,10 +11,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/arena.h"
@@ -28,6 +30,7 @@ struct EngineOptions {
   std::string transport = "shm";
   size_t arena_bytes = size_t{16} << 30;  // address space; pages cost memory once touched
   double timeout_s = 300;                 // bound on every wait
+  double heartbeat_s = 30;                // a neighbour silent this long is stalled; 0: no heartbeat
   TransportOptions transport_options;
 };
 
@@ -39,6 +42,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int rank() const { return rank_; }
   int worldSize() const { return world_size_; }
   double timeout() const { return options_.timeout_s; }
+  double heartbeatTimeout() const { return options_.heartbeat_s; }
   Deadline deadline() const { return Deadline(options_.timeout_s); }
   const std::string& transportName() const { return options_.transport; }
   const TransportOptions& transportOptions() const { return options_.transport_options; }
@@ -114,6 +118,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   mutable std::atomic<bool> has_failure_{false};
   std::atomic<int> next_watch_{0};  // round-robin over the other peers while waiting
   void broadcastAbort(uint64_t word, int skip);
+  // The heartbeat (see the top of this file): started by connect(), stopped by close().
+  void heartbeatLoop();
+  void declareStalled(int peer, double silent_s);
+  std::thread heartbeat_;
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
   // The failure known here (rank -1: none), latching -- and passing on -- a peer's record.
   Failure learn();
   std::atomic<uint64_t> wait_ns_{0};

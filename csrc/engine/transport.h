@@ -77,6 +77,13 @@ class Transport {
   virtual void flush(int peer, const Deadline& deadline) = 0;
   // Throws PeerError if `peer` is known to be gone.
   virtual void checkPeer(int peer) = 0;
+  // Steady-clock nanoseconds when something last arrived from `peer`, where this process's
+  // threads receive what peers send (tcp); 0 where peers write memory directly (shm, verbs).
+  // The heartbeat counts it as a sign of life: a long transfer delays a heartbeat behind it.
+  virtual int64_t lastHeardNs(int /*peer*/) const { return 0; }
+  // `peer` stopped responding (the heartbeat declared it stalled): every operation with it
+  // fails from now on, also those already blocked on it (tcp shuts its sockets down).
+  virtual void cutOff(int /*peer*/, const std::string& /*why*/) {}
   // Called about every 100 ms while connect() waits for peers; it throws to give up
   // (the engine's face checks whether the job already failed: a peer that died before
   // it connected would otherwise be waited for until the deadline).

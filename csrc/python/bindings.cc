@@ -142,11 +142,13 @@ PYBIND11_MODULE(_engine, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
                        double timeout, const std::string& advertise_host, const std::string& bind_host,
-                       const std::string& ib_device, int ib_port, int ib_gid_index, int64_t nt_threshold) {
+                       const std::string& ib_device, int ib_port, int ib_gid_index, int64_t nt_threshold,
+                       double heartbeat_timeout) {
              EngineOptions o;
              o.transport = transport;
              o.arena_bytes = arena_bytes;
              o.timeout_s = timeout;
+             o.heartbeat_s = heartbeat_timeout;
              TransportOptions& t = o.transport_options;
              t.advertise_host = advertise_host;
              t.bind_host = bind_host;
@@ -159,11 +161,12 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
            py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1",
            py::arg("ib_device") = "", py::arg("ib_port") = 0, py::arg("ib_gid_index") = 0,
-           py::arg("nt_threshold") = int64_t{8} << 20)
+           py::arg("nt_threshold") = int64_t{8} << 20, py::arg("heartbeat_timeout") = 30.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
       .def_property_readonly("timeout", &Engine::timeout)
+      .def_property_readonly("heartbeat_timeout", &Engine::heartbeatTimeout)
       .def_property_readonly("descriptor", &Engine::localDescriptor)
       .def(
           "connect",

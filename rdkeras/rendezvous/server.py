@@ -97,17 +97,20 @@ class StoreServer:
             self._fail(rank, reason, reporter)
         self._wake_w.send(b"x")
 
-    def clients(self) -> int:
+    def clients(self, but_failed: bool = False) -> int:
+        """Ranks connected now (`but_failed`: not counting the rank the store knows failed)."""
         with self._lock:
-            return sum(1 for c in self._ranks.values() if c.sock.fileno() >= 0)
+            failed = self._failure["rank"] if but_failed and self._failure is not None else None
+            return sum(1 for r, c in self._ranks.items() if c.sock.fileno() >= 0 and r != failed)
 
     def close(self, linger: float = 0.0) -> None:
         """Stops serving, after waiting up to `linger` seconds for the ranks to hang up first
-        (one still reading its last reply must not see the store vanish)."""
+        (one still reading its last reply must not see the store vanish) -- all but a rank known to
+        have failed, which may be stopped and never hang up."""
         end = time.monotonic() + linger
         with self._lock:  # no new connections: the next job on this port must not reach this store
             self._stop_listening()
-        while self.clients() and time.monotonic() < end:
+        while self.clients(but_failed=True) and time.monotonic() < end:
             time.sleep(0.02)
         self._closing = True
         self._wake_w.send(b"x")

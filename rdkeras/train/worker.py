@@ -28,6 +28,7 @@ def make_strategy(cfg: Any) -> Any:
         "parallelism": parallel.parallelism,
         "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
         "timeout": cfg.transport.timeout,
+        "heartbeat_timeout": cfg.transport.get("heartbeat_timeout"),
     }
     if parallel.parallelism in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)

@@ -110,6 +110,7 @@ def _native(name: str) -> Callable[[BackendConfig], Backend]:
             ib_port=o.ib_port,
             ib_gid_index=o.ib_gid_index,
             nt_threshold=o.nt_threshold,
+            heartbeat_timeout=config.heartbeat_timeout,
         )
 
     return make

@@ -51,6 +51,7 @@ class BackendConfig:
     advertise_host: str = "127.0.0.1"  # the address peers reach this rank at
     bind_host: str = "127.0.0.1"  # the address listeners bind (never 0.0.0.0 unless asked)
     options: TransportOptions = field(default_factory=TransportOptions)
+    heartbeat_timeout: float = 30.0  # a neighbour silent this long is stalled (native transports; 0: none)
 
 
 @runtime_checkable

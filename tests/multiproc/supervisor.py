@@ -70,11 +70,19 @@ def run_trial(
     kwargs: dict | None = None,
     timeout: float = 60,
     worker_timeout: float = 60,
+    stop_signal: int = signal.SIGKILL,
+    host_store: bool = True,
+    extra_env: dict[str, str] | None = None,
 ) -> Trial:
-    """Starts `world_size` workers running ``tests.multiproc.workers:<target>(**kwargs)``, SIGKILLs
-    `victim` `kill_after` seconds later, and waits (up to `timeout`) for the rest to end."""
+    """Starts `world_size` workers running ``tests.multiproc.workers:<target>(**kwargs)``, sends `victim`
+    `stop_signal` (SIGKILL: a death; SIGSTOP: a stall) `kill_after` seconds later, and waits (up to `timeout`)
+    for the rest to end. `host_store`: this process hosts the store and reports deaths, as a launcher does;
+    else rank 0 hosts it and nobody reports, as under srun, TF_CONFIG or torchrun."""
     token = secrets.token_hex(16)
-    server = StoreServer("127.0.0.1", 0, token.encode(), world_size)
+    server = StoreServer("127.0.0.1", 0, token.encode(), world_size) if host_store else None
+    from rdkeras.launch import free_port
+
+    port = server.port if server is not None else free_port()
     code = (
         "import json, sys\n"
         "from tests.multiproc import workers\n"
@@ -90,13 +98,14 @@ def run_trial(
                 RDKERAS_RANK=str(rank),
                 RDKERAS_WORLD_SIZE=str(world_size),
                 RDKERAS_MASTER_ADDR="127.0.0.1",
-                RDKERAS_MASTER_PORT=str(server.port),
+                RDKERAS_MASTER_PORT=str(port),
                 RDKERAS_JOB_TOKEN=token,
-                RDKERAS_STORE="launcher",
+                RDKERAS_STORE="launcher" if host_store else "rank0",
                 RDKERAS_TRANSPORT=transport,
                 RDKERAS_TIMEOUT=str(worker_timeout),
                 PYTHONUNBUFFERED="1",
                 PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **(extra_env or {}),
             )
             proc = subprocess.Popen(
                 [sys.executable, "-c", code, json.dumps(kwargs or {})],
@@ -115,20 +124,23 @@ def run_trial(
         while any(w.ended_at is None for w in workers) and time.monotonic() - start < timeout:
             now = time.monotonic()
             if kill_time is None and now - start >= kill_after:
-                os.kill(workers[victim].proc.pid, signal.SIGKILL)
+                os.kill(workers[victim].proc.pid, stop_signal)
                 kill_time = now
             for w in workers:
                 if w.ended_at is None and w.proc.poll() is not None:
                     w.ended_at, w.returncode = time.monotonic(), w.proc.returncode
-                    if w.returncode != 0:  # as a launcher does: tell the others who died
+                    if w.returncode != 0 and server is not None:  # as a launcher does: tell the others who died
                         server.abort(w.rank, _status(w.returncode))
+            if stop_signal != signal.SIGKILL and all(w.ended_at is not None for w in workers if w.rank != victim):
+                break  # the stalled victim never ends by itself
             time.sleep(0.005)
     finally:
         for w in workers:
             if w.proc.poll() is None:
                 os.killpg(w.proc.pid, signal.SIGKILL)
             w.proc.wait()
-        server.close()
+        if server is not None:
+            server.close()
     for t in readers:
         t.join(timeout=5)
     for w in workers:

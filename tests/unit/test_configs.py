@@ -100,7 +100,9 @@ def test_config_keys_are_rdmastrategys_own_words_and_the_old_ones_still_work(cap
     rename_keys(legacy)
     assert (legacy.parallel.parallelism, legacy.parallel.stages) == ("model", 2) and "kind" not in legacy.parallel
     # The timeout is set once, whichever transport is chosen.
-    assert compose(["transport=tcp", "transport.timeout=60"]).transport == {"name": "tcp", "timeout": 60}
+    assert compose(["transport=tcp", "transport.timeout=60"]).transport == {
+        "name": "tcp", "timeout": 60, "heartbeat_timeout": None,
+    }  # fmt: skip
 
 
 def test_models_scale_to_the_published_sizes():

@@ -97,6 +97,13 @@ void MixedTransport::flush(int peer, const Deadline& deadline) { route(peer).flu
 
 void MixedTransport::checkPeer(int peer) { route(peer).checkPeer(peer); }
 
+int64_t MixedTransport::lastHeardNs(int peer) const {
+  const Transport* t = peer >= 0 && peer < static_cast<int>(by_peer_.size()) ? by_peer_[peer] : nullptr;
+  return t ? t->lastHeardNs(peer) : 0;
+}
+
+void MixedTransport::cutOff(int peer, const std::string& why) { route(peer).cutOff(peer, why); }
+
 std::vector<std::pair<std::string, const TransportStats*>> MixedTransport::parts() const {
   return {{"shm", &shm_->stats()}, {"tcp", &tcp_->stats()}};
 }

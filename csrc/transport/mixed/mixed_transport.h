@@ -31,6 +31,8 @@ class MixedTransport : public Transport {
   void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) override;
   void flush(int peer, const Deadline& deadline) override;
   void checkPeer(int peer) override;
+  int64_t lastHeardNs(int peer) const override;
+  void cutOff(int peer, const std::string& why) override;
   std::vector<std::pair<std::string, const TransportStats*>> parts() const override;
   void shutdown() override;
 

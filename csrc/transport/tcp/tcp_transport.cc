@@ -128,6 +128,26 @@ void TcpTransport::markDead(int peer, const std::string& why) {
   localWakeup().notify();
 }
 
+namespace {
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+int64_t TcpTransport::lastHeardNs(int peer) const {
+  if (peer < 0 || peer >= world_size_ || peer == rank_ || !peers_[peer]) return 0;
+  return peers_[peer]->last_heard_ns.load(std::memory_order_relaxed);
+}
+
+void TcpTransport::cutOff(int peer, const std::string& why) {
+  if (peer < 0 || peer >= world_size_ || peer == rank_ || !peers_[peer]) return;
+  markDead(peer, why);
+  Peer& p = *peers_[peer];
+  // Sends blocked on the peer's full socket, and reads waiting for its answer, fail now.
+  if (p.out_fd >= 0) ::shutdown(p.out_fd, SHUT_RDWR);
+  if (p.in_fd >= 0) ::shutdown(p.in_fd, SHUT_RDWR);
+}
+
 void TcpTransport::checkPeer(int peer) {
   if (peer < 0 || peer >= world_size_ || peer == rank_)
     throw EngineError(strCat("tcp: no connection to rank ", peer));
@@ -254,6 +274,7 @@ void TcpTransport::serveLoop(int peer) {
   try {
     Header h;
     while (recvAll(fd, &h, sizeof(h))) {
+      peers_[peer]->last_heard_ns.store(nowNs(), std::memory_order_relaxed);
       const char* op_name = h.op == kWrite ? "write" : h.op == kFlag ? "writeFlag" : "read";
       const uint64_t access_len = h.op == kFlag ? 8 : h.length;
       uint8_t* target = nullptr;
@@ -263,7 +284,12 @@ void TcpTransport::serveLoop(int peer) {
         try {
           if (!arena_.table().lookup(h.key, &info)) throwUnknownKey(op_name, rank_, h.key);
           checkBounds(op_name, rank_, h.key, info.length, h.offset, access_len);
-          if (h.op == kFlag) checkFlagOffset(h.offset);
+          if (h.op == kFlag) {
+            checkFlagOffset(h.offset);
+            if (info.kind != RegionKind::kArena)  // as shm refuses: a flag is polled in the arena
+              throw RemoteAccessError(
+                  "writeFlag: flags must live in the arena (allocate them from the engine)");
+          }
           target = (info.kind == RegionKind::kArena ? arena_.base() + info.addr
                                                     : reinterpret_cast<uint8_t*>(info.addr)) +
                    h.offset;
@@ -275,6 +301,7 @@ void TcpTransport::serveLoop(int peer) {
         case kWrite:
           if (target) {
             if (!recvAll(fd, target, h.length)) throw PeerError("eof");
+            peers_[peer]->last_heard_ns.store(nowNs(), std::memory_order_relaxed);  // a long payload ended
           } else {
             for (uint64_t left = h.length; left > 0;) {  // discard the payload
               drain.resize(std::min<uint64_t>(left, 1 << 20));
@@ -317,6 +344,7 @@ void TcpTransport::replyLoop(int peer) {
   std::string why = "closed the connection (process exited?)";
   Header h;
   while (recvAll(fd, &h, sizeof(h))) {
+    p.last_heard_ns.store(nowNs(), std::memory_order_relaxed);
     if (h.op == kFenceAck) {
       p.fences_acked.store(h.id, std::memory_order_release);
       localWakeup().notify();

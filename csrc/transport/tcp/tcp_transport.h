@@ -44,6 +44,8 @@ class TcpTransport : public Transport {
   void writeFlag(int peer, uint64_t key, uint64_t offset, uint64_t value, const Deadline& deadline) override;
   void flush(int peer, const Deadline& deadline) override;
   void checkPeer(int peer) override;
+  int64_t lastHeardNs(int peer) const override;
+  void cutOff(int peer, const std::string& why) override;
   void shutdown() override;
 
  private:
@@ -64,6 +66,7 @@ class TcpTransport : public Transport {
     std::atomic<bool> dead{false};
     std::string dead_reason;
     std::atomic<uint64_t> fences_acked{0};
+    std::atomic<int64_t> last_heard_ns{0};  // a request or a reply from the peer arrived (steady clock)
     uint64_t next_id = 1;
     std::thread serve_thread, reply_thread;
   };
