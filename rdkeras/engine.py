@@ -28,7 +28,7 @@ from rdkeras import _engine, cluster, jobtoken, transports
 from rdkeras import options as options_lib
 from rdkeras._log import logger
 from rdkeras.channels import DynamicChannel, Ring, StaticChannel, as_buffer
-from rdkeras.errors import EngineError, PeerError
+from rdkeras.errors import EngineError, PeerError, TimeoutError, peer_error  # noqa: A004
 from rdkeras.rendezvous import Store, transport_key
 from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
 
@@ -105,6 +105,7 @@ class Engine:
         token: str | bytes | None = None,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
         arena_bytes: int | None = None,
         options: TransportOptions | None = None,
         settings: options_lib.Options | None = None,
@@ -113,6 +114,9 @@ class Engine:
         self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
         self.transport = str(settings.transport if transport is None else transport)
         self.timeout = options_lib.check_timeout(settings.timeout if timeout is None else timeout)
+        self.rendezvous_timeout = options_lib.check_timeout(
+            settings.rendezvous_timeout if rendezvous_timeout is None else rendezvous_timeout, "rendezvous_timeout"
+        )
         self.heartbeat_timeout = options_lib.check_heartbeat(
             settings.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
         )
@@ -145,6 +149,7 @@ class Engine:
             token_bytes,
             self.timeout,
             serve=None if hosted_by == "rank0" else False,
+            connect_timeout=self.rendezvous_timeout,
         )
         try:
             if self.transport == "auto":
@@ -162,10 +167,12 @@ class Engine:
                 heartbeat_timeout=self.heartbeat_timeout,
             )
             self.backend: Backend = transports.create(self.transport, config)
-            descriptors = self.store.all_gather("endpoints", self.backend.descriptor.encode())
+            descriptors = self._gather_at_start("endpoints", self.backend.descriptor.encode())
             # Peers prove they hold a key derived from the token; no secret is in the store or on the wire.
             # While waiting for peers, the store says whether one of them already failed.
-            self.backend.connect([d.decode() for d in descriptors], transport_key(token_bytes), self.store.check)
+            self.backend.connect(
+                [d.decode() for d in descriptors], transport_key(token_bytes), self.store.check, self.rendezvous_timeout
+            )
             self.store.on_failure = self.backend.report_failure  # ranks waiting on the transport hear it too
         except BaseException as e:
             if isinstance(e, PeerError) and e.rank is not None:
@@ -174,11 +181,27 @@ class Engine:
             raise
         _OPEN.add(self)
 
+    def _gather_at_start(self, name: str, value: bytes) -> list[bytes]:
+        """Every rank's `value`, within the rendezvous timeout; a rank that never arrives is named."""
+        try:
+            return self.store.all_gather(name, value, timeout=self.rendezvous_timeout)
+        except TimeoutError as e:
+            missing = getattr(e, "ranks", [])
+            if not missing:
+                raise
+            ranks = ", ".join(map(str, missing))
+            raise peer_error(
+                missing[0],
+                f"rank{'s' if len(missing) > 1 else ''} {ranks} never reached the rendezvous within "
+                f"{self.rendezvous_timeout:g} s: not started, died during start-up, or started with another "
+                "RDKERAS_MASTER_ADDR/PORT or world size (RDKERAS_RENDEZVOUS_TIMEOUT waits longer)",
+            ) from None
+
     def _choose_transport(self) -> str:
         """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);
         logged once, on rank 0."""
         mine = f"{host_identity()}|{transports.auto_facts()}"
-        facts = [v.decode().split("|", 1) for v in self.store.all_gather("transport-facts", mine.encode())]
+        facts = [v.decode().split("|", 1) for v in self._gather_at_start("transport-facts", mine.encode())]
         choice, reason = transports.choose_auto([h for h, _ in facts], [f for _, f in facts])
         if self.rank == 0:
             logger.info(f"transport=auto chose {choice}: {reason}")

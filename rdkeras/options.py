@@ -13,6 +13,7 @@ variable                       setting
 ``RDKERAS_TRANSPORT``          transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
 ``RDKERAS_TIMEOUT``            seconds any wait may take before it fails naming the peer
 ``RDKERAS_HEARTBEAT_TIMEOUT``  seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
+``RDKERAS_RENDEZVOUS_TIMEOUT`` seconds the ranks wait for each other at start-up
 ``RDKERAS_ARENA_BYTES``        registered address space each process reserves
 ``RDKERAS_STORE``              who hosts the rendezvous store: rank0 or launcher
 ``RDKERAS_DATA_MODE``          data-parallel exchange: allreduce or ps
@@ -41,6 +42,7 @@ from rdkeras.transports.base import TransportOptions
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
 DEFAULT_ARENA_BYTES = 16 << 30  # address space only; pages cost memory once touched
 
 
@@ -51,6 +53,7 @@ class Options:
     transport: str = "auto"
     timeout: float = DEFAULT_TIMEOUT
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     arena_bytes: int = DEFAULT_ARENA_BYTES
     store: str = "rank0"
     data_mode: str = "allreduce"
@@ -93,10 +96,16 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
 
     defaults = Options()
     timeout, heartbeat = text("RDKERAS_TIMEOUT"), text("RDKERAS_HEARTBEAT_TIMEOUT")
+    rendezvous = text("RDKERAS_RENDEZVOUS_TIMEOUT")
     home = Path(env["HOME"]) if env.get("HOME") else Path.home()
     return Options(
         transport=text("RDKERAS_TRANSPORT") or defaults.transport,
         timeout=defaults.timeout if timeout is None else check_timeout(timeout, "RDKERAS_TIMEOUT"),
+        rendezvous_timeout=(
+            defaults.rendezvous_timeout
+            if rendezvous is None
+            else check_timeout(rendezvous, "RDKERAS_RENDEZVOUS_TIMEOUT")
+        ),
         heartbeat_timeout=(
             defaults.heartbeat_timeout if heartbeat is None else check_heartbeat(heartbeat, "RDKERAS_HEARTBEAT_TIMEOUT")
         ),

@@ -40,6 +40,8 @@ class RDMAStrategy:
         timeout: seconds any wait may take before it fails naming the peer (also ``RDKERAS_TIMEOUT``).
         heartbeat_timeout: seconds a worker may stay silent (stopped, hung, swapped out) before every other
             worker fails naming it (default 30; also ``RDKERAS_HEARTBEAT_TIMEOUT``; 0: no heartbeat).
+        rendezvous_timeout: seconds the workers wait for each other at start-up; the error names the ones
+            that never arrived (default 120; also ``RDKERAS_RENDEZVOUS_TIMEOUT``).
         placement: model/hybrid: layer-name glob -> pipeline stage, e.g. ``{"conv*": 0, "fc*": 1}``;
             unplaced layers follow their producer.
         micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
@@ -63,6 +65,7 @@ class RDMAStrategy:
         bucket_bytes: int = 64 << 20,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
         placement: dict[str, int] | None = None,
         micro_batches: int = 1,
         stages: int | None = None,
@@ -87,6 +90,7 @@ class RDMAStrategy:
             master_port=c.master_port,
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
+            rendezvous_timeout=rendezvous_timeout,
             settings=settings,
         )
         self.parallelism = parallelism

@@ -90,14 +90,14 @@ std::string Engine::localDescriptor() const {
 }
 
 void Engine::connect(const std::vector<std::string>& descriptors, const std::string& key,
-                     std::function<void()> watch) {
+                     std::function<void()> watch, double timeout_s) {
   if (connected_) throw EngineError("engine already connected");
   if (static_cast<int>(descriptors.size()) != world_size_)
     throw EngineError(strCat("connect: ", descriptors.size(), " descriptors for a world of ", world_size_));
   abort_keys_.clear();
   for (const std::string& d : descriptors) abort_keys_.push_back(fieldNumber(d, "abort_key"));
   transport_->setSetupWatch(std::move(watch));
-  transport_->connect(descriptors, key, deadline());
+  transport_->connect(descriptors, key, timeout_s > 0 ? Deadline(timeout_s) : deadline());
   transport_->setSetupWatch({});
   connected_ = true;
   if (world_size_ > 1 && options_.heartbeat_s > 0) heartbeat_ = std::thread(&Engine::heartbeatLoop, this);

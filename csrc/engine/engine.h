@@ -50,8 +50,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // The transport's descriptor plus this rank's abort word.
   std::string localDescriptor() const;
   // `watch` runs about every 100 ms while set-up waits for peers; it throws to give up.
+  // `timeout_s` bounds it all (0: the engine's timeout).
   void connect(const std::vector<std::string>& descriptors, const std::string& key,
-               std::function<void()> watch = {});
+               std::function<void()> watch = {}, double timeout_s = 0);
   void close();
   bool connected() const { return connected_; }
 

@@ -170,7 +170,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("descriptor", &Engine::localDescriptor)
       .def(
           "connect",
-          [](Engine& e, const std::vector<std::string>& descriptors, const py::bytes& key, py::object watch) {
+          [](Engine& e, const std::vector<std::string>& descriptors, const py::bytes& key, py::object watch,
+             double timeout) {
             const std::string k = key;
             std::function<void()> w;
             if (!watch.is_none())
@@ -179,10 +180,11 @@ PYBIND11_MODULE(_engine, m) {
                 py::handle{fn}();
               };
             py::gil_scoped_release nogil;
-            e.connect(descriptors, k, std::move(w));
+            e.connect(descriptors, k, std::move(w), timeout);
           },
-          py::arg("descriptors"), py::arg("key"), py::arg("watch") = py::none(),
-          "Connects to every peer; `watch()` runs about every 100 ms meanwhile and may raise to give up.")
+          py::arg("descriptors"), py::arg("key"), py::arg("watch") = py::none(), py::arg("timeout") = 0.0,
+          "Connects to every peer within `timeout` s (0: the engine's timeout); `watch()` runs about every "
+          "100 ms meanwhile and may raise to give up.")
       .def(
           "report_failure",
           [](Engine& e, int rank, const std::string& why) {

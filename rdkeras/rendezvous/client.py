@@ -28,6 +28,7 @@ class Store:
         token: The job token every rank shares.
         timeout: Seconds any wait may take.
         serve: Whether this process hosts the store (default: rank 0 does).
+        connect_timeout: Seconds to reach the store at start-up (default: `timeout`).
     """
 
     def __init__(
@@ -39,19 +40,21 @@ class Store:
         token: bytes,
         timeout: float,
         serve: bool | None = None,
+        connect_timeout: float | None = None,
     ):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._owner = "rank 0" if serve is None else "the launcher"  # who hosts it, for error messages
         serve = rank == 0 if serve is None else serve
         bind = "" if host in ("0.0.0.0", "") else host
-        self._server = StoreServer(bind, port, token, world_size) if serve else None
+        connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self._server = StoreServer(bind, port, token, world_size, arrival_timeout=connect_timeout) if serve else None
         self.port = self._server.port if self._server else port
         self._lock = threading.Lock()
         self._broken: Exception | None = None  # set once a call timed out: the stream may be mid-frame
         # Called with (rank, message) when the store reports a failed rank (the face tells the transport).
         self.on_failure: Any = None
         try:
-            self._sock = self._connect(host, self.port, token)
+            self._sock = self._connect(host, self.port, token, connect_timeout)
         except BaseException:
             if self._server:
                 self._server.close()
@@ -59,24 +62,28 @@ class Store:
         # The local address peers can reach us at (what the store sees us come from).
         self.local_host = self._sock.getsockname()[0]
 
-    def _connect(self, host: str, port: int, token: bytes) -> socket.socket:
-        deadline = time.monotonic() + self.timeout
+    def _connect(self, host: str, port: int, token: bytes, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
         last: Exception | None = None
         me, world = str(self.rank).encode(), str(self.world_size).encode()
         while True:
             if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"could not reach the job's store at {host}:{port} within {self.timeout:g} s ({last})"
-                )
+                if self._owner == "rank 0" and self.rank != 0:
+                    raise peer_error(
+                        0,
+                        f"rank 0 never answered at {host}:{port} within {timeout:g} s ({last}): it did not start, "
+                        "died, or is unreachable from here (check RDKERAS_MASTER_ADDR/PORT and the firewall)",
+                    )
+                raise TimeoutError(f"could not reach the job's store at {host}:{port} within {timeout:g} s ({last})")
             try:
-                sock = socket.create_connection((host, port), timeout=min(5.0, self.timeout))
+                sock = socket.create_connection((host, port), timeout=min(5.0, timeout))
             except OSError as e:  # the store may not listen yet
                 last = e
                 time.sleep(0.05)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                sock.settimeout(min(self.timeout, HANDSHAKE_S))
+                sock.settimeout(min(timeout, HANDSHAKE_S))
                 challenge = recv(sock)
                 nonce = os.urandom(32)
                 proof = mac(token, b"client", bytes.fromhex(challenge["nonce"]), me, world)
@@ -167,12 +174,15 @@ class Store:
         if left := reply.get("left"):
             ranks = ", ".join(map(str, left))
             raise peer_error(left[0], f"rank {ranks} closed its engine (left the job) before setting {missing[0]!r}")
+        waited: list[int] = []
         if waiting_for is not None:
             waited = sorted({waiting_for[list(keys).index(k)] for k in missing})
             who = f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))}"
         else:
             who = "keys " + ", ".join(missing)
-        raise TimeoutError(f"timed out after {timeout:g} s waiting for {who} ({missing[0]!r})")
+        err = TimeoutError(f"timed out after {timeout:g} s waiting for {who} ({missing[0]!r})")
+        err.ranks = waited  # type: ignore[attr-defined]  # the ranks that never answered
+        raise err
 
     def _failed(self, failed: dict, context: str = "") -> Exception:
         by = f" (seen by {'rank ' if str(failed['reporter']).isdigit() else ''}{failed['reporter']})"

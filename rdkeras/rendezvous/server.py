@@ -60,10 +60,15 @@ class StoreServer:
         port: The port (0 picks a free one: see ``.port``).
         token: The job token.
         world_size: Ranks in the job (a client claiming another world is refused).
+        arrival_timeout: Seconds from now within which every rank should arrive (the rendezvous timeout):
+            after a failure in start-up, closing waits that long for the ranks still on their way, to tell
+            them the cause (nobody else can).
     """
 
-    def __init__(self, host: str, port: int, token: bytes, world_size: int):
+    def __init__(self, host: str, port: int, token: bytes, world_size: int, arrival_timeout: float = 0.0):
         self._token, self._world = token, world_size
+        self._arrive_by = time.monotonic() + arrival_timeout
+        self._arrived: set[int] = set()
         self._data: dict[str, str] = {}
         self._left: set[int] = set()  # ranks that said goodbye
         self._failure: dict | None = None  # the first failure: {"rank", "reason", "reporter"}
@@ -103,11 +108,23 @@ class StoreServer:
             failed = self._failure["rank"] if but_failed and self._failure is not None else None
             return sum(1 for r, c in self._ranks.items() if c.sock.fileno() >= 0 and r != failed)
 
+    def _still_arriving(self) -> bool:
+        """After a failure: whether a rank other than the failed one has not arrived yet, and may still
+        (within the arrival timeout) -- it will wait for the others, and only this store can tell it why."""
+        with self._lock:
+            if self._failure is None or time.monotonic() >= self._arrive_by:
+                return False
+            expected = set(range(self._world)) - {self._failure["rank"]}
+            return not expected <= self._arrived
+
     def close(self, linger: float = 0.0) -> None:
         """Stops serving, after waiting up to `linger` seconds for the ranks to hang up first
         (one still reading its last reply must not see the store vanish) -- all but a rank known to
-        have failed, which may be stopped and never hang up."""
+        have failed, which may be stopped and never hang up -- and, after a failure in start-up, for
+        the ranks still on their way (see `arrival_timeout`)."""
         end = time.monotonic() + linger
+        while self._still_arriving():
+            time.sleep(0.02)
         with self._lock:  # no new connections: the next job on this port must not reach this store
             self._stop_listening()
         while self.clients(but_failed=True) and time.monotonic() < end:
@@ -217,6 +234,7 @@ class StoreServer:
         conn.who = claimed
         if rank is not None:
             self._ranks[rank] = conn
+            self._arrived.add(rank)
         self._send(
             conn, {"ok": True, "mac": mac(self._token, b"server", client_nonce, claimed.encode(), world.encode())}
         )

@@ -130,10 +130,13 @@ class Backend(Protocol):
     def descriptor(self) -> str:
         """What peers need to connect to this rank (all-gathered through the store)."""
 
-    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
+    def connect(
+        self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
+    ) -> None:
         """Connects to every peer (``descriptors[r]`` is rank r's). Peers prove to each other that they
         hold `key`, the job's 32-byte transport key, without sending it (docs/security.md). `watch`
-        runs about every 100 ms while waiting for peers and raises to give up (a peer failed)."""
+        runs about every 100 ms while waiting for peers and raises to give up (a peer failed). `timeout`:
+        seconds for the whole of it (0: the backend's timeout)."""
 
     def close(self) -> None: ...
 

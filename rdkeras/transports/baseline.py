@@ -166,7 +166,9 @@ class BaselineBackend(ABC):
     # -- what a baseline implements ---------------------------------------------------
 
     @abstractmethod
-    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None: ...
+    def connect(
+        self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
+    ) -> None: ...
     @abstractmethod
     def close(self) -> None: ...
     @abstractmethod

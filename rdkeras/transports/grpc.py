@@ -159,7 +159,9 @@ class GrpcBackend(BaselineBackend):
         self._server.start()
         self.descriptor = f"grpc;host={config.advertise_host};port={self._port}"
 
-    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
+    def connect(
+        self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
+    ) -> None:
         self._key = bytes(key)  # channels open lazily: nothing here waits, so `watch` is not needed
         for r, desc in enumerate(descriptors):
             if r == self.rank:

@@ -231,7 +231,9 @@ class RpcBackend(BaselineBackend):
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def connect(self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None) -> None:
+    def connect(
+        self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
+    ) -> None:
         inner_descriptors, service = [], {}
         for r, d in enumerate(descriptors):
             kind, rest = d.split(" ", 1)
@@ -243,7 +245,7 @@ class RpcBackend(BaselineBackend):
             service[r] = {
                 int(e.split(":")[0]): [int(k) for k in e.split(":")[1:]] for e in entries.split(",") if e != "-"
             }
-        self.inner.connect(inner_descriptors, key, watch)  # the native handshake authenticates the peers
+        self.inner.connect(inner_descriptors, key, watch, timeout)  # the native handshake authenticates the peers
         for p in self._requests:
             # Peer p's entry for this rank: its requests' ack, its reply inbox, its request inbox, its replies' ack.
             req_ack, reply_inbox, request_inbox, reply_ack = service[p][self.rank]

@@ -61,6 +61,60 @@ def test_survivors_name_a_rank_killed_at_a_random_moment(transport, world):
         assert not problems, f"{kind}, victim {trial.victim} at {trial.killed_at:.2f} s: " + "\n".join(problems)
 
 
+RENDEZVOUS_S = 5.0
+
+
+def _startup_trial(transport: str, rng: random.Random) -> Trial:
+    """A rank of 3 killed during start-up with nobody to report it (no launcher: srun, TF_CONFIG, torchrun)."""
+    return run_trial(
+        "workload_until_failure",
+        3,
+        rng.randrange(3),
+        rng.uniform(0.05, 1.5),
+        transport=transport,
+        kwargs={"kind": rng.choice(KINDS), "seconds": 30},
+        host_store=False,
+        extra_env={"RDKERAS_RENDEZVOUS_TIMEOUT": str(RENDEZVOUS_S)},
+    )
+
+
+def _startup_problems(trial: Trial) -> list[str]:
+    """Every survivor named the victim within the rendezvous timeout (+ 10 s to see and exit)."""
+    out = []
+    for w, seconds in zip(trial.survivors(), trial.exit_seconds(), strict=True):
+        if w.returncode != 0 or w.value is None:
+            out.append(f"rank {w.rank} did not end cleanly ({w.returncode}):\n{w.output[-1500:]}")
+        elif not _names_the_victim(w.value["error"], trial.victim):
+            out.append(f"rank {w.rank} blamed the wrong rank or nobody: {w.value['error']}")
+        elif seconds >= RENDEZVOUS_S + 10:
+            out.append(f"rank {w.rank} took {seconds:.1f} s to exit")
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_killed_during_start_up_without_a_launcher_is_named(transport):
+    rng = random.Random(os.environ.get("RDKERAS_TRIAL_SEED", f"startup/{transport}"))
+    trial = _startup_trial(transport, rng)
+    problems = _startup_problems(trial)
+    assert not problems, f"victim {trial.victim} at {trial.killed_at:.2f} s: " + "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_many_start_up_deaths_without_a_launcher(transport):
+    """20 start-up deaths with no launcher to report them: each survivor names the victim in time."""
+    rng = random.Random(os.environ.get("RDKERAS_TRIAL_SEED", f"many-startup/{transport}"))
+    failures, worst = [], 0.0
+    for i in range(20):
+        trial = _startup_trial(transport, rng)
+        worst = max(worst, *trial.exit_seconds())
+        if problems := _startup_problems(trial):
+            failures.append(f"trial {i}, victim {trial.victim} at {trial.killed_at:.2f} s: {problems}")
+    print(f"{transport}: 20 start-up deaths without a launcher, worst exit {worst:.1f} s after the death")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("transport", ["shm", "tcp", "grpc", VERBS])
