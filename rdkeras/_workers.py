@@ -15,9 +15,11 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from rdkeras import reports
 
 _RESULT_MARK = "@@rdkeras-result@@"
 # After one worker fails, how long the others get to fail on their own (a dead
@@ -48,6 +52,8 @@ class RankResult:
     value: Any = None
     ended_at: float = float("inf")  # when the launcher saw it exit (monotonic)
     tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
+    report: dict | None = None  # what the worker said ended it (rdkeras.reports), if it said
+    killed: bool = False  # still running when the launcher gave up on it, and killed
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -133,6 +139,9 @@ def run_workers(
     group) before returning, also when this function is interrupted.
     """
     ranks = list(range(len(commands))) if ranks is None else list(ranks)
+    # Workers report what ended them here (rdkeras.reports): the cause, where exit order would mislead.
+    report_dir = tempfile.mkdtemp(prefix="rdkeras-reports-")
+    envs = [{**env, "RDKERAS_REPORT_DIR": report_dir} for env in envs]
     logs = []
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -198,8 +207,9 @@ def run_workers(
             time.sleep(0.02)
     finally:
         note_exits()
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.poll() is None:
+                results[i].killed = True
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -212,7 +222,10 @@ def run_workers(
             p.stdout.close()  # type: ignore[union-attr]
         for f in logs:
             f.close()
+    found = reports.read(report_dir, ranks)
+    shutil.rmtree(report_dir, ignore_errors=True)
     for i, p in enumerate(procs):
+        results[i].report = found.get(ranks[i])
         results[i].returncode = p.returncode
         results[i].output = b"".join(chunks[i]).decode(errors="replace")
         lines = results[i].output.splitlines(keepends=True)
@@ -234,23 +247,39 @@ class _TextOut:
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:
-    """The worker that failed first (the others usually failed because of it)."""
+    """The worker that exited badly first (often, not always, the cause: see :func:`failed_rank`)."""
     failed = [r for r in results if r.returncode not in (0, None)]
     return min(failed, key=lambda r: r.ended_at) if failed else None
 
 
 def failed_rank(results: list[RankResult]) -> RankResult | None:
-    """The worker to blame: the first that failed, else one still running at the timeout, else None."""
+    """The worker to blame: the one the workers' own reports name (an error of its own, or the rank the others
+    lost), else the first that exited badly, else one still running at the timeout, else None."""
+    if any(r.returncode != 0 for r in results):
+        known = reports.cause({r.rank: r.report for r in results if r.report is not None})
+        if known is not None:
+            return next((r for r in results if r.rank == known["blamed"]), None) or first_failure(results)
     return first_failure(results) or next((r for r in results if r.returncode is None), None)
 
 
+def cause_of(bad: RankResult, results: list[RankResult]) -> str:
+    """Why `bad` is blamed, in the words of the report that blames it (or its exit status)."""
+    known = reports.cause({r.rank: r.report for r in results if r.report is not None})
+    if known is None or known["blamed"] != bad.rank:
+        return _status(bad)
+    seen = "" if known["reporter"] == known["blamed"] else f", seen by rank {known['reporter']}"
+    return f"{known['why']}{seen}; then {_status(bad)}"
+
+
 def _status(r: RankResult) -> str:
+    if r.killed:
+        return "killed by the launcher (still running at the timeout, or after the others had failed)"
     if r.returncode is None:
         return "timeout"
     return f"exit code {r.returncode}" if r.returncode >= 0 else f"signal {-r.returncode}"
 
 
-def _failure_message(r: RankResult) -> str:
-    how = _status(r)
+def _failure_message(r: RankResult, results: list[RankResult] | None = None) -> str:
+    how = cause_of(r, results) if results is not None else _status(r)
     tail = "".join(r.tail).rstrip() or "(nothing)"
     return f"worker rank {r.rank} failed first ({how}); its last output:\n{tail}"

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import _engine, cluster, jobtoken, transports
+from rdkeras import _engine, cluster, jobtoken, reports, transports
 from rdkeras import options as options_lib
 from rdkeras._log import logger
 from rdkeras.channels import DynamicChannel, Ring, StaticChannel, as_buffer
@@ -114,9 +114,10 @@ class Engine:
         self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
         self.transport = str(settings.transport if transport is None else transport)
         self.timeout = options_lib.check_timeout(settings.timeout if timeout is None else timeout)
-        self.rendezvous_timeout = options_lib.check_timeout(
-            settings.rendezvous_timeout if rendezvous_timeout is None else rendezvous_timeout, "rendezvous_timeout"
-        )
+        # Start-up is never bounded more loosely than any other wait (an explicit `timeout` of 5 s means 5).
+        if rendezvous_timeout is None:
+            rendezvous_timeout = min(settings.rendezvous_timeout, self.timeout)
+        self.rendezvous_timeout = options_lib.check_timeout(rendezvous_timeout, "rendezvous_timeout")
         self.heartbeat_timeout = options_lib.check_heartbeat(
             settings.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
         )
@@ -139,6 +140,7 @@ class Engine:
 
         self._names: set[str] = set()
         self._closed = False
+        self._stop_watching: Any = lambda: None
         # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
         hosted_by = settings.store
         self.store = Store(
@@ -174,12 +176,27 @@ class Engine:
                 [d.decode() for d in descriptors], transport_key(token_bytes), self.store.check, self.rendezvous_timeout
             )
             self.store.on_failure = self.backend.report_failure  # ranks waiting on the transport hear it too
+            self._stop_watching = reports.on_uncaught_exception(self.stop_on_error)
         except BaseException as e:
             if isinstance(e, PeerError) and e.rank is not None:
                 self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
             self.store.close()
             raise
         _OPEN.add(self)
+
+    def stop_on_error(self, error: BaseException) -> None:
+        """This rank stops on `error` (uncaught, or leaving a ``with`` block): unless it names another rank's
+        failure, it is this rank's own, and the others stop waiting for this rank at once, naming it. The
+        launcher hears it through the failure report (rdkeras.reports)."""
+        blamed = getattr(error, "rank", None)
+        if isinstance(error, PeerError) and blamed is not None and blamed != self.rank:
+            return  # a failure elsewhere: close() reports it
+        if (known := self.backend.failure) is not None and known[0] != self.rank:
+            return  # the error is that failure, wrapped (TensorFlow wraps what its ops raise): close() reports it
+        why = f"uncaught {type(error).__name__}: {error}"[:500]
+        self.backend.report_failure(self.rank, why)
+        self.store.abort(self.rank, why)
+        reports.write(self.rank, self.rank, why)
 
     def _gather_at_start(self, name: str, value: bytes) -> list[bytes]:
         """Every rank's `value`, within the rendezvous timeout; a rank that never arrives is named."""
@@ -372,8 +389,10 @@ class Engine:
             return
         self._closed = True
         _OPEN.discard(self)
+        self._stop_watching()
         try:
             if failure := self.backend.failure:
+                reports.write(self.rank, failure[0], failure[2], reporter=failure[1])
                 self.store.abort(failure[0], failure[2])
             else:
                 self.store.barrier("close", timeout=min(self.timeout, 30.0))
@@ -386,7 +405,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None and not self._closed and isinstance(error, Exception):
+            self.stop_on_error(error)  # leaving the block on an error: the others must not wait for this rank
         self.close()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import signal
@@ -261,7 +262,7 @@ def launch(
         results = run_local([sys.executable, "-c", code, payload, tmp], job, env=extra, timeout=timeout, forward=True)
         bad = failed_rank(results)
         if bad is not None:
-            raise LaunchError(_failure_message(bad), results)
+            raise LaunchError(_failure_message(bad, results), results)
         values = []
         for r in range(num_workers):
             with open(os.path.join(tmp, f"result-{r}.pkl"), "rb") as f:
@@ -340,10 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
     bad = failed_rank(results)
     if bad is not None:
-        print(f"rdkeras.launch: {_failure_message(bad)}", file=sys.stderr)
+        print(f"rdkeras.launch: {_failure_message(bad, results)}", file=sys.stderr)
         for r in results:
-            after = f", {r.ended_at - bad.ended_at:.1f} s after rank {bad.rank}" if r is not bad else ""
-            print(f"rdkeras.launch: rank {r.rank}: {_status(r)}{after}", file=sys.stderr)
+            gap = r.ended_at - bad.ended_at
+            after = f", {gap:.1f} s after rank {bad.rank}" if r is not bad and math.isfinite(gap) else ""
+            said = f"; it reported: {r.report['why']}" if r.report and r is not bad else ""
+            print(f"rdkeras.launch: rank {r.rank}: {_status(r)}{after}{said}", file=sys.stderr)
         return bad.returncode if bad.returncode and bad.returncode > 0 else 1
     return 0
 

@@ -7,27 +7,28 @@ face gets its settings passed in (a CI test keeps it so). An explicit argument
 (``RDMAStrategy(timeout=...)``, ``Engine(transport=...)``) always wins over the
 environment.
 
-=============================  =========================================================
-variable                       setting
-=============================  =========================================================
-``RDKERAS_TRANSPORT``          transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
-``RDKERAS_TIMEOUT``            seconds any wait may take before it fails naming the peer
-``RDKERAS_HEARTBEAT_TIMEOUT``  seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
-``RDKERAS_RENDEZVOUS_TIMEOUT`` seconds the ranks wait for each other at start-up
-``RDKERAS_ARENA_BYTES``        registered address space each process reserves
-``RDKERAS_STORE``              who hosts the rendezvous store: rank0 or launcher
-``RDKERAS_DATA_MODE``          data-parallel exchange: allreduce or ps
-``RDKERAS_JOB_TOKEN``          the job's shared secret (:mod:`rdkeras.jobtoken`)
-``RDKERAS_JOB_TOKEN_FILE``     a file holding it
-``RDKERAS_LOG``                rdkeras's messages on stderr from this level (info, ...)
-``RDKERAS_GPU``                which GPUs a worker uses: auto, all, none, or indices
-``RDKERAS_GPU_MEMORY_GROWTH``  1 (default) or 0: allocate GPU memory as needed
-``RDKERAS_IB_DEVICE``          verbs: device name ("": the first with an active port)
-``RDKERAS_IB_PORT``            verbs: port (0: the first active one)
-``RDKERAS_IB_GID_INDEX``       verbs: GID table index
-``RDKERAS_NT_THRESHOLD``       bytes from which copies stream their stores (0: never)
-``RDKERAS_CACHE``              where data sets fetched once are kept
-=============================  =========================================================
+================================  =====================================================================
+variable                          setting
+================================  =====================================================================
+``RDKERAS_TRANSPORT``             transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
+``RDKERAS_TIMEOUT``               seconds any wait may take before it fails naming the peer
+``RDKERAS_HEARTBEAT_TIMEOUT``     seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
+``RDKERAS_RENDEZVOUS_TIMEOUT``    seconds the ranks wait for each other at start-up
+``RDKERAS_ARENA_BYTES``           registered address space each process reserves
+``RDKERAS_STORE``                 who hosts the rendezvous store: rank0 or launcher
+``RDKERAS_DATA_MODE``             data-parallel exchange: allreduce or ps
+``RDKERAS_JOB_TOKEN``             the job's shared secret (:mod:`rdkeras.jobtoken`)
+``RDKERAS_JOB_TOKEN_FILE``        a file holding it
+``RDKERAS_LOG``                   rdkeras's messages on stderr from this level (info, ...)
+``RDKERAS_GPU``                   which GPUs a worker uses: auto, all, none, or indices
+``RDKERAS_GPU_MEMORY_GROWTH``     1 (default) or 0: allocate GPU memory as needed
+``RDKERAS_IB_DEVICE``             verbs: device name ("": the first with an active port)
+``RDKERAS_IB_PORT``               verbs: port (0: the first active one)
+``RDKERAS_IB_GID_INDEX``          verbs: GID table index
+``RDKERAS_NT_THRESHOLD``          bytes from which copies stream their stores (0: never)
+``RDKERAS_CACHE``                 where data sets fetched once are kept
+``RDKERAS_REPORT_DIR``            where a worker reports what ended it (its launcher sets it)
+================================  =====================================================================
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Options:
     gpu_memory_growth: bool = True
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rdkeras")
+    report_dir: Path | None = None
     config_dir: Path = field(default_factory=lambda: Path.home() / ".config")  # $XDG_CONFIG_HOME
 
 
@@ -124,6 +126,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
             nt_threshold=whole("RDKERAS_NT_THRESHOLD", TransportOptions.nt_threshold),
         ),
         cache_dir=Path(text("RDKERAS_CACHE") or home / ".cache" / "rdkeras"),
+        report_dir=Path(folder) if (folder := text("RDKERAS_REPORT_DIR")) else None,
         config_dir=Path(text("XDG_CONFIG_HOME") or home / ".config"),
     )
 

@@ -302,7 +302,9 @@ class RDMAStrategy:
     def __enter__(self) -> RDMAStrategy:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None and not self._closed and isinstance(error, Exception):
+            self.engine.stop_on_error(error)  # leaving the block on an error: the others must not wait for this rank
         self.close()
 
 

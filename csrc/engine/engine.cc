@@ -258,7 +258,8 @@ PeerError Engine::rootCause(const PeerError& err, int peer) {
 }
 
 void Engine::reportFailure(int failed, const std::string& why) {
-  if (failed < 0 || failed >= world_size_ || failed == rank_) return;
+  if (failed == rank_) return reportOwnFailure(why);
+  if (failed < 0 || failed >= world_size_) return;
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     if (failure_.rank >= 0) return;

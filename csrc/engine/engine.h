@@ -90,7 +90,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // every other rank, so that they stop waiting for it and name it.
   void reportOwnFailure(const std::string& why);
   // The face learned (e.g. from the store) that `failed` failed: latches it and tells every
-  // other rank, as if this rank had seen it itself.
+  // other rank, as if this rank had seen it itself (`failed` == this rank: reportOwnFailure).
   void reportFailure(int failed, const std::string& why);
   // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
   double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }

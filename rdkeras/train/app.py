@@ -93,7 +93,7 @@ def spawn_local(config_path: Path, output_dir: Path, num_workers: int, timeout: 
         return
     if bad.returncode == CONFIG_EXIT and errors[bad.rank].startswith(ERROR_PREFIX):
         raise ConfigError(errors[bad.rank][len(ERROR_PREFIX) :].strip())
-    raise WorkerError(_failure_message(bad) + f"\n(full logs: {output_dir}/worker-*.log)")
+    raise WorkerError(_failure_message(bad, results) + f"\n(full logs: {output_dir}/worker-*.log)")
 
 
 class WorkerError(RuntimeError):

@@ -177,7 +177,8 @@ class Backend(Protocol):
         """
 
     def report_failure(self, rank: int, why: str) -> None:
-        """The face learned (from the store) that `rank` failed: latch it and tell every other rank."""
+        """The face learned (from the store) that `rank` failed -- or, where `rank` is this rank, that this
+        rank stops on an error of its own: latch it and tell every other rank."""
 
     def counters(self) -> dict[str, int]:
         """Registration and pool counters (``registrations``, ``bytes_registered``, ``cache_hits``, ...)."""

@@ -141,7 +141,9 @@ class FailureRecord:
         return self.described(lost=peer)
 
     def report(self, rank: int, why: str) -> None:
-        if self.failure is None and 0 <= rank < self.world_size and rank != self.rank:
+        if self.failure is None and rank == self.rank and self.latch(rank, rank, why):
+            self.tell_others(rank, rank, why)  # an error of this rank's own: nobody waits for it any longer
+        elif self.failure is None and 0 <= rank < self.world_size:
             self.root_cause(rank, why)
 
     def check(self) -> None:

@@ -1,0 +1,100 @@
+"""Failure reports: each worker tells its launcher what ended it, so the launcher names the cause.
+
+Exit order says little: a rank that raised may take seconds to exit while the ranks
+that lost it exit at once. So a worker whose launcher gave it a folder
+(``RDKERAS_REPORT_DIR``) writes ``failure-RANK.json`` there once it knows why it
+stops: the rank it blames (itself for an error of its own), who saw it, what was
+seen and when. :func:`cause` reads them back for the launcher.
+
+An uncaught exception in a worker's script is an error of its own: before Python
+prints the traceback, every open engine tells the other ranks that this rank
+stopped (so they stop waiting for it at once, naming it) and the report is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rdkeras import options
+
+_written: set[int] = set()  # ranks of this process that reported already (the first report stands)
+
+
+def write(rank: int, blamed: int, why: str, reporter: int | None = None) -> None:
+    """Reports that this worker (`rank`) stops because `blamed` failed (itself: an error of its own), once."""
+    folder = options.from_env().report_dir
+    if folder is None or rank in _written:
+        return
+    _written.add(rank)
+    report = {"rank": rank, "blamed": blamed, "reporter": rank if reporter is None else reporter,
+              "why": why, "time": time.time()}  # fmt: skip
+    path = Path(folder) / f"failure-{rank}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(report))
+        os.replace(tmp, path)  # the launcher reads a whole report or none
+    except OSError:
+        pass  # a report helps the launcher; failing to write one must not hide the error itself
+
+
+def read(folder: str | Path, ranks: Iterable[int]) -> dict[int, dict]:
+    """The reports the workers of `ranks` wrote into `folder` (rank -> report)."""
+    out = {}
+    for rank in ranks:
+        try:
+            out[rank] = json.loads((Path(folder) / f"failure-{rank}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def cause(reports: dict[int, dict]) -> dict | None:
+    """The root cause the reports agree on: the earliest error a rank reported of its own, else the rank most
+    reports blame (in the words of a rank that saw it first-hand, else the earliest report), else None."""
+    own = [r for r in reports.values() if r["blamed"] == r["rank"]]
+    if own:
+        return min(own, key=lambda r: r["time"])
+    if not reports:
+        return None
+    votes: dict[int, list[dict]] = {}
+    for r in reports.values():
+        votes.setdefault(int(r["blamed"]), []).append(r)
+    blamed = max(votes, key=lambda b: (len(votes[b]), -min(r["time"] for r in votes[b])))
+    return min(votes[blamed], key=lambda r: (r["reporter"] != r["rank"], r["time"]))
+
+
+_engines: list[Callable[[BaseException], None]] = []  # died_of(error) of every open engine
+_previous_hook: Callable[..., Any] | None = None
+
+
+def on_uncaught_exception(died_of: Callable[[BaseException], None]) -> Callable[[], None]:
+    """Calls ``died_of(error)`` when this process dies of an uncaught exception (before the traceback is
+    printed); returns the function that stops it (an engine closes)."""
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+    _engines.append(died_of)
+
+    def remove() -> None:
+        if died_of in _engines:
+            _engines.remove(died_of)
+
+    return remove
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    for died_of in list(_engines):
+        try:
+            died_of(value)
+        except Exception:
+            pass
+    assert _previous_hook is not None
+    _previous_hook(kind, value, tb)
