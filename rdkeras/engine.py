@@ -18,6 +18,7 @@ transport and nothing else.
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -387,6 +388,8 @@ class Engine:
         """
         if self._closed:
             return
+        if isinstance(error := sys.exc_info()[1], Exception):
+            self.stop_on_error(error)  # closed while an error propagates (a finally): not a clean leave
         self._closed = True
         _OPEN.discard(self)
         self._stop_watching()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rdkeras import keras_internals
+from rdkeras.fitting import saving
 from rdkeras.fitting.saving import write_atomically
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _write_backup(cb: Any) -> None:
         with h5py.File(tmp, "a") as f:  # the epoch travels with the weights: one rename commits both
             f.attrs[BACKUP_METADATA_ATTR] = meta
 
-    write_atomically(weights, write_weights)
+    write_atomically(weights, write_weights, saving.state_bytes(cb.model))
 
     def write_metadata(tmp: str) -> None:
         Path(tmp).write_text(meta)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,9 @@ def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
     fit = keras_internals.original(model, "fit")
     a = bind(fit, args, kwargs)
     parallel.check_callbacks(list(a["callbacks"] or []))
+    if parallel.is_reporter:  # the worker that saves: what a killed save of an earlier run left behind goes
+        for folder in _save_folders(a["callbacks"]):
+            saving.remove_stale_temporaries(folder)
     parallel.shard_fit(a)
     callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
     a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
@@ -104,6 +108,19 @@ def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
         return fit(**a)
     finally:
         parallel.fitting = False
+
+
+def _save_folders(callbacks: Any) -> set[str]:
+    """The folders the saving callbacks among `callbacks` write into."""
+    import keras
+
+    folders = set()
+    for c in callbacks or []:
+        if isinstance(c, keras.callbacks.ModelCheckpoint):
+            folders.add(os.path.dirname(os.path.abspath(os.fspath(c.filepath))))
+        elif isinstance(c, keras.callbacks.BackupAndRestore):
+            folders.add(str(keras_internals.backup_paths(c)[0].parent))
+    return folders
 
 
 def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
