@@ -393,6 +393,7 @@ class Engine:
         self._closed = True
         _OPEN.discard(self)
         self._stop_watching()
+        self.backend.begin_close()  # another thread's wait ends now, not at the barrier's end
         try:
             if failure := self.backend.failure:
                 reports.write(self.rank, failure[0], failure[2], reporter=failure[1])

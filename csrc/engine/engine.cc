@@ -291,8 +291,14 @@ void Engine::broadcastAbort(uint64_t word, int skip) {
   }
 }
 
+void Engine::beginClose() {
+  closing_ = true;
+  localWakeup().notify();  // another thread's sleeping wait sees it at once
+}
+
 void Engine::close() {
   if (closed_) return;
+  beginClose();
   {
     std::lock_guard<std::mutex> lock(heartbeat_mu_);
     heartbeat_stop_ = true;
@@ -304,7 +310,7 @@ void Engine::close() {
 }
 
 Transport& Engine::transport() {
-  if (!connected_ || closed_) throw EngineError(closed_ ? "engine is closed" : "engine is not connected");
+  if (!connected_ || closing_) throw EngineError(closing_ ? "engine is closed" : "engine is not connected");
   checkFailure();  // after a failure anywhere, every operation names it
   return *transport_;
 }
@@ -334,6 +340,9 @@ void Engine::wait(const std::function<bool()>& ready, int peer, const char* what
   bool ok;
   try {
     ok = pollUntil(ready, deadline, [&] {
+      if (closing_.load(std::memory_order_acquire))
+        throw EngineError(
+            strCat("the engine was closed while this thread waited for rank ", peer, " (", what, ")"));
       checkFailure();
       t.checkPeer(peer);
       if (world_size_ > 2) {  // one other peer per tick: a death anywhere is seen where it happened

@@ -53,6 +53,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // `timeout_s` bounds it all (0: the engine's timeout).
   void connect(const std::vector<std::string>& descriptors, const std::string& key,
                std::function<void()> watch = {}, double timeout_s = 0);
+  // Closing begins: no operation may start or go on from now, and another thread's wait ends with an
+  // error saying the engine was closed (the heartbeat goes on until close(): the others may still be
+  // on their way to the close barrier and must not think this rank stalled).
+  void beginClose();
   void close();
   bool connected() const { return connected_; }
 
@@ -111,7 +115,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<TensorTracker> tracker_;
   std::unique_ptr<Transport> transport_;
   bool connected_ = false;
-  bool closed_ = false;
+  std::atomic<bool> closing_{false};  // set by beginClose(), possibly while another thread waits
+  std::atomic<bool> closed_{false};
   std::unique_ptr<RegisteredBlock> control_;  // [abort word]: peers write abort records here
   std::vector<uint64_t> abort_keys_;          // every rank's control block key
   mutable std::mutex failure_mu_;

@@ -167,6 +167,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("transport", &Engine::transportName)
       .def_property_readonly("timeout", &Engine::timeout)
       .def_property_readonly("heartbeat_timeout", &Engine::heartbeatTimeout)
+      .def("begin_close", &Engine::beginClose,
+           "No operation may start or go on from now; another thread's wait ends with an error.")
       .def_property_readonly("descriptor", &Engine::localDescriptor)
       .def(
           "connect",

@@ -138,6 +138,10 @@ class Backend(Protocol):
         runs about every 100 ms while waiting for peers and raises to give up (a peer failed). `timeout`:
         seconds for the whole of it (0: the backend's timeout)."""
 
+    def begin_close(self) -> None:
+        """Closing begins (the face's close barrier comes next): no operation may start or go on, and another
+        thread's wait ends with an error saying the engine was closed. The baselines' waits end at close()."""
+
     def close(self) -> None: ...
 
     # Registered memory.

@@ -171,6 +171,9 @@ class BaselineBackend(ABC):
     def connect(
         self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
     ) -> None: ...
+    def begin_close(self) -> None:  # noqa: B027 (a baseline's waits end at close(), or at their timeout)
+        """See rdkeras.transports.base.Backend.begin_close."""
+
     @abstractmethod
     def close(self) -> None: ...
     @abstractmethod

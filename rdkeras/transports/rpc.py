@@ -262,6 +262,10 @@ class RpcBackend(BaselineBackend):
             t.start()
             self._servers.append(t)
 
+    def begin_close(self) -> None:
+        """Nothing yet: this rank's service thread answers the peers' requests over the inner transport until
+        close(), as they may still need it on their way to the close barrier."""
+
     def close(self) -> None:
         if self._closing:
             return

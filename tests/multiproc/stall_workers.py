@@ -21,3 +21,37 @@ def busy_then_send(busy_seconds: float) -> dict:
             ch.send(np.arange(4, dtype=np.float32))
             return {"spins": spins}
         return {"received": ch.recv().tolist()}
+
+
+def close_while_another_thread_waits() -> dict:
+    """Rank 0: a thread waits for a message rank 1 never sends while the main thread closes the engine; the
+    waiting thread must end at once with an error that says the engine was closed."""
+    import threading
+
+    from rdkeras.errors import EngineError
+
+    with rdkeras.Engine() as eng:
+        ch = eng.static_channel("never", 1, 0, (4,), "float32")
+        eng.barrier("ready")
+        if eng.rank == 1:
+            eng.barrier("done")
+            time.sleep(3)  # alive meanwhile: rank 0's waiting thread must hear of its own engine's close
+            return {}
+        outcome: dict = {}
+
+        def wait() -> None:
+            started = time.monotonic()
+            try:
+                ch.recv()
+                outcome["error"] = None
+            except EngineError as e:
+                outcome["error"] = [type(e).__name__, str(e)]
+            outcome["seconds"] = time.monotonic() - started
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.5)
+        eng.barrier("done")
+        eng.close()
+        waiter.join(30)
+        return outcome

@@ -121,5 +121,6 @@ def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_chang
     assert a["loss"][-1] < a["loss"][0]
     assert a["replicas"] == b["replicas"] == 2
     assert [a["task"], b["task"]] == [["worker", 0], ["worker", 1]]
-    assert a["env"] == b["env"] == []  # no rdkeras variable anywhere
+    # No rdkeras variable anywhere but the folder the harness (a launcher) gives its workers for their reports.
+    assert a["env"] == b["env"] == ["RDKERAS_REPORT_DIR"]
     assert (tmp_path / "config" / "rdkeras" / "job-token").stat().st_mode & 0o077 == 0

@@ -89,3 +89,13 @@ def test_a_long_step_holding_the_gil_is_not_a_stall(transport):
         busy_seconds=3 * HEARTBEAT_S,
     )
     assert received.value == {"received": [0.0, 1.0, 2.0, 3.0]} and busy.value["spins"] > 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_closing_the_engine_ends_another_threads_wait_at_once(transport):
+    waiter, _ = run_ranks(
+        "close_while_another_thread_waits", module="tests.multiproc.stall_workers", transport=transport
+    )
+    kind, message = waiter.value["error"]
+    assert kind == "EngineError" and "the engine was closed while this thread waited for rank 1" in message
+    assert waiter.value["seconds"] < 5  # not the operation timeout
