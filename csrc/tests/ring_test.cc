@@ -1,6 +1,12 @@
-// The ring allreduce's arithmetic: the output layout and how buckets split into chunks.
+// The ring allreduce: its layout and chunk arithmetic, and RingAllreduce itself run by N engines in
+// this process (one thread per rank), so a wrong step schedule gives wrong sums here.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/collectives.h"
@@ -52,15 +58,123 @@ TEST_CASE("chunk indices wrap around the ring, negative ones too") {
   }
 }
 
-TEST_CASE("each chunk is reduced by exactly one rank: the step schedule covers every chunk once") {
-  // Reduce-scatter step s on rank r receives chunk r-s-1; after n-1 steps rank r owns chunk r+1.
-  for (int n = 2; n <= 8; ++n) {
-    std::vector<int> finished_by(n, -1);
-    for (int r = 0; r < n; ++r) {
-      const int last = ((r - (n - 2) - 1) % n + n) % n;
-      CHECK(finished_by[last] == -1);
-      finished_by[last] = r;
-    }
-    for (int c = 0; c < n; ++c) CHECK(finished_by[c] == (c - 1 + n) % n);
+namespace {
+
+// Runs fn(rank) on one thread per rank; rethrows the first exception any of them raised.
+template <typename Fn>
+void onEveryRank(int world, Fn&& fn) {
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// `world` engines of one job in this process, connected to each other.
+std::vector<std::shared_ptr<Engine>> connectedEngines(int world, const std::string& transport) {
+  EngineOptions options;
+  options.transport = transport;
+  options.arena_bytes = size_t{64} << 20;
+  options.timeout_s = 30;
+  std::vector<std::shared_ptr<Engine>> engines;
+  std::vector<std::string> descriptors;
+  for (int r = 0; r < world; ++r) {
+    engines.push_back(std::make_shared<Engine>(r, world, options));
+    descriptors.push_back(engines.back()->localDescriptor());
   }
+  const std::string key(32, 'k');
+  onEveryRank(world, [&](int r) { engines[r]->connect(descriptors, key); });
+  return engines;
+}
+
+// Rank r's element j of tensor i in call `call`: small integers, so every sum is exact in float32.
+double contribution(int r, size_t i, size_t j, int call) {
+  return static_cast<double>((r + 1) * static_cast<int>((j * 7 + i + call) % 13) - 6);
+}
+
+struct RingCase {
+  int world;
+  std::vector<int> members;  // in ring order; empty: every rank
+  size_t bucket_bytes;
+  DType dtype;
+};
+
+template <typename T>
+void checkRing(const RingCase& c, const std::string& transport) {
+  // Odd element counts (an empty tensor, primes, one past a 64-byte line), so chunks split tensors
+  // mid-way and the last chunks are short or empty.
+  const std::vector<size_t> counts = {1, 3, 0, 17, 1000, 17, 4099};
+  auto engines = connectedEngines(c.world, transport);
+  std::vector<int> members = c.members;
+  if (members.empty())
+    for (int r = 0; r < c.world; ++r) members.push_back(r);
+  const int n = static_cast<int>(members.size());
+  size_t capacity = 0;
+  for (size_t count : counts) capacity += count * sizeof(T) + 64;
+
+  std::vector<std::shared_ptr<RingAllreduce>> rings(c.world);
+  for (int r : members)
+    rings[r] = std::make_shared<RingAllreduce>(engines[r], capacity, c.bucket_bytes, c.members);
+  for (int p = 0; p < n; ++p)
+    rings[members[p]]->connect(rings[members[(p + n - 1) % n]]->localDescriptor(),
+                               rings[members[(p + 1) % n]]->localDescriptor());
+
+  std::vector<std::vector<std::string>> wrong(c.world);
+  onEveryRank(c.world, [&](int r) {
+    if (!rings[r]) return;  // not a member
+    for (int call = 0; call < 3; ++call) {
+      const bool average = call == 1;
+      std::vector<std::vector<T>> data(counts.size());
+      std::vector<ConstSpan> inputs;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        for (size_t j = 0; j < counts[i]; ++j) data[i].push_back(static_cast<T>(contribution(r, i, j, call)));
+        inputs.push_back({data[i].data(), counts[i] * sizeof(T)});
+      }
+      const RingAllreduce::Result result = rings[r]->run(inputs, c.dtype, average);
+      for (size_t i = 0; i < counts.size(); ++i) {
+        const T* got = reinterpret_cast<const T*>(result.out + result.offsets[i]);
+        for (size_t j = 0; j < counts[i]; ++j) {
+          double want = 0;
+          for (int m : members) want += contribution(m, i, j, call);
+          if (average) want /= n;
+          if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
+            wrong[r].push_back(
+                strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
+            break;  // one line per tensor
+          }
+        }
+      }
+    }
+  });
+  rings.clear();  // before the engines: each waits for its right member's last ack
+  for (int r = 0; r < c.world; ++r) {
+    INFO("rank ", r, ": ", wrong[r].size(), " wrong tensors, first: ", wrong[r].empty() ? "" : wrong[r][0]);
+    CHECK(wrong[r].empty());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("RingAllreduce sums exactly on every rank, over several ranks, buckets and dtypes") {
+  for (int world : {2, 3, 4, 5}) {
+    for (size_t bucket : {size_t{4} << 10, size_t{1} << 20}) {  // several passes, and one
+      CAPTURE(world);
+      CAPTURE(bucket);
+      checkRing<float>({world, {}, bucket, DType::kFloat32}, "shm");
+      checkRing<double>({world, {}, bucket, DType::kFloat64}, "shm");
+    }
+  }
+}
+
+TEST_CASE("RingAllreduce over tcp, and over a subgroup listed out of order") {
+  checkRing<float>({3, {}, size_t{4} << 10, DType::kFloat32}, "tcp");
+  checkRing<float>({4, {3, 0, 2}, size_t{4} << 10, DType::kFloat32}, "shm");
 }
