@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, run_threads
 
 
 @pytest.mark.parametrize("how", ["size", "dtype", "split"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_ring_calls_that_disagree_across_ranks_raise_everywhere(transport, how):
-    results = run_ranks("ring_disagreement", 3, transport=transport, odd_rank=1, how=how)
+    results = run_threads("ring_disagreement", 3, transport=transport, odd_rank=1, how=how)
     for r in results:
         assert r.value["error"] is not None, f"rank {r.rank} got a result from a mismatched allreduce"
     # The ranks next to the odd one see the mismatch itself; the others hear of it, naming who stopped.

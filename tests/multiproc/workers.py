@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import zlib
 from typing import Any
@@ -17,6 +18,15 @@ import rdkeras
 from rdkeras.errors import EngineError
 
 SIZES = [0, 1, 7, 4096, 64 << 20]
+
+# A rank run as a thread of the test process (tests.conftest.run_threads) finds its Engine's arguments
+# here; a rank run as a process finds them in its RDKERAS_* variables.
+THREAD_RANK = threading.local()
+
+
+def open_engine(**kwargs: Any) -> rdkeras.Engine:
+    """This rank's Engine, whether the rank is a process or a thread."""
+    return rdkeras.Engine(**{**getattr(THREAD_RANK, "engine", {}), **kwargs})
 
 
 def _publish(eng: rdkeras.Engine, name: str, value: int) -> None:
@@ -30,7 +40,7 @@ def _fetch(eng: rdkeras.Engine, name: str, rank: int) -> int:
 def write_read_sizes() -> dict:
     """Rank 0 writes then reads back every size into rank 1's arena and external regions."""
     out: dict = {"checked": []}
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         rng = np.random.default_rng(1234)
         payloads = {n: rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES}
         flags = eng.empty(8, np.uint64)
@@ -67,7 +77,7 @@ def flag_ordering(iterations: int) -> dict:
     """Flags never overtake data: every flag the receiver sees comes with the whole payload."""
     sizes = [8, 4096, 1 << 20, 24 << 20]  # 24 MiB: glibc memcpy switches to non-temporal stores
     bad = 0
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         peer = 1 - eng.rank
         data = eng.empty(max(sizes))
         flags = eng.empty(8, np.uint64)
@@ -94,7 +104,7 @@ def flag_ordering(iterations: int) -> dict:
 def access_errors() -> dict:
     """Out-of-bounds and stale-key accesses raise clear errors; the connection survives."""
     errors: dict = {}
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         if eng.rank == 1:
             region = eng.empty(4096)
             region[:] = 0
@@ -139,7 +149,7 @@ def _tensor(i: int, dtype: str, shape: tuple) -> np.ndarray:
 def channel_roundtrip(mode: str) -> dict:
     """Rank 0 -> rank 1 -> rank 0 for every dtype and shape; rank 0 checks equality."""
     mismatches = []
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         for dtype in DTYPES:
             for shape in SHAPES:
                 name = f"{mode}-{dtype}-{len(shape)}"
@@ -165,7 +175,7 @@ def exchange_then_teardown(pairs: int, messages: int) -> dict:
     """Both ranks send to each other at once over a fresh pair of static channels, then drop them at once:
     the last release a receiver writes lands in a sender that is done sending (and must still hold it)."""
     errors = []
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         for p in range(pairs):
             fwd = eng.static_channel(f"x{p}-fwd", 0, 1, (1024,), np.uint8)
             bwd = eng.static_channel(f"x{p}-bwd", 1, 0, (1024,), np.uint8)
@@ -188,7 +198,7 @@ def _use_then_drop(count: int, use: Any) -> dict:
     what it found wrong) `count` times, then flushes to every peer: a write that hit a deregistered block
     is reported on a later write to that peer, or by the flush."""
     errors: list = []
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         try:
             for i in range(count):
                 errors += use(eng, i)
@@ -233,7 +243,7 @@ def ps_then_teardown(servers: int) -> dict:
 def dynamic_changing_shapes(steps: int) -> dict:
     """A dynamic channel whose shape changes every step (like a variable-length batch)."""
     wrong = 0
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         ch = eng.dynamic_channel("seq", 0, 1)
         for i in range(steps):
             shape = (1 + i % 5, 3 + (7 * i) % 11, 4)
@@ -250,7 +260,7 @@ def dynamic_changing_shapes(steps: int) -> dict:
 
 def steady_state_registrations(steps: int) -> dict:
     """After a warm-up step, a loop of transfers registers nothing new."""
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         st = eng.static_channel("st", 0, 1, (256, 256), "float32")
         dy = eng.dynamic_channel("dy", 0, 1)
         src = eng.empty((128, 64), np.float32)  # a tensor the tracker placed in registered memory
@@ -282,7 +292,7 @@ def kill_peer_during_transfer(victim: int) -> dict:
     waiting for data. Victim 1: the sender is left waiting for a free slot
     (and, over tcp, blocked on a full socket).
     """
-    with rdkeras.Engine(timeout=60) as eng:
+    with open_engine(timeout=60) as eng:
         ch = eng.static_channel("big", 0, 1, (16 << 20,), "uint8")
         x = np.ones(16 << 20, np.uint8)
         t0 = time.monotonic()
@@ -300,7 +310,7 @@ def kill_peer_during_transfer(victim: int) -> dict:
 def connect_only(timeout_s: float) -> dict:
     """Just joins the job (for rendezvous failures)."""
     try:
-        with rdkeras.Engine(timeout=timeout_s):
+        with open_engine(timeout=timeout_s):
             return {"error": None}
     except EngineError as e:
         return {"error": [type(e).__name__, str(e)]}
@@ -309,12 +319,14 @@ def connect_only(timeout_s: float) -> dict:
 def ring_allreduce(calls: int) -> dict:
     """Every rank contributes rank-dependent tensors; results must equal numpy's sum."""
     errors = []
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         n, r = eng.world_size, eng.rank
-        shapes = [(3,), (1,), (17, 5), (1000,), (2, 2, 2), (64 << 10,), (3 << 20,)]  # 12+ MB: streaming stores
         for dtype in ("float32", "float64"):
+            # float32 in one pass, its 12 MB tensor summed with streaming stores; float64 in 8 KiB buckets (~80
+            # passes a call: tensors split across buckets and chunks; more passes would only repeat them).
+            shapes = [(3,), (1,), (17, 5), (1000,), (2, 2, 2), (64 << 10,)] + [(3 << 20,)] * (dtype == "float32")
             capacity = sum(int(np.prod(s)) * np.dtype(dtype).itemsize + 64 for s in shapes)
-            bucket = 32 << 20 if dtype == "float32" else 8192  # one pass (streaming reduce) vs many buckets
+            bucket = 32 << 20 if dtype == "float32" else 8192
             ring = eng.ring(f"ring-{dtype}", capacity, bucket_bytes=bucket)
             previous = None
             for call in range(calls):
@@ -350,7 +362,7 @@ def ring_allreduce(calls: int) -> dict:
 
 def subgroup_rings() -> dict:
     """Ranks {2, 0} reduce in one ring (listed out of order), rank 1 alone in another."""
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         members = [1] if eng.rank == 1 else [2, 0]
         ring = eng.ring(f"group-{members}", 1 << 20, members=members)
         mine = [np.full((5, 3), eng.rank + 1.0, np.float32), np.arange(7, dtype=np.float32) * (eng.rank + 1)]
@@ -368,7 +380,7 @@ def store_holds_no_secret() -> dict:
     transport key, raw or in hex (it may read its own store's table: this is the check)."""
     from rdkeras.rendezvous import transport_key
 
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         eng.static_channel("x", 0, 1, (4,), "float32")
         eng.barrier("set-up done")
         if eng.rank != 0:
@@ -392,7 +404,7 @@ def workload_until_failure(kind: str, seconds: float) -> dict:
     """
     steps = 0
     try:
-        with rdkeras.Engine() as eng:
+        with open_engine() as eng:
             n, r = eng.world_size, eng.rank
             if kind == "channels":
                 right, left = (r + 1) % n, (r - 1) % n
@@ -450,7 +462,7 @@ def workload_until_failure(kind: str, seconds: float) -> dict:
 def ring_disagreement(odd_rank: int, how: str) -> dict:
     """Every rank calls the same ring, except `odd_rank`, whose tensors differ (`how`: size, dtype, split)."""
     try:
-        with rdkeras.Engine() as eng:
+        with open_engine() as eng:
             ring = eng.ring("r", 1 << 20)
             arrays = [np.ones(100, np.float32), np.ones(28, np.float32)]
             if eng.rank == odd_rank:
@@ -505,7 +517,7 @@ def soak(steps: int, sample_every: int, warmup: int) -> dict:
     from rdkeras.parallel.parameter_server import ParameterServer
 
     samples = []
-    with rdkeras.Engine() as eng:
+    with open_engine() as eng:
         n, r = eng.world_size, eng.rank
         right, left = (r + 1) % n, (r - 1) % n
         order = [(r, right), (left, r)] if r % 2 == 0 else [(left, r), (r, right)]
@@ -547,7 +559,7 @@ def engine_cycles(cycles: int) -> dict:
 
     before = after = None
     for i in range(cycles + 1):
-        with rdkeras.Engine() as eng:
+        with open_engine() as eng:
             ring = eng.ring(f"r{i}", 1 << 16)
             ring([np.ones(100, np.float32)])
             if eng.world_size > 1:
@@ -573,7 +585,7 @@ def connect_and_count_threads(timeout_s: float) -> dict:
     import threading
 
     try:
-        with rdkeras.Engine(timeout=timeout_s):
+        with open_engine(timeout=timeout_s):
             return {"error": None, "threads": threading.active_count()}
     except EngineError as e:
         return {"error": [type(e).__name__, str(e)], "threads": threading.active_count()}
