@@ -114,6 +114,68 @@ def run_threads(
     return [RankResult(r, 0, "", value) for r, value in enumerate(values)]
 
 
+class InTurn:
+    """The results of one launch_in_turn: ``in_turn(key)`` is job `key`'s RankResults (`value`: what it returned
+    on that rank), as run_ranks would give them for a launch of its own; if the job failed or never ran, the
+    test fails with the traceback of the job that failed (or the launch's output)."""
+
+    def __init__(self, ranks: list[RankResult], kwargs: dict[str, dict]):
+        self.ranks = ranks
+        self.kwargs = kwargs  # each job's arguments, by key
+
+    def __call__(self, key: str) -> list[RankResult]:
+        problems, out = [], []
+        for r in self.ranks:
+            jobs = r.value or {}
+            if key not in jobs:
+                failed = [k for k, v in jobs.items() if "error" in v]
+                why = (
+                    f"job {failed[0]!r} failed before it:\n{jobs[failed[0]]['error'][-3000:]}"
+                    if failed
+                    else f"the launch ended (exit code {r.returncode}):\n{r.output[-3000:]}"
+                )
+                problems.append(f"rank {r.rank} never ran it: {why}")
+            elif "error" in jobs[key]:
+                problems.append(f"it failed on rank {r.rank}:\n{jobs[key]['error'][-3000:]}")
+            else:
+                out.append(RankResult(r.rank, r.returncode, r.output, jobs[key]["value"]))
+        if problems:
+            pytest.fail(f"{key}: " + "\n".join(problems))
+        return out
+
+
+def launch_in_turn(
+    jobs: dict[str, tuple], world_size: int, *, transport: str = "shm", timeout: float = 600, env: dict | None = None
+) -> InTurn:
+    """Runs several tests' workloads in one launch of `world_size` rank processes, one after another, so that a
+    process imports TensorFlow once rather than once per test (tests.multiproc.in_turn).
+
+    `jobs` maps a key to ``("module:function", kwargs)``, or ``(target, kwargs, env)`` with variables for that job
+    alone (e.g. its RDKERAS_TRANSPORT). Each job gets a rendezvous port of its own and starts with a fresh Keras
+    session, as it would in processes of its own.
+    """
+    spec = [
+        {
+            "key": key,
+            "target": target,
+            "kwargs": kwargs,
+            "env": {"RDKERAS_MASTER_PORT": str(free_port()), **(more[0] if more else {})},
+        }
+        for key, (target, kwargs, *more) in jobs.items()
+    ]
+    ranks = run_ranks(
+        "run",
+        world_size,
+        transport=transport,
+        timeout=timeout,
+        check=False,
+        env=env,
+        module="tests.multiproc.in_turn",
+        jobs=spec,
+    )
+    return InTurn(ranks, {job["key"]: job["kwargs"] for job in spec})
+
+
 @pytest.fixture(autouse=True)
 def no_shm_leaks():
     """Nothing a test runs may leave files in /dev/shm."""

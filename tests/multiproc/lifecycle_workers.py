@@ -165,22 +165,34 @@ def load_without_rdkeras(out_dir: str, policy: str = "float32") -> dict:
     return result
 
 
-def load_all_without_rdkeras(out_dir: str, policies: list) -> dict:
-    return {policy: load_without_rdkeras(os.path.join(out_dir, policy), policy) for policy in policies}
+def load_all_without_rdkeras(out_dirs: list, policies: list) -> dict:
+    out = {}
+    for out_dir in out_dirs:
+        out[out_dir] = {policy: load_without_rdkeras(os.path.join(out_dir, policy), policy) for policy in policies}
+        keras_reset()
+    return out
 
 
-def load_in_fresh_process(out_dir: str, policies: list) -> dict:
-    """load_without_rdkeras for each policy's folder, in a new process that never imports rdkeras."""
+def keras_reset() -> None:
+    import keras
+
+    keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def load_in_fresh_process(out_dirs: list, policies: list) -> dict:
+    """load_without_rdkeras for each policy's folder in each of `out_dirs`, in one new process that never
+    imports rdkeras; by out_dir, then policy."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[3]);"
         "from tests.multiproc.lifecycle_workers import load_all_without_rdkeras;"
-        "print('@@' + json.dumps(load_all_without_rdkeras(sys.argv[1], json.loads(sys.argv[2]))))"
+        "print('@@' + json.dumps(load_all_without_rdkeras(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
     env["PYTHONPATH"] = ""  # the test package only, through sys.path; never rdkeras's launcher env
     proc = subprocess.run(
-        [sys.executable, "-c", code, out_dir, json.dumps(policies), root],
+        [sys.executable, "-c", code, json.dumps(out_dirs), json.dumps(policies), root],
         capture_output=True,
         text=True,
         env=env,

@@ -2,32 +2,49 @@
 
 from __future__ import annotations
 
-import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import VERBS, run_ranks
+from tests.conftest import VERBS, launch_in_turn, run_ranks
 
 TARGET = "tests.multiproc.keras_workers"
+# The module fixtures below run several tests' trainings in one launch.
+pytestmark = pytest.mark.timeout(900)
+# MLP and CNN, over shm and tcp, ring allreduce and parameter servers.
+CONFIGS = [[k, t, m] for k in ("mlp", "cnn") for t in ("shm", "tcp") for m in ("allreduce", "ps")]
+# Arrays, a tf.data dataset batched at the global batch and a PyDataset; 104 = 6 x 16 + 8: the last global batch
+# (8 rows) is split 4 + 4, as one process uses it whole.
+CASES = [[source, samples] for source in ("arrays", "dataset", "pydataset") for samples in (96, 104)]
 
 
 def _run(target: str, world_size: int, transport: str, **kwargs):
     return run_ranks(target, world_size, transport=transport, timeout=240, module=TARGET, **kwargs)
 
 
-@functools.lru_cache
-def _reference(kind: str, batch: int):
-    (r,) = _run("fit_model", 1, "shm", kind=kind, batch=batch, distributed=False)
-    return r.value
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """The 2-worker runs of the tests here, one after another in one launch (TensorFlow imports once a worker)."""
+    jobs = {
+        "global batch": (f"{TARGET}:fit_model_many", {"configs": CONFIGS, "batch": 16}),
+        "per-worker batch": (f"{TARGET}:fit_model", {"kind": "mlp", "batch": 8, "global_batch": False}),
+        "mlp in one process": (f"{TARGET}:fit_model", {"kind": "mlp", "batch": 16, "distributed": False}),
+        "inputs": (f"{TARGET}:fit_inputs_all", {"cases": CASES}),
+        "callbacks": (f"{TARGET}:fit_callbacks", {"checkpoint_dir": str(tmp_path_factory.mktemp("checkpoints"))}),
+        "tensorboard": (f"{TARGET}:fit_with_stats", {"log_dir": str(tmp_path_factory.mktemp("tensorboard"))}),
+        "two transports": (
+            f"{TARGET}:fit_over_transports",
+            {"runs": [["shm", "allreduce"], ["tcp", "allreduce"]], "kind": "mlp", "batch": 16},
+        ),
+    }
+    return launch_in_turn(jobs, 2, timeout=900)
 
 
-def test_fit_matches_single_process_with_global_batch():
-    # MLP and CNN, over shm and tcp, ring allreduce and parameter servers: 2 workers with global batch 16 end
-    # with the weights one process reaches with batch 16. One launch runs the eight configurations.
-    configs = [[k, t, m] for k in ("mlp", "cnn") for t in ("shm", "tcp") for m in ("allreduce", "ps")]
-    results = _run("fit_model_many", 2, "shm", configs=configs, batch=16)
-    for kind, transport, mode in configs:
+def test_fit_matches_single_process_with_global_batch(two_workers):
+    # Every configuration: 2 workers with global batch 16 end with the weights one process reaches with batch 16.
+    results = two_workers("global batch")
+    for kind, transport, mode in CONFIGS:
         key = f"{kind}/{transport}/{mode}"
         runs = [r.value[key] for r in results]
         assert runs[0]["transport"] == transport
@@ -48,19 +65,16 @@ def test_three_workers_match_too():
         assert results[0].value[key] == results[1].value[key] == results[2].value[key]
 
 
-def test_per_worker_batches_on_request():
+def test_per_worker_batches_on_request(two_workers):
     # Horovod's convention, asked for explicitly: batch_size is per worker, the global batch N x that.
-    results = _run("fit_model", 2, "shm", kind="mlp", batch=8, global_batch=False)
-    for got, want in zip(results[0].value["weights"], _reference("mlp", 16)["weights"], strict=True):
+    results, reference = two_workers("per-worker batch"), two_workers("mlp in one process")[0].value
+    for got, want in zip(results[0].value["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
-def test_each_global_batch_is_split_over_the_workers():
-    # Arrays, a tf.data dataset batched at the global batch and a PyDataset; 104 = 6 x 16 + 8: the last
-    # global batch (8 rows) is split 4 + 4, as one process uses it whole. One launch runs all six cases.
-    cases = [[source, samples] for source in ("arrays", "dataset", "pydataset") for samples in (96, 104)]
-    results = _run("fit_inputs_all", 2, "shm", cases=cases)
-    for source, samples in cases:
+def test_each_global_batch_is_split_over_the_workers(two_workers):
+    results = two_workers("inputs")
+    for source, samples in CASES:
         key = f"{source}/{samples}"
         for got, want in zip(
             results[0].value[key]["weights"], results[0].value[key + "/reference"]["weights"], strict=True
@@ -69,8 +83,8 @@ def test_each_global_batch_is_split_over_the_workers():
         assert results[0].value[key] == results[1].value[key], f"{key}: the workers differ"
 
 
-def test_callbacks_see_metrics_averaged_over_workers(tmp_path):
-    results = _run("fit_callbacks", 2, "shm", checkpoint_dir=str(tmp_path))
+def test_callbacks_see_metrics_averaged_over_workers(two_workers):
+    results, tmp_path = two_workers("callbacks"), Path(two_workers.kwargs["callbacks"]["checkpoint_dir"])
     a, b = results[0].value, results[1].value
     assert a["loss"] == b["loss"]  # averaged epoch logs, identical on both workers
     assert 1 < len(a["loss"]) < 30  # EarlyStopping fired ...
@@ -86,8 +100,8 @@ def _scalars(folder):
     return {tag: [v for _, v in values] for tag, values in read_run(folder).items()}
 
 
-def test_tensorboard_shows_throughput_and_traffic(tmp_path):
-    results = _run("fit_with_stats", 2, "shm", log_dir=str(tmp_path))
+def test_tensorboard_shows_throughput_and_traffic(two_workers):
+    results, tmp_path = two_workers("tensorboard"), Path(two_workers.kwargs["tensorboard"]["log_dir"])
     assert [p.name for p in tmp_path.iterdir()] == ["rdkeras"]  # the chief alone writes
     scalars = _scalars(tmp_path / "rdkeras")
     steps = 2 * 96 // 16  # 2 epochs of 6 steps
@@ -131,10 +145,7 @@ def test_verbs_training_matches_shm_bit_for_bit(transport):
     assert results[0].value == results[1].value
 
 
-def test_one_process_can_train_over_two_transports_in_turn():
+def test_one_process_can_train_over_two_transports_in_turn(two_workers):
     # What the verbs test above relies on, checked where verbs is absent: shm then tcp, bit for bit.
-    results = _run(
-        "fit_over_transports", 2, "shm", runs=[["shm", "allreduce"], ["tcp", "allreduce"]], kind="mlp", batch=16
-    )
-    for r in results:
+    for r in two_workers("two transports"):
         assert r.value["shm/allreduce"] == r.value["tcp/allreduce"]

@@ -8,9 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_ranks
+from tests.conftest import launch_in_turn, run_ranks
 
 TARGET = "tests.multiproc.lifecycle_workers"
+MODES = ["allreduce", "ps"]
+POLICIES = ["float32", "mixed_float16"]  # float32, then mixed precision (loss scaling)
+# The module fixtures below run several tests' trainings in one launch.
+pytestmark = pytest.mark.timeout(900)
 
 
 def _close(a, b, tol):
@@ -23,15 +27,55 @@ def _same_state(got: dict, want: dict, tol: float) -> None:
     _close(got["optimizer"], want["optimizer"], tol)
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "ps"])
-def test_saved_files_load_where_rdkeras_is_not_installed(tmp_path, mode):
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict:
+    """For each data mode, a launch whose rank 1 is killed as epoch 2 begins: the job fails, naming it, and
+    BackupAndRestore holds epoch 1's state in the backup folder."""
+    out = {}
+    for mode in MODES:
+        backup = str(tmp_path_factory.mktemp(f"backup-{mode}") / "backup")
+        failed = run_ranks(
+            "train_with_backup", 2, module=TARGET, timeout=300, check=False, backup_dir=backup, mode=mode,
+            env={"RDKERAS_TEST_KILL": "1"},
+        )  # fmt: skip
+        out[mode] = {"backup_dir": backup, "failed": failed}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_workers(killed, tmp_path_factory):
+    """The other 2-worker runs of the tests here, one after another in one launch (TensorFlow imports once a
+    worker): saving (both modes, both policies), the killed runs relaunched, the custom loop and its
+    one-process reference."""
+    saved = tmp_path_factory.mktemp("saved")
+    jobs: dict = {}
+    for mode in MODES:
+        jobs[f"save/{mode}"] = (
+            f"{TARGET}:save_all",
+            {"out_dir": str(saved / mode), "mode": mode, "policies": POLICIES},
+        )
+        jobs[f"resume/{mode}"] = (
+            f"{TARGET}:train_with_backup",
+            {"backup_dir": killed[mode]["backup_dir"], "mode": mode},
+        )
+    jobs["custom loop"] = (f"{TARGET}:custom_loop", {})
+    jobs["custom loop in one process"] = (f"{TARGET}:custom_loop", {"distributed": False})
+    return launch_in_turn(jobs, 2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def loaded(two_workers) -> dict:
+    """Every saved folder, loaded in one fresh process that never imports rdkeras."""
     from tests.multiproc.lifecycle_workers import load_in_fresh_process
 
-    # float32, then mixed precision (loss scaling), in the same two processes.
-    policies = ["float32", "mixed_float16"]
-    results = run_ranks("save_all", 2, module=TARGET, timeout=400, out_dir=str(tmp_path), mode=mode, policies=policies)
-    loaded_all = load_in_fresh_process(str(tmp_path), policies)
-    for policy in policies:
+    return load_in_fresh_process([two_workers.kwargs[f"save/{mode}"]["out_dir"] for mode in MODES], POLICIES)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_saved_files_load_where_rdkeras_is_not_installed(two_workers, loaded, mode):
+    results = two_workers(f"save/{mode}")
+    loaded_all = loaded[two_workers.kwargs[f"save/{mode}"]["out_dir"]]
+    for policy in POLICIES:
         _check_saved(results[0].value[policy], results[1].value[policy], loaded_all[policy], policy)
 
 
@@ -66,18 +110,14 @@ def _check_saved(chief: dict, other: dict, loaded: dict, policy: str) -> None:
     assert not loaded["json_mentions_rdkeras"] and loaded["from_json"] == "Sequential"
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "ps"])
-def test_killed_worker_resumes_with_backup_and_restore(tmp_path, mode):
-    backup = str(tmp_path / "backup")
+@pytest.mark.parametrize("mode", MODES)
+def test_killed_worker_resumes_with_backup_and_restore(killed, two_workers, mode):
     # Rank 1 is killed as epoch 2 begins: the job fails, naming it.
-    failed = run_ranks(
-        "train_with_backup", 2, module=TARGET, timeout=300, check=False, backup_dir=backup, mode=mode,
-        env={"RDKERAS_TEST_KILL": "1"},
-    )  # fmt: skip
+    failed = killed[mode]["failed"]
     assert failed[1].returncode == -9
     assert failed[0].returncode != 0 and "rank 1" in failed[0].output
     # Relaunched, both workers resume at epoch 2 with the backed-up weights and optimizer state.
-    results = run_ranks("train_with_backup", 2, module=TARGET, timeout=300, backup_dir=backup, mode=mode)
+    results = two_workers(f"resume/{mode}")
     for r in results:
         assert r.value["epochs_run"] == [2, 3]
         assert r.value["resumed"] == r.value["uninterrupted"]  # bit for bit: the data order is fixed
@@ -85,9 +125,8 @@ def test_killed_worker_resumes_with_backup_and_restore(tmp_path, mode):
     assert results[0].value["resumed"] == results[1].value["resumed"]
 
 
-def test_custom_training_loop_matches_one_process():
-    results = run_ranks("custom_loop", 2, module=TARGET, timeout=240)
-    (reference,) = run_ranks("custom_loop", 1, module=TARGET, timeout=240, distributed=False)
+def test_custom_training_loop_matches_one_process(two_workers):
+    results, (reference, _) = two_workers("custom loop"), two_workers("custom loop in one process")
     assert results[0].value == results[1].value
     _close(results[0].value["weights"], reference.value["weights"], 1e-5)
     np.testing.assert_allclose(results[0].value["losses"], reference.value["losses"], rtol=1e-5)

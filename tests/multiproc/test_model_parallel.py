@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import run_ranks
+from tests.conftest import launch_in_turn, run_ranks
 
+TARGET = "tests.multiproc.mp_workers"
+# The module fixtures below run several tests' trainings in one launch.
+pytestmark = pytest.mark.timeout(900)
 MLP_2 = {"fc1": 0, "fc2": 0, "fc3": 1, "out": 1}
 MLP_3 = {"fc1": 0, "fc2": 1, "fc3": 2, "out": 2}
 CNN_2 = {"conv*": 0, "pool1": 0, "fc1": 1, "out": 1}  # flatten is unplaced: it follows conv2 to worker 0
@@ -38,27 +41,69 @@ def _edges(result):
     return [(e["name"], e["transfer"], e["grad"]) for e in result["plan"]]
 
 
-@pytest.mark.parametrize(
-    ("kind", "placement", "workers", "micro", "transport"),
-    [
-        ("mlp", MLP_2, 2, 1, "shm"),
-        ("mlp", MLP_3, 3, 2, "shm"),
-        ("cnn", CNN_2, 2, 1, "tcp"),
-        ("cnn", CNN_2, 2, 4, "shm"),
-    ],
-    ids=["mlp-2", "mlp-3stages-2micro", "cnn-2-tcp", "cnn-2-4micro"],
-)
-def test_split_model_matches_one_process(kind, placement, workers, micro, transport):
-    results = run_ranks(
+# The split-model cases: (kind, placement, workers, micro-batches, transport).
+SPLITS = {
+    "mlp-2": ("mlp", MLP_2, 2, 1, "shm"),
+    "mlp-3stages-2micro": ("mlp", MLP_3, 3, 2, "shm"),
+    "cnn-2-tcp": ("cnn", CNN_2, 2, 1, "tcp"),
+    "cnn-2-4micro": ("cnn", CNN_2, 2, 4, "shm"),
+}
+# The other tests' runs, by key: (workers, function, kwargs, transport).
+RUNS = {
+    "skip": (
+        3,
         "train_and_compare",
-        workers,
-        transport=transport,
-        module="tests.multiproc.mp_workers",
-        timeout=240,
-        kind=kind,
-        placement=placement,
-        micro_batches=micro,
-    )
+        {"kind": "skip", "placement": {"a": 0, "b": 1, "add": 2, "out": 2}, "micro_batches": 2},
+        "shm",
+    ),
+    "two inputs": (
+        2,
+        "train_and_compare",
+        {"kind": "two_inputs", "placement": {"left": 0, "right": 1, "join": 1, "out": 1}},
+        "grpc",
+    ),
+    "rnn": (
+        2,
+        "train_and_compare",
+        {"kind": "rnn", "placement": {"embed": 0, "gru": 0, "lstm": 1, "out": 1}, "micro_batches": 2, "samples": 64},
+        "shm",
+    ),
+    "bad placement": (
+        2,
+        "bad_placement",
+        {"kind": "mlp", "placement": {"fc1": 0, "fc2": 1, "fc3": 0, "out": 1}},
+        "shm",
+    ),
+}
+
+
+def _launch(workers: int):
+    """Every run here on `workers` workers, one after another in one launch (TensorFlow imports once a worker)."""
+    jobs = {
+        key: (f"{TARGET}:train_and_compare", {"kind": k, "placement": p, "micro_batches": m}, {"RDKERAS_TRANSPORT": t})
+        for key, (k, p, w, m, t) in SPLITS.items()
+        if w == workers
+    }
+    for key, (w, function, kwargs, transport) in RUNS.items():
+        if w == workers:
+            jobs[key] = (f"{TARGET}:{function}", kwargs, {"RDKERAS_TRANSPORT": transport})
+    return launch_in_turn(jobs, workers, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return _launch(2)
+
+
+@pytest.fixture(scope="module")
+def three_workers():
+    return _launch(3)
+
+
+@pytest.mark.parametrize("case", SPLITS)
+def test_split_model_matches_one_process(case, request):
+    kind, _, workers, micro, _ = SPLITS[case]
+    results = request.getfixturevalue({2: "two_workers", 3: "three_workers"}[workers])(case)
     first = _check(results)
     rows = 16 // micro
     assert all(e["transfer"] == "static" for e in first["plan"])
@@ -73,18 +118,9 @@ def test_split_model_matches_one_process(kind, placement, workers, micro, transp
         ]
 
 
-def test_skip_connection_across_two_boundaries():
+def test_skip_connection_across_two_boundaries(three_workers):
     # a (worker 0) feeds b (worker 1) and, skipping worker 1, add (worker 2).
-    results = run_ranks(
-        "train_and_compare",
-        3,
-        module="tests.multiproc.mp_workers",
-        timeout=240,
-        kind="skip",
-        placement={"a": 0, "b": 1, "add": 2, "out": 2},
-        micro_batches=2,
-    )
-    first = _check(results)
+    first = _check(three_workers("skip"))
     assert _edges(first) == [
         ("a:0->1", "static", True),
         ("a:0->2", "static", True),
@@ -93,17 +129,8 @@ def test_skip_connection_across_two_boundaries():
     ]
 
 
-def test_two_inputs_on_different_workers():
-    results = run_ranks(
-        "train_and_compare",
-        2,
-        transport="grpc",
-        module="tests.multiproc.mp_workers",
-        timeout=240,
-        kind="two_inputs",
-        placement={"left": 0, "right": 1, "join": 1, "out": 1},
-    )
-    first = _check(results)
+def test_two_inputs_on_different_workers(two_workers):
+    first = _check(two_workers("two inputs"))
     # The reader sends input xb straight to worker 1 (no gradient: it is data).
     assert _edges(first) == [
         ("input:xb->1", "static", False),
@@ -112,18 +139,8 @@ def test_two_inputs_on_different_workers():
     ]
 
 
-def test_variable_length_sequences_use_dynamic_edges():
-    results = run_ranks(
-        "train_and_compare",
-        2,
-        module="tests.multiproc.mp_workers",
-        timeout=240,
-        kind="rnn",
-        placement={"embed": 0, "gru": 0, "lstm": 1, "out": 1},
-        micro_batches=2,
-        samples=64,
-    )
-    first = _check(results)
+def test_variable_length_sequences_use_dynamic_edges(two_workers):
+    first = _check(two_workers("rnn"))
     assert _edges(first) == [("gru:0->1", "dynamic", True), ("labels[0]->1", "static", False)]
     assert "known only at run time (variable length)" in first["plan_text"]
 
@@ -132,7 +149,7 @@ def test_hybrid_two_replicas_of_a_two_stage_pipeline():
     results = run_ranks(
         "train_and_compare",
         4,
-        module="tests.multiproc.mp_workers",
+        module=TARGET,
         timeout=300,
         kind="mlp",
         placement=MLP_2,
@@ -142,14 +159,6 @@ def test_hybrid_two_replicas_of_a_two_stage_pipeline():
     _check(results)
 
 
-def test_bad_placement_fails_on_every_worker_at_compile():
-    results = run_ranks(
-        "bad_placement",
-        2,
-        module="tests.multiproc.mp_workers",
-        timeout=120,
-        kind="mlp",
-        placement={"fc1": 0, "fc2": 1, "fc3": 0, "out": 1},
-    )
-    for r in results:
+def test_bad_placement_fails_on_every_worker_at_compile(two_workers):
+    for r in two_workers("bad placement"):
         assert "cycle between stages 0, 1" in r.value["error"]
