@@ -82,7 +82,7 @@ def _config(root: Path, munge_socket: Path) -> str:
             "AccountingStorageType=accounting_storage/none",
             "ReturnToService=2",
             "KillWait=5",
-            "MinJobAge=300",
+            "MinJobAge=0",  # records kept for the whole session; sbatch --wait then polls every 2 s (not 2, 8, 32 s)
             f"StateSaveLocation={root}/state",
             f"SlurmdSpoolDir={root}/spool",
             f"SlurmctldPidFile={root}/slurmctld.pid",

@@ -26,9 +26,13 @@ SMALL = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer
 SMALL += ["trainer.batch_size=16", "trainer.verbose=2", "logger=none"]
 
 
+def _env(folder: Path) -> dict:
+    return {"XDG_CONFIG_HOME": str(folder / "config"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHON": sys.executable}
+
+
 @pytest.fixture
 def env(tmp_path):
-    return {"XDG_CONFIG_HOME": str(tmp_path / "config"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHON": sys.executable}
+    return _env(tmp_path)
 
 
 def _weights(run_dir: Path) -> list[np.ndarray]:
@@ -70,10 +74,18 @@ def _srun_train(slurm, env, run_dir: Path):
     return slurm.run(*argv, env=env, timeout=600, cwd=run_dir.parent)
 
 
-def test_srun_trains_two_tasks_with_no_rdkeras_variable(slurm, env, tmp_path):
-    run = tmp_path / "srun"
+@pytest.fixture(scope="module")
+def srun(slurm, tmp_path_factory):
+    """The README's srun command, made small, run once for the tests below: (its folder, the run, the env)."""
+    tmp = tmp_path_factory.mktemp("srun")
+    env, run = _env(tmp), tmp / "srun"
     done = _srun_train(slurm, env, run)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run, done, env
+
+
+def test_srun_trains_two_tasks_with_no_rdkeras_variable(srun):
+    run, done, env = srun
     results = json.loads((run / "results.json").read_text())
     assert results["workers"] == 2 and results["transport"] == "shm"  # one node: auto picks shm
     assert "local workers" not in done.stdout  # each task is one worker; nothing spawned
@@ -81,10 +93,8 @@ def test_srun_trains_two_tasks_with_no_rdkeras_variable(slurm, env, tmp_path):
     assert oct(secret.stat().st_mode & 0o777) == "0o600"
 
 
-def test_srun_two_tasks_equal_one_process(slurm, env, tmp_path, one_process):
-    run = tmp_path / "srun"
-    done = _srun_train(slurm, env, run)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def test_srun_two_tasks_equal_one_process(srun, one_process):
+    run, _, _ = srun
     for got, want in zip(_weights(run), _weights(one_process), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
