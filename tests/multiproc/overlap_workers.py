@@ -1,4 +1,5 @@
-"""Workers for tests/multiproc/test_overlap.py: data-parallel fit with the gradient exchange in buckets."""
+"""Workers for the overlap tests in tests/multiproc/test_data_parallel.py: data-parallel fit with the gradient
+exchange in buckets."""
 
 from __future__ import annotations
 

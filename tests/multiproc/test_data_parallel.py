@@ -1,4 +1,5 @@
-"""Data-parallel model.fit: N workers with global batch B == one process with batch B."""
+"""Data-parallel model.fit: N workers with global batch B == one process with batch B, also with the gradients
+exchanged in buckets as backprop produces them (overlap), which is bit-identical to one exchange."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import pytest
 from tests.conftest import VERBS, launch_in_turn, run_ranks
 
 TARGET = "tests.multiproc.keras_workers"
+OVERLAP = "tests.multiproc.overlap_workers"
 # The module fixtures below run several tests' trainings in one launch.
 pytestmark = pytest.mark.timeout(900)
-# MLP and CNN, over shm and tcp, ring allreduce and parameter servers.
+# MLP and CNN, over shm and tcp, ring allreduce and parameter servers; the MLP over the RPC baselines too.
 CONFIGS = [[k, t, m] for k in ("mlp", "cnn") for t in ("shm", "tcp") for m in ("allreduce", "ps")]
+CONFIGS += [["mlp", t, m] for t in ("rpc+shm", "rpc+tcp") for m in ("allreduce", "ps")]
+# Overlap: 64-byte buckets make every gradient tensor a bucket of its own (the MLP has 6, the CNN 4); 0: one
+# exchange.
+BUCKETED = [[k, m, o] for k in ("mlp", "cnn") for m in ("allreduce", "ps") for o in (64, 0)]
 # Arrays, a tf.data dataset batched at the global batch and a PyDataset; 104 = 6 x 16 + 8: the last global batch
 # (8 rows) is split 4 + 4, as one process uses it whole.
 CASES = [[source, samples] for source in ("arrays", "dataset", "pydataset") for samples in (96, 104)]
@@ -37,8 +43,26 @@ def two_workers(tmp_path_factory):
             f"{TARGET}:fit_over_transports",
             {"runs": [["shm", "allreduce"], ["tcp", "allreduce"]], "kind": "mlp", "batch": 16},
         ),
+        "buckets": (f"{OVERLAP}:fit_bucketed_many", {"configs": BUCKETED, "batch": 16}),
     }
     return launch_in_turn(jobs, 2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def three_workers():
+    """The 3-worker runs, in one launch."""
+    jobs = {
+        "three workers": (
+            f"{TARGET}:fit_model_many",
+            {"configs": [["mlp", "shm", "allreduce"], ["mlp", "shm", "ps"]], "batch": 24},
+        ),
+        "buckets over tcp": (
+            f"{OVERLAP}:fit_bucketed_many",
+            {"configs": [["mlp", "allreduce", 200], ["mlp", "ps", 200]], "batch": 24},
+            {"RDKERAS_TRANSPORT": "tcp"},
+        ),
+    }
+    return launch_in_turn(jobs, 3, timeout=900)
 
 
 def test_fit_matches_single_process_with_global_batch(two_workers):
@@ -54,9 +78,8 @@ def test_fit_matches_single_process_with_global_batch(two_workers):
         assert runs[1]["weights"] == runs[0]["weights"] and runs[1]["evaluate"] == runs[0]["evaluate"], key
 
 
-def test_three_workers_match_too():
-    configs = [["mlp", "shm", "allreduce"], ["mlp", "shm", "ps"]]
-    results = _run("fit_model_many", 3, "shm", configs=configs, batch=24)
+def test_three_workers_match_too(three_workers):
+    results = three_workers("three workers")
     for key in ("mlp/shm/allreduce", "mlp/shm/ps"):
         for got, want in zip(
             results[2].value[key]["weights"], results[0].value["mlp/reference"]["weights"], strict=True
@@ -149,3 +172,29 @@ def test_one_process_can_train_over_two_transports_in_turn(two_workers):
     # What the verbs test above relies on, checked where verbs is absent: shm then tcp, bit for bit.
     for r in two_workers("two transports"):
         assert r.value["shm/allreduce"] == r.value["tcp/allreduce"]
+
+
+def _close(got, want, key):
+    for g, w in zip(got["weights"], want["weights"], strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_buckets_give_bit_identical_weights(two_workers):
+    results = two_workers("buckets")
+    for kind in ("mlp", "cnn"):
+        for mode in ("allreduce", "ps"):
+            bucketed, whole = (f"{kind}/{mode}/64", f"{kind}/{mode}/0")
+            for r in results:
+                assert r.value[bucketed]["weights"] == r.value[whole]["weights"], bucketed  # bit for bit
+                assert r.value[bucketed]["evaluate"] == r.value[whole]["evaluate"], bucketed
+            assert results[0].value[bucketed]["weights"] == results[1].value[bucketed]["weights"]
+            _close(results[1].value[bucketed], results[0].value[f"{kind}/reference"], bucketed)
+            if mode == "allreduce":  # one ring per bucket: more (smaller) writes than one ring for all
+                assert results[0].value[bucketed]["writes"] > results[0].value[whole]["writes"]
+
+
+def test_three_workers_over_tcp_with_buckets_match_one_process(three_workers):
+    results = three_workers("buckets over tcp")
+    for key in ("mlp/allreduce/200", "mlp/ps/200"):
+        assert results[0].value[key]["weights"] == results[1].value[key]["weights"] == results[2].value[key]["weights"]
+        _close(results[2].value[key], results[0].value["mlp/reference"], key)

@@ -1,5 +1,6 @@
 """One worker of the two-host job: tests.multiproc.keras_workers' fit, its result (and what went over
-which link) written as JSON."""
+which link) written as JSON; with a third argument "reference", rank 0 then trains the same model in one
+plain Keras process (the same global batch) too."""
 
 import json
 import os
@@ -13,5 +14,7 @@ strategy = rdkeras.RDMAStrategy()
 result = _fit_model_with(strategy, "mlp", batch)
 result.update(rank=strategy.worker_index, traffic=strategy.engine.traffic())
 strategy.close()
+if sys.argv[3:] == ["reference"] and result["rank"] == 0:
+    result["reference"] = _fit_model_with(None, "mlp", batch)["weights"]
 with open(os.path.join(out, f"rank-{os.environ['RDKERAS_RANK']}.json"), "w") as f:
     json.dump(result, f)
