@@ -60,10 +60,12 @@ def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
 
 
 def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
+    # One worker a trial: the sweep is under test here (the killed run above trains on two).
     done = _train(
         "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=minimize",
         "trainer.optimizer.learning_rate=interval(0.001,0.1)", *TINY[:2], "trainer.epochs=1",
-        "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", "cluster.num_workers=1",
+        f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = [json.loads((tmp_path / str(i) / "results.json").read_text())["final"]["loss"] for i in (0, 1)]
