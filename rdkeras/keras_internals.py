@@ -34,7 +34,11 @@ def _tested_keras() -> str:
     """The Keras releases the test suite runs against: pyproject.toml's pin, read from the installed metadata."""
     import importlib.metadata
 
-    for requirement in importlib.metadata.requires("rdkeras") or []:
+    try:
+        requirements = importlib.metadata.requires("rdkeras") or []
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+        return ""
+    for requirement in requirements:
         name, rest = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(.*)", requirement).groups()  # type: ignore[union-attr]
         if name.lower() == "keras" and ";" not in rest:
             return ",".join(sorted((part.strip() for part in rest.split(",")), reverse=True))  # >= before <
