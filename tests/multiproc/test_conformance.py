@@ -48,6 +48,8 @@ def test_out_of_bounds_and_stale_keys_raise(transport):
         assert e[name] is not None, f"{name} was accepted"
         assert e[name][0] == "RemoteAccessError" and "stale" in e[name][1], e[name]
     assert e["flag_unaligned"][0] == "RemoteAccessError" and "aligned" in e["flag_unaligned"][1]
+    if transport in ("shm", "tcp", "shm+tcp"):  # a flag is polled in the arena: the native transports refuse others
+        assert e["flag_outside"][0] == "RemoteAccessError" and "flags must live in the arena" in e["flag_outside"][1]
     assert target.value["after"] == 42  # the connection still works after the errors
 
 

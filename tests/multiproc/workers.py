@@ -112,10 +112,12 @@ def access_errors() -> dict:
             stale = eng.register(eng.empty(64))
             eng.deregister(stale)
             _publish(eng, "stale", stale)
+            outside = np.zeros(64, np.uint8)  # registered memory outside the arena: no place for a flag
+            _publish(eng, "outside", eng.register(outside))
             eng.barrier("done")
             errors["after"] = int(region[100])
         else:
-            key, stale = _fetch(eng, "key", 1), _fetch(eng, "stale", 1)
+            key, stale, outside = _fetch(eng, "key", 1), _fetch(eng, "stale", 1), _fetch(eng, "outside", 1)
             attempts = {
                 "write_oob": lambda: eng.write(1, np.ones(16, np.uint8), key, offset=4090),
                 "read_oob": lambda: eng.read(1, np.zeros(8, np.uint8), key, offset=4096 + 8),
@@ -123,6 +125,7 @@ def access_errors() -> dict:
                 "read_stale": lambda: eng.read(1, np.zeros(16, np.uint8), stale),
                 "flag_stale": lambda: eng.write_flag(1, stale, 0, 1),
                 "flag_unaligned": lambda: eng.write_flag(1, key, 3, 1),
+                "flag_outside": lambda: eng.write_flag(1, outside, 0, 1),
             }
             for name, attempt in attempts.items():
                 try:
