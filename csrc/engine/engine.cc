@@ -75,12 +75,13 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   if (!(options.heartbeat_s >= 0)) throw EngineError("heartbeat timeout must be positive (or 0: none)");
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
-  control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
   for (const NativeTransport& t : kNativeTransports)
     if (options.transport == t.name)
       transport_ = t.make(rank, world_size, *arena_, *tracker_, options.transport_options);
   if (!transport_)
     throw EngineError(strCat("unknown or unavailable native transport '", options.transport, "'"));
+  // After the transport: verbs registers it (an rkey peers can write the heartbeat with).
+  control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
 }
 
 Engine::~Engine() { close(); }

@@ -117,7 +117,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool connected_ = false;
   std::atomic<bool> closing_{false};  // set by beginClose(), possibly while another thread waits
   std::atomic<bool> closed_{false};
-  std::unique_ptr<RegisteredBlock> control_;  // [abort word]: peers write abort records here
+  std::unique_ptr<RegisteredBlock> control_;  // [abort | beats from left | from right]; made after transport_
   std::vector<uint64_t> abort_keys_;          // every rank's control block key
   mutable std::mutex failure_mu_;
   mutable Failure failure_;  // the first failure known here (latched)
