@@ -200,7 +200,7 @@ def run_workers(
             if failed or (deadline is not None and time.monotonic() > deadline):
                 if failed:  # let the others notice the failure and report it themselves
                     end = time.monotonic() + FAILURE_GRACE_S
-                    while time.monotonic() < end and any(p.poll() is None for p in procs):
+                    while time.monotonic() < end and not _only_the_blamed_run(procs, ranks, report_dir):
                         note_exits()
                         time.sleep(0.05)
                 break
@@ -244,6 +244,18 @@ class _TextOut:
 
     def flush(self) -> None:
         sys.stdout.flush()
+
+
+def _only_the_blamed_run(procs: list[subprocess.Popen], ranks: list[int], report_dir: str) -> bool:
+    """Whether every worker still running is one the others' reports blame and that has not reported itself (a
+    stopped or hung rank cannot end by itself, nor say anything): then nothing is left to wait for. A rank that
+    reported is alive and on its way out (printing its traceback, say): it gets the grace."""
+    running = {r for p, r in zip(procs, ranks, strict=True) if p.poll() is None}
+    if not running:
+        return True
+    found = reports.read(report_dir, ranks)
+    blamed = {int(report["blamed"]) for report in found.values()}
+    return running <= blamed and not running & set(found)
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:
