@@ -65,7 +65,8 @@ def _worker_pids(launcher: int) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("stalled", [0, 2])
+# The chief by default; another rank with -m slow (test_stalls stalls every rank under the supervisor).
+@pytest.mark.parametrize("stalled", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_stalled_rank_is_named_by_the_launcher(stalled):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RDKERAS_TRANSPORT": "shm", "RDKERAS_HEARTBEAT_TIMEOUT": "3"}
     launcher = subprocess.Popen(

@@ -57,7 +57,7 @@ def test_soak(transport):
         )
 
 
-@pytest.mark.parametrize(("transport", "world", "cycles"), [("shm", 1, 50), ("shm", 2, 10), ("tcp", 2, 10)])
+@pytest.mark.parametrize(("transport", "world", "cycles"), [("shm", 1, 25), ("shm", 2, 10), ("tcp", 2, 10)])
 def test_engines_created_and_closed_in_a_row_leave_nothing(transport, world, cycles):
     for r in run_ranks("engine_cycles", world, transport=transport, timeout=240, cycles=cycles):
         before, after = r.value["before"], r.value["after"]

@@ -1,6 +1,6 @@
 """A stalled worker (SIGSTOP: a stopped, hung or swapped-out process) is found and named within seconds:
 every other rank fails within heartbeat_timeout + 10 s naming it -- rank 0 (which hosts the store) included,
-with and without a launcher hosting the store. The default run does one trial per case; ``-m slow`` does
+with and without a launcher hosting the store. The default run does one trial per transport; ``-m slow`` does
 20 per transport."""
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ def _stall(transport: str, victim: int, kind: str, host_store: bool, rng: random
     )
 
 
-@pytest.mark.parametrize("host_store", [True, False], ids=["launcher", "no-launcher"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+# One trial per transport, the launcher alternating (the slow run does every combination 20 times).
+@pytest.mark.parametrize(
+    ("transport", "host_store"),
+    [("shm", True), ("tcp", False), ("shm+tcp", True)],
+    ids=["shm-launcher", "tcp-no-launcher", "shm+tcp-launcher"],
+)
 def test_a_stalled_rank_is_named_by_every_other_rank(transport, host_store):
     rng = random.Random(f"{transport}/{host_store}")
     victim = 0 if not host_store else rng.randrange(3)  # rank 0 hosts the store without a launcher
@@ -79,14 +83,14 @@ def test_many_stall_trials(transport):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["tcp"])  # tcp: its heartbeat also counts what was received
 def test_a_long_step_holding_the_gil_is_not_a_stall(transport):
     received, busy = run_ranks(
         "busy_then_send",
         module="tests.multiproc.stall_workers",
         transport=transport,
         env={"RDKERAS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)},
-        busy_seconds=3 * HEARTBEAT_S,
+        busy_seconds=2 * HEARTBEAT_S,  # twice the time that declares a silent peer stalled
     )
     assert received.value == {"received": [0.0, 1.0, 2.0, 3.0]} and busy.value["spins"] > 0
 

@@ -8,6 +8,7 @@ installed (``apt-get install slurm-wlm munge``; .ci/run does it) or will not sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -40,23 +41,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(pid_file: Path) -> None:
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return
+def _stop(pid_files: list[Path]) -> None:
+    """Stops the daemons together (each takes seconds to shut down): SIGTERM, then SIGKILL what is left."""
+    pids = []
+    for pid_file in pid_files:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pids.append(int(pid_file.read_text().split()[0]))
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
         end = time.monotonic() + wait
-        while time.monotonic() < end:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
+        while pids and time.monotonic() < end:
+            pids = [pid for pid in pids if _alive(pid)]
             time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _config(root: Path, munge_socket: Path) -> str:
@@ -141,5 +147,4 @@ def slurm(tmp_path_factory) -> Slurm:
     finally:
         cluster.run("scancel", "--full", "--user", "root", timeout=30)
         time.sleep(0.5)
-        for pid_file in reversed(pid_files):
-            _stop(pid_file)
+        _stop(pid_files)

@@ -31,6 +31,8 @@ def _not_ready() -> str | None:
     return None
 
 
+# Slow (about 7 minutes under emulation): .ci/run runs it as a step of its own, before the default test run.
+@pytest.mark.slow
 @pytest.mark.timeout(1300)  # the VM emulates its CPU: TensorFlow alone takes a minute to import there
 @pytest.mark.skipif(_not_ready() is not None, reason=str(_not_ready()))
 def test_verbs_conformance_inside_the_softroce_vm():
