@@ -316,6 +316,8 @@ class GradientAllreduce:
             reduced = tf.numpy_function(
                 self._reduce, wire, Tout=[g.dtype for g in wire], stateful=True, name="rdkeras_allreduce"
             )
+            if not isinstance(reduced, (list, tuple)):  # run eagerly, one output comes back bare
+                reduced = [reduced]
         out = list(grads)
         for i, g, r in zip(idx, dense, reduced, strict=True):
             r.set_shape(g.shape)

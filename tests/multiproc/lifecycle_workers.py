@@ -301,6 +301,32 @@ def custom_loop(distributed: bool = True, steps: int = 6) -> dict:
     return out
 
 
+def reduce_forms() -> dict:
+    """tf.distribute's ``strategy.reduce`` in the forms MWMS custom loops use, eagerly and in a tf.function:
+    each rank's values differ (rank 0 has one row, rank 1 three), so a wrong reduction shows."""
+    import tensorflow as tf
+
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy()
+    r = strategy.worker_index
+    rows = tf.constant([[1.0, 2.0]] if r == 0 else [[3.0, 4.0]] * 3)
+    forms = {
+        "sum scalar": lambda: strategy.reduce("SUM", tf.constant(r + 1.0)),
+        "sum scalar, axis None": lambda: strategy.reduce(tf.distribute.ReduceOp.SUM, tf.constant(r + 1.0), axis=None),
+        "sum vector": lambda: strategy.reduce("SUM", tf.constant([r, 10.0 * r])),
+        "mean along rows": lambda: strategy.reduce(tf.distribute.ReduceOp.MEAN, rows, axis=0),
+        "sum along rows": lambda: strategy.reduce("SUM", rows, axis=0),
+        "allreduce one tensor": lambda: strategy.allreduce(tf.constant([r + 1.0])),
+    }
+    out = {}
+    for name, form in forms.items():
+        out[name] = tf.nest.map_structure(lambda t: t.numpy().tolist(), form())
+        out[name + " (tf.function)"] = tf.function(form)().numpy().tolist()
+    strategy.close()
+    return out
+
+
 def itertools_take(ds, n):
     for i, item in enumerate(ds):
         if i >= n:

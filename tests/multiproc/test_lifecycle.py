@@ -60,6 +60,7 @@ def two_workers(killed, tmp_path_factory):
         )
     jobs["custom loop"] = (f"{TARGET}:custom_loop", {})
     jobs["custom loop in one process"] = (f"{TARGET}:custom_loop", {"distributed": False})
+    jobs["reduce forms"] = (f"{TARGET}:reduce_forms", {})
     return launch_in_turn(jobs, 2, timeout=900)
 
 
@@ -130,6 +131,22 @@ def test_custom_training_loop_matches_one_process(two_workers):
     assert results[0].value == results[1].value
     _close(results[0].value["weights"], reference.value["weights"], 1e-5)
     np.testing.assert_allclose(results[0].value["losses"], reference.value["losses"], rtol=1e-5)
+
+
+def test_strategy_reduce_takes_every_form_mwms_loops_use(two_workers):
+    # Rank 0 gives 1.0, [0, 0] and one row [1, 2]; rank 1 gives 2.0, [1, 10] and three rows [3, 4].
+    expected = {
+        "sum scalar": 3.0,
+        "sum scalar, axis None": 3.0,
+        "sum vector": [1.0, 10.0],
+        "mean along rows": [2.5, 3.5],  # (1*[1, 2] + 3*[3, 4]) / 4 rows
+        "sum along rows": [10.0, 14.0],
+        "allreduce one tensor": [1.5],
+    }
+    for r in two_workers("reduce forms"):
+        for name, value in expected.items():
+            assert r.value[name] == value, (r.rank, name, r.value[name])
+            assert r.value[f"{name} (tf.function)"] == value, (r.rank, name, r.value[f"{name} (tf.function)"])
 
 
 def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_changed(tmp_path):
