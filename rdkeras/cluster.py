@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,6 +263,16 @@ def resolve(env: Mapping[str, str] | None = None) -> Cluster:
             f"{kind}: rank {c.rank} of {c.world_size}, local rank {c.local_rank} of {c.local_world_size}: out of range"
         )
     return c
+
+
+def export_local_rank(c: Cluster, env: MutableMapping[str, str] | None = None) -> None:
+    """Sets ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` in this process's environment where its start path did not
+    (SLURM, TF_CONFIG), as the launcher and torchrun do: Horovod- and torchrun-style scripts read them. A value
+    already there is kept; a one-process job gets none."""
+    env = os.environ if env is None else env
+    if c.world_size > 1:
+        env.setdefault("LOCAL_RANK", str(c.local_rank))
+        env.setdefault("LOCAL_WORLD_SIZE", str(c.local_world_size))
 
 
 def _from_tf_config(env: Mapping[str, str]) -> Cluster:

@@ -1,10 +1,12 @@
 """Which device a worker computes on: one GPU per worker, chosen by its local rank.
 
-Every launch path gives a worker ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the
-launcher, ``SLURM_LOCALID``, torchrun); :func:`use_local_gpu` makes only that
-worker's GPU visible to TensorFlow, with memory growth, before TensorFlow
-initializes its devices. ``rdkeras.train`` calls it in each worker; in your own
-script call it before building a model (``RDMAStrategy`` will, once it does).
+Every launch path gives a worker its local rank (the launcher and torchrun as
+``LOCAL_RANK``, SLURM as ``SLURM_LOCALID``, TF_CONFIG by the tasks on its host;
+``RDMAStrategy()`` exports ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` where they are
+missing); :func:`use_local_gpu` makes only that worker's GPU visible to TensorFlow,
+with memory growth, before TensorFlow initializes its devices. ``rdkeras.train``
+calls it in each worker; in your own script call it before building a model
+(``RDMAStrategy`` will, once it does).
 
 Settings (:mod:`rdkeras.options`):
 

@@ -80,6 +80,7 @@ class RDMAStrategy:
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
         keras_internals.check()
         c = cluster_lib.resolve() if cluster is None else cluster
+        cluster_lib.export_local_rank(c)
         self.cluster = c
         check_settings(parallelism, mode, placement, micro_batches, c.world_size)
         self.engine = Engine(

@@ -196,3 +196,19 @@ def test_a_port_out_of_range_is_named_before_any_socket():
 
     with pytest.raises(EngineError, match=r"rendezvous port 70000 is not a TCP port: choose one in 1-65535"):
         _job_shape(0, 2, "127.0.0.1", 70000)
+
+
+def test_slurm_and_tf_config_jobs_get_local_rank_exported(monkeypatch, scontrol):
+    # Horovod- and torchrun-style scripts read LOCAL_RANK; SLURM and TF_CONFIG do not set it.
+    _slurm_step(monkeypatch)
+    env: dict = {}
+    cluster.export_local_rank(cluster.resolve(), env)
+    assert env == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    spec = {"worker": ["node1:2222", "node1:2223", "node2:2222", "node2:2223"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "worker", "index": 3}}))
+    env = {"LOCAL_WORLD_SIZE": "4"}  # what the start path gave is kept
+    cluster.export_local_rank(cluster.resolve(), env)
+    assert env == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    env = {}
+    cluster.export_local_rank(cluster.Cluster(0, 1, "127.0.0.1", 0, "single"), env)
+    assert env == {}  # one process: nothing to say
