@@ -70,7 +70,7 @@ def compose(overrides: list[str] | None = None) -> Any:
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(hydra_sources(), version_base=None):
-        return hydra_compose(CONFIG_NAME, overrides=list(overrides or []))
+        return hydra_compose(CONFIG_NAME, overrides=rename_overrides(list(overrides or [])))
 
 
 def _renamed(old: str) -> str:
@@ -80,12 +80,16 @@ def _renamed(old: str) -> str:
 
 
 def rename_overrides(overrides: list[str]) -> list[str]:
-    """Command-line overrides with the renamed keys (RENAMED_KEYS) in their new words."""
+    """Command-line overrides with the renamed keys (RENAMED_KEYS) in their new words, and ``+recipe=NAME`` (how
+    the recipe was chosen before train.yaml had a recipe slot, and still in Hydra habit) as ``recipe=NAME``."""
     out = []
     for o in overrides:
         prefix = o[: len(o) - len(o.lstrip("+~"))]
         key, sep, value = o[len(prefix) :].partition("=")
-        out.append(f"{prefix}{_renamed(key)}{sep}{value}" if key in RENAMED_KEYS else o)
+        if key == "recipe" and prefix in ("+", "++") and sep:
+            out.append(f"recipe={value}")
+        else:
+            out.append(f"{prefix}{_renamed(key)}{sep}{value}" if key in RENAMED_KEYS else o)
     return out
 
 

@@ -85,6 +85,14 @@ def test_the_six_models_declare_data_parallelism_and_vgg16_has_a_model_parallel_
     assert cfg.parallel.parallelism == "model" and cfg.model._target_.endswith("vgg16")
 
 
+def test_the_recipe_is_chosen_with_or_without_a_plus():
+    # train.yaml has a recipe slot (recipe=NAME, as for any group); +recipe=NAME, the older habit, still works.
+    chosen = compose(["recipe=vgg16_model"])
+    assert chosen == compose(["+recipe=vgg16_model"]) == compose(["++recipe=vgg16_model"])
+    assert chosen.parallel.parallelism == "model" and chosen != compose([])
+    assert compose(["recipe=fcn5", "model.hidden=64"]).model.hidden == 64  # the command line still wins
+
+
 def test_config_keys_are_rdmastrategys_own_words_and_the_old_ones_still_work(caplog):
     from rdkeras.train.config import rename_keys, rename_overrides
 
