@@ -40,8 +40,14 @@ PR_SET_PDEATHSIG = 1
 _BANNERS = re.compile(
     rb"absl::InitializeLog\(\)|Unable to register cu(DNN|FFT|BLAS) factory|oneDNN custom operations are on|"
     rb"This TensorFlow binary is optimized|TF-TRT Warning|computation placer already registered|"
-    rb"Could not find cuda drivers|cuda_executor\.cc.*NUMA node|Created device /job"
+    rb"Could not find cuda drivers|cuda_executor\.cc.*NUMA node|Created device /job|"
+    rb"failed call to cuInit"  # an E line, on every machine without a GPU (rdkeras doctor lists the GPUs)
 )
+
+
+def is_banner(line: bytes) -> bool:
+    """Whether a line is one of TensorFlow's start-up banners (left out of what a user reads unless verbose)."""
+    return _BANNERS.search(line) is not None
 
 
 @dataclass

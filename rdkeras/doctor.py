@@ -8,12 +8,16 @@ shared-memory and CMA permissions, and what ``transport="auto"`` would pick.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import importlib.metadata
 import os
 import platform
 import socket
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rdkeras import options
@@ -139,14 +143,36 @@ def check_verbs() -> tuple[Check, list[str]]:
     return Check("verbs", not why, why or f"{count.value} RDMA device(s): RC queue pairs, one-sided WRITE/READ"), lines
 
 
+@contextlib.contextmanager
+def _without_banners() -> Iterator[None]:
+    """TensorFlow's C++ start-up lines (printed to fd 2 by each library it loads, whatever the log level) left
+    out of the report; any other line it prints still shows."""
+    from rdkeras._workers import is_banner
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not is_banner(line)]
+            sys.stderr.buffer.write(b"".join(kept))
+            sys.stderr.flush()
+
+
 def gpu_lines(local_world_size: int | None = None) -> list[str]:
     """The GPUs TensorFlow sees, and which one each local rank would use (rdkeras.devices)."""
     from rdkeras import cluster, devices
 
     options.quiet_tensorflow_logs()
-    import tensorflow as tf
+    with _without_banners():
+        import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
+        gpus = tf.config.list_physical_devices("GPU")
     built = tf.sysconfig.get_build_info()
     cuda = f"built with CUDA {built['cuda_version']}" if built.get("is_cuda_build") else "a CPU-only build"
     if not gpus:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from pathlib import Path
 
@@ -136,6 +137,17 @@ def test_doctor_reports_every_transport(capsys):
     for line in ("shm    viable", "tcp    viable", "grpc   viable", "verbs  not viable: "):
         assert line in out, out
     assert "transport=auto would pick: shm" in out
+
+
+def test_doctor_leaves_tensorflows_start_up_lines_out(capfd):
+    # TensorFlow prints these from C++ to fd 2 while it loads (twice: once per library), whatever the log level.
+    from rdkeras import doctor
+
+    with doctor._without_banners():
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n")
+        os.write(2, b"E0000 00:00:1.0 1 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n")
+        os.write(2, b"something else TensorFlow says\n")
+    assert capfd.readouterr().err == "something else TensorFlow says\n"
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "shm+tcp", "grpc"])

@@ -46,3 +46,13 @@ def test_another_ranks_line_starts_on_a_new_line():
     terminal.release(0)
     terminal.write(1, b"done\n")
     assert out.getvalue() == b"[0] epoch 1\n[1] done\n"
+
+
+def test_a_machine_without_a_gpu_is_not_told_so_as_an_error():
+    terminal, out = _terminal()
+    cuinit = (
+        b"E0000 00:00:1796210187.797678   28305 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: "
+        b"Failed call to cuInit: UNKNOWN ERROR (303)\n"
+    )
+    terminal.write(0, cuinit + b"Epoch 1/3\n")
+    assert out.getvalue() == b"[0] Epoch 1/3\n"
