@@ -1,7 +1,14 @@
 """rdkeras: RDMA-style one-sided transfers for distributed Keras training."""
 
 from rdkeras.engine import TRANSPORTS, Engine
-from rdkeras.errors import AuthenticationError, EngineError, PeerError, RemoteAccessError, TimeoutError  # noqa: A004
+from rdkeras.errors import (
+    AuthenticationError,
+    EngineError,
+    PeerError,
+    RemoteAccessError,
+    ReplicasDivergedError,
+    TimeoutError,  # noqa: A004
+)
 from rdkeras.strategy import DistributedGradientTape, RDMAStrategy
 
 __version__ = "0.1.0"
@@ -15,6 +22,7 @@ __all__ = [
     "PeerError",
     "RDMAStrategy",
     "RemoteAccessError",
+    "ReplicasDivergedError",
     "TimeoutError",
     "launch",
 ]

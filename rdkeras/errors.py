@@ -1,4 +1,5 @@
-"""The errors rdkeras raises; they are the C++ extension's classes (Python and C++ raise the same ones)."""
+"""The errors rdkeras raises; they are the C++ extension's classes (Python and C++ raise the same ones), and
+ReplicasDivergedError, an EngineError of Python's own."""
 
 from rdkeras._engine import (
     AuthenticationError,
@@ -9,6 +10,10 @@ from rdkeras._engine import (
 )
 
 
+class ReplicasDivergedError(EngineError):
+    """Data-parallel replicas hold different values of a variable that must be the same everywhere."""
+
+
 def peer_error(rank: int | None, message: str) -> PeerError:
     """A PeerError whose ``.rank`` names the rank that failed (None where unknown)."""
     err = PeerError(message)
@@ -16,4 +21,12 @@ def peer_error(rank: int | None, message: str) -> PeerError:
     return err
 
 
-__all__ = ["AuthenticationError", "EngineError", "PeerError", "RemoteAccessError", "TimeoutError", "peer_error"]
+__all__ = [
+    "AuthenticationError",
+    "EngineError",
+    "PeerError",
+    "RemoteAccessError",
+    "ReplicasDivergedError",
+    "TimeoutError",
+    "peer_error",
+]

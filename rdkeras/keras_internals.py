@@ -211,6 +211,13 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
+def has_own_call(model: Any) -> bool:
+    """Whether the model defines ``call`` (Keras's own raises NotImplementedError: only its train_step runs)."""
+    import keras
+
+    return type(model).call is not keras.Model.call
+
+
 def initial_epoch(model: Any) -> int:
     return int(model._initial_epoch or 0)
 

@@ -274,6 +274,15 @@ class RDMAStrategy:
         variables = list(variables)
         share_variables(self._collectives(), variables, [root] * len(variables))
 
+    def check_replicas(self, model: Any = None) -> None:
+        """Checks that every data-parallel replica holds the same state (eager; collective): the model's
+        non-trainable float state (BatchNormalization's statistics) is averaged where it differs; any other
+        variable that differs raises ``ReplicasDivergedError`` on every worker, naming it. ``fit`` runs this
+        at every epoch end. `model`: default, every model trained under this strategy."""
+        parallel = self._data_parallel("check_replicas")
+        for m in [model] if model is not None else parallel.models:
+            parallel.check_replicas(m, when="at strategy.check_replicas()")
+
     def _collectives(self) -> Any:
         return self._data_parallel("allreduce/broadcast for custom loops").collectives
 

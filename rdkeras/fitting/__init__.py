@@ -5,7 +5,25 @@ Policy only: every private Keras name it needs comes from the seam,
 split is a :class:`rdkeras.parallel.base.Parallelism`.
 """
 
-from rdkeras.fitting.model import distribute_model, parallel_of, undistribute
+from rdkeras.fitting.model import (
+    distribute_model,
+    optimizers_of,
+    parallel_of,
+    remember_own_optimizer,
+    reset_compiled_functions,
+    undistribute,
+    undistributed_own_optimizers,
+)
 from rdkeras.fitting.optimizer import agree_on_finite_gradients, distribute_optimizer
 
-__all__ = ["agree_on_finite_gradients", "distribute_model", "distribute_optimizer", "parallel_of", "undistribute"]
+__all__ = [
+    "agree_on_finite_gradients",
+    "distribute_model",
+    "distribute_optimizer",
+    "optimizers_of",
+    "parallel_of",
+    "remember_own_optimizer",
+    "reset_compiled_functions",
+    "undistribute",
+    "undistributed_own_optimizers",
+]

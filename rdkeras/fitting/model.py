@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _PARALLEL_ATTR = "_rdkeras"  # on the model object: the parallelism it is distributed with
 _JIT_ATTR = "_rdkeras_jit_compile"  # the user's jit_compile, given back when the model leaves the strategy
+_OWN_OPTIMIZERS_ATTR = "_rdkeras_own_optimizers"  # optimizers of the model's own distributed at fit (see below)
 
 
 def parallel_of(model: Any) -> Parallelism | None:
@@ -68,7 +69,36 @@ def undistribute(model: Any) -> None:
     if optimizer is not None:
         keras_internals.restore(optimizer)
         keras_internals.restore(keras_internals.inner_optimizer(optimizer))
+    for own in keras_internals.untracked(model, _OWN_OPTIMIZERS_ATTR, []):
+        keras_internals.restore(own)
+    keras_internals.remove_untracked(model, _OWN_OPTIMIZERS_ATTR)
     reset_compiled_functions(model)
+
+
+def undistributed_own_optimizers(model: Any) -> list[Any]:
+    """Optimizers the model holds in its attributes besides the compiled one and not distributed yet: those a
+    custom ``compile`` keeps for its ``train_step`` (a GAN's ``d_optimizer``/``g_optimizer``)."""
+    import keras
+
+    found: list[Any] = []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and value is not getattr(model, "optimizer", None):
+            if not keras_internals.overridden(value) and all(value is not f for f in found):
+                found.append(value)
+    return found
+
+
+def optimizers_of(model: Any) -> list[Any]:
+    """The model's compiled optimizer and the optimizers of its own distributed at fit."""
+    compiled = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    return compiled + list(keras_internals.untracked(model, _OWN_OPTIMIZERS_ATTR, []))
+
+
+def remember_own_optimizer(model: Any, optimizer: Any) -> None:
+    """Notes an optimizer of the model's own that was distributed, so :func:`undistribute` restores it."""
+    keras_internals.set_untracked(
+        model, _OWN_OPTIMIZERS_ATTR, [*keras_internals.untracked(model, _OWN_OPTIMIZERS_ATTR, []), optimizer]
+    )
 
 
 def reset_compiled_functions(model: Any) -> None:
@@ -100,6 +130,7 @@ def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
     if parallel.is_reporter:  # the worker that saves: what a killed save of an earlier run left behind goes
         for folder in _save_folders(a["callbacks"]):
             saving.remove_stale_temporaries(folder)
+    parallel.prepare_fit(model)
     parallel.shard_fit(a)
     callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
     a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
@@ -156,7 +187,8 @@ def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = N
         for _, _, it in iterator:
             data_batch = next(it)
             break
-    if data_batch is not None:
+    if data_batch is not None and keras_internals.has_own_call(model):
+        # A model without call() (a GAN's train_step drives its parts) is not built, as in plain Keras.
         keras_internals.symbolic_build(model, data_batch)
     if not parallel.synced and not parallel.fitting:  # fit shares state at on_train_begin
         parallel.sync_state(model, restored=False)

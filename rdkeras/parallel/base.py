@@ -107,6 +107,9 @@ class Parallelism(abc.ABC):
 
     # -- hooks rdkeras.fitting calls from fit/evaluate/predict --------------------------
 
+    def prepare_fit(self, model: Any) -> None:  # noqa: B027 (optional: most parallelisms need nothing here)
+        """Before fit traces its step: anything the model acquired since it was attached (its own optimizers)."""
+
     @abc.abstractmethod
     def shard_fit(self, a: dict) -> None:
         """Gives this worker its part of fit's data, in place in fit's bound arguments `a`."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from rdkeras import fitting, keras_internals
 from rdkeras.engine import Engine
-from rdkeras.parallel import collectives
+from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
@@ -57,7 +57,7 @@ class DataParallel(Parallelism):
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
         self._models: list[Any] = []
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
-        self._gathered_at: dict[int, int] = {}
+        self._gathered_at: dict[int, tuple] = {}  # id(model) -> (optimizer step, PS step) last checked
 
     @property
     def replicas(self) -> int:
@@ -95,6 +95,24 @@ class DataParallel(Parallelism):
         fitting.distribute_model(model, self)
         self._models.append(model)
         return model
+
+    def prepare_fit(self, model: Any) -> None:
+        """Distributes the optimizers a custom ``compile`` keeps in the model's attributes (a GAN's two): their
+        ``apply`` averages the gradients too, so the replicas train as one (allreduce mode only)."""
+        extra = fitting.undistributed_own_optimizers(model)
+        if not extra:
+            return
+        if self.mode == "ps":
+            names = ", ".join(repr(o.name) for o in extra)
+            raise ValueError(
+                f"model {model.name!r} also applies gradients with its own optimizer(s) {names}; mode='ps' serves "
+                "the compiled optimizer only: use mode='allreduce'"
+            )
+        average = GradientAllreduce(self.collectives)
+        for optimizer in extra:
+            fitting.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
+            fitting.remember_own_optimizer(model, optimizer)
+        fitting.reset_compiled_functions(model)  # a step traced before applied them undistributed
 
     def _forget_models(self) -> None:
         self._models.clear()
@@ -163,15 +181,26 @@ class DataParallel(Parallelism):
         self.synced = True
 
     def gather_state(self, model: Any) -> None:
-        """PS mode: each optimizer slot from the worker that owns its variable (collective)."""
+        """PS mode: each optimizer slot from the worker that owns its variable; then the replicas made to
+        agree and checked (:meth:`check_replicas`). Collective; nothing to do where no step ran since."""
         ps = self._servers.get(id(model))
-        if ps is None or not ps.owner or self._gathered_at.get(id(model)) == ps.step:
+        steps = tuple(int(o.iterations.numpy()) for o in fitting.optimizers_of(model))
+        if self._gathered_at.get(id(model)) == (steps, ps and ps.step):
             return
-        self._gathered_at[id(model)] = ps.step
-        optimizer = keras_internals.inner_optimizer(model.optimizer)
-        slots = [(v, ps.owner[i]) for v, i in keras_internals.optimizer_slot_references(
-            optimizer, model.trainable_variables) if i is not None]  # fmt: skip
-        share_variables(self.collectives, [v for v, _ in slots], [o for _, o in slots])
+        self._gathered_at[id(model)] = (steps, ps and ps.step)
+        if ps is not None and ps.owner:
+            optimizer = keras_internals.inner_optimizer(model.optimizer)
+            slots = [(v, ps.owner[i]) for v, i in keras_internals.optimizer_slot_references(
+                optimizer, model.trainable_variables) if i is not None]  # fmt: skip
+            share_variables(self.collectives, [v for v, _ in slots], [o for _, o in slots])
+        self.check_replicas(model, when=f"after {max(steps, default=0)} steps")
+
+    def check_replicas(self, model: Any, when: str = "") -> None:
+        """Averages the model's non-trainable float state over the replicas where it differs (BatchNormalization's
+        statistics), and fails on every worker naming the first other variable that differs (collective)."""
+        variables = keras_internals.state_variables(model)
+        averaged = replicas.averaged_on_disagreement(variables, model.non_trainable_variables)
+        replicas.agree(self.collectives, variables, averaged, when or "at this check")
 
     def share_logs(self, logs: dict) -> dict:
         keys = [k for k, v in logs.items() if np.ndim(v) == 0]

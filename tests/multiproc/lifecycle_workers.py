@@ -301,6 +301,118 @@ def custom_loop(distributed: bool = True, steps: int = 6) -> dict:
     return out
 
 
+def replica_checks(mode: str = "allreduce") -> dict:
+    """Replicas kept in agreement: BatchNormalization's statistics (each worker's own batches) averaged, and
+    a variable one worker changes on its own caught at the next epoch end and by strategy.check_replicas()."""
+    import keras
+
+    import rdkeras
+
+    x, y = _data()
+    strategy = rdkeras.RDMAStrategy(mode=mode)
+    rank = strategy.worker_index
+    with strategy.scope():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential(
+            [keras.Input((10,)), keras.layers.Dense(16, name="hidden"), keras.layers.BatchNormalization(name="bn"),
+             keras.layers.Dense(4, name="logits")],
+            name="net",
+        )  # fmt: skip
+        _compile(model)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    bn = model.get_layer("bn")
+    out: dict = {"bn": [np.asarray(v.numpy()).tolist() for v in (bn.moving_mean, bn.moving_variance)]}
+
+    bn.moving_mean.assign(bn.moving_mean + rank)  # replica-local state: averaged, not an error
+    strategy.check_replicas()
+    out["bn after check"] = np.asarray(bn.moving_mean.numpy()).tolist()
+
+    class OneWorkerNudges(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if rank == 1 and epoch == 1:
+                kernel = self.model.get_layer("logits").kernel
+                kernel.assign(kernel + 1e-3)
+
+    for name, run in {
+        "epoch end": lambda: model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[OneWorkerNudges()]),
+        "on demand": strategy.check_replicas,
+    }.items():
+        try:
+            run()
+            out[name] = None
+        except rdkeras.ReplicasDivergedError as e:
+            out[name] = str(e)
+    strategy.close()
+    return out
+
+
+def gan(epochs: int = 2) -> dict:
+    """The keras.io GAN pattern ("Customizing what happens in fit()"): a model with no call(), a custom compile
+    keeping two optimizers, a train_step applying each; its parts' weights after training on this worker."""
+    import keras
+    import tensorflow as tf
+    from keras import ops
+
+    import rdkeras
+
+    class GAN(keras.Model):
+        def __init__(self, discriminator, generator, latent_dim):
+            super().__init__()
+            self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+            self.seed_generator = keras.random.SeedGenerator(1337)
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+            self.d_loss_metric, self.g_loss_metric = (
+                keras.metrics.Mean(name="d_loss"),
+                keras.metrics.Mean(name="g_loss"),
+            )
+
+        @property
+        def metrics(self):
+            return [self.d_loss_metric, self.g_loss_metric]
+
+        def train_step(self, real):
+            batch = ops.shape(real)[0]
+            noise = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            combined = ops.concatenate([self.generator(noise), real], axis=0)
+            labels = ops.concatenate([ops.ones((batch, 1)), ops.zeros((batch, 1))], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined))
+            grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+            self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights, strict=True))
+            noise = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            with tf.GradientTape() as tape:
+                g_loss = self.loss_fn(ops.zeros((batch, 1)), self.discriminator(self.generator(noise)))
+            grads = tape.gradient(g_loss, self.generator.trainable_weights)
+            self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights, strict=True))
+            self.d_loss_metric.update_state(d_loss)
+            self.g_loss_metric.update_state(g_loss)
+            return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+    x, _ = _data()
+    strategy = rdkeras.RDMAStrategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        disc = keras.Sequential([keras.Input((10,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        gen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(10)])
+        model = GAN(disc, gen, latent_dim=4)
+        model.compile(
+            d_optimizer=keras.optimizers.Adam(0.01),
+            g_optimizer=keras.optimizers.Adam(0.01),
+            loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+        )
+    history = model.fit(x, batch_size=BATCH, epochs=epochs, verbose=0)
+    out = {
+        "weights": [w.tolist() for w in disc.get_weights() + gen.get_weights()],
+        "d_loss": history.history["d_loss"],
+    }
+    strategy.close()
+    out["restored"] = not any(hasattr(o, "_rdkeras_originals") for o in (model.d_optimizer, model.g_optimizer))
+    return out
+
+
 def reduce_forms() -> dict:
     """tf.distribute's ``strategy.reduce`` in the forms MWMS custom loops use, eagerly and in a tf.function:
     each rank's values differ (rank 0 has one row, rank 1 three), so a wrong reduction shows."""

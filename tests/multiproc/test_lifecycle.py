@@ -61,6 +61,8 @@ def two_workers(killed, tmp_path_factory):
     jobs["custom loop"] = (f"{TARGET}:custom_loop", {})
     jobs["custom loop in one process"] = (f"{TARGET}:custom_loop", {"distributed": False})
     jobs["reduce forms"] = (f"{TARGET}:reduce_forms", {})
+    jobs["replica checks"] = (f"{TARGET}:replica_checks", {})
+    jobs["gan"] = (f"{TARGET}:gan", {})
     return launch_in_turn(jobs, 2, timeout=900)
 
 
@@ -147,6 +149,28 @@ def test_strategy_reduce_takes_every_form_mwms_loops_use(two_workers):
         for name, value in expected.items():
             assert r.value[name] == value, (r.rank, name, r.value[name])
             assert r.value[f"{name} (tf.function)"] == value, (r.rank, name, r.value[f"{name} (tf.function)"])
+
+
+def test_replicas_agree_on_batchnorm_statistics_and_a_diverged_one_is_named(two_workers):
+    first, second = (r.value for r in two_workers("replica checks"))
+    # Each worker's moving statistics come from its own batches: averaged at every epoch end, so equal.
+    assert first["bn"] == second["bn"]
+    # Rank 1 added 1 to its moving mean: the check averages it (+0.5 on both), no error.
+    assert first["bn after check"] == second["bn after check"]
+    np.testing.assert_allclose(first["bn after check"], np.array(first["bn"][0]) + 0.5, rtol=1e-6)
+    # Rank 1 nudged a kernel at the start of epoch 1: caught at that epoch's end, on both workers, by name.
+    for value in (first, second):
+        for when in ("epoch end", "on demand"):
+            assert value[when] and "'net/logits/kernel' differs between workers" in value[when], value[when]
+    assert "after 24 steps" in first["epoch end"]  # 6 steps an epoch: the first fit's 2, then epochs 0 and 1
+
+
+def test_a_gan_with_its_own_optimizers_trains_as_one_model(two_workers):
+    # The keras.io pattern: no call(), two optimizers from a custom compile. Both average their gradients, so
+    # the replicas end bit-identical (the replica check at each epoch end would have named a difference).
+    first, second = (r.value for r in two_workers("gan"))
+    assert first["weights"] == second["weights"] and first["d_loss"] == second["d_loss"]
+    assert first["restored"] and second["restored"]  # strategy.close() gave the optimizers back to plain Keras
 
 
 def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_changed(tmp_path):
