@@ -154,6 +154,19 @@ def validate(cfg: Any) -> None:
             )
     if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
         raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
+    _check_objective(trainer)
+
+
+def _check_objective(trainer: Any) -> None:
+    """trainer.objective must be a key the epoch logs will hold: the loss, a metric named by a string, their
+    val_ forms, or a language model's perplexity (the run itself checks the rest, at its end)."""
+    objective = str(trainer.get("objective", "loss"))
+    named = ["loss", "perplexity", *(m for m in trainer.get("metrics", []) if isinstance(m, str))]
+    if all(isinstance(m, str) for m in trainer.get("metrics", [])) and objective.removeprefix("val_") not in named:
+        choices = ", ".join([*named, *(f"val_{k}" for k in named)])
+        raise ConfigError(
+            f"trainer.objective={objective!r} is not among the logs this run writes; choose one of: {choices}"
+        )
 
 
 def check_placement(placement: dict, model: Any) -> None:

@@ -57,6 +57,13 @@ def test_every_option_of_every_group_composes_and_resolves(group):
         validate(cfg)
 
 
+def test_the_transport_group_offers_every_transport_the_registry_has():
+    import rdkeras
+
+    assert sorted(options("transport")) == sorted(rdkeras.TRANSPORTS)
+    assert all(compose([f"transport={name}"]).transport.name == name for name in rdkeras.TRANSPORTS)
+
+
 @pytest.mark.parametrize("recipe", recipes())
 def test_every_recipe_composes_and_builds_its_model(recipe):
     header = recipe_file(recipe).read_text().splitlines()
@@ -140,6 +147,11 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
         (["trainer.batch_size=0"], "trainer.batch_size must be a whole number >= 1"),
         (["trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
         (["trainer.nope=1"], "Could not override 'trainer.nope'"),
+        (
+            ["+recipe=fcn5", "trainer.objective=val_acuracy"],
+            "trainer.objective='val_acuracy' is not among the logs this run writes; "
+            "choose one of: loss, perplexity, accuracy, val_loss, val_perplexity, val_accuracy",
+        ),
     ],
 )
 def test_bad_configs_end_in_one_error_line_and_exit_2(args, expected, tmp_path):
