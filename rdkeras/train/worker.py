@@ -109,25 +109,48 @@ def configured_callbacks(cfg: Any, output_dir: Path) -> list[Any]:
     return out
 
 
-def write_hparams(log_dir: str, cfg: Any) -> None:
-    """The resolved config as TensorBoard HParams (its HPARAMS tab compares runs by them)."""
+def write_hparams(log_dir: str, cfg: Any, validation: bool) -> None:
+    """The run's settings as TensorBoard HParams, with its loss, metrics and objective as metric columns (the
+    HPARAMS tab compares runs by them). Plumbing is left out: callbacks, ``_target_`` paths (a group's target
+    becomes its name: ``model: fcn5``) and file paths."""
     import tensorflow as tf
     from omegaconf import OmegaConf
     from tensorboard.plugins.hparams import api as hp
 
-    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                out.update(flat(value, name + "."))
-            else:
-                out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
-        return out
-
-    values = flat(OmegaConf.to_container(cfg, resolve=True))
+    values = {k: v for k, v in _flat(OmegaConf.to_container(cfg, resolve=True)).items() if _is_setting(k)}
+    for key in [k for k in values if k.endswith("._target_")]:
+        values[key.removesuffix("._target_")] = str(values.pop(key)).rpartition(".")[2]
+    keys = ["loss", *(m for m in cfg.trainer.metrics if isinstance(m, str))]
+    keys += [f"val_{k}" for k in keys] if validation else []
+    metrics = [
+        hp.Metric(
+            f"epoch_{k.removeprefix('val_')}",
+            group="validation" if k.startswith("val_") else "train",
+            display_name=f"{k} (objective)" if k == cfg.trainer.objective else k,
+        )
+        for k in keys
+    ]
     with tf.summary.create_file_writer(log_dir).as_default():
+        hp.hparams_config(hparams=[hp.HParam(k) for k in sorted(values)], metrics=metrics)
         hp.hparams(values, trial_id=Path(log_dir).parent.name)
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
+
+
+def _is_setting(key: str) -> bool:
+    """Whether a flattened config key is a setting worth a column (not the callbacks' or Hydra's plumbing, nor a
+    file path)."""
+    last = key.rpartition(".")[2]
+    return not key.startswith(("callbacks.", "hydra.")) and not last.endswith(("path", "dir", "filepath"))
 
 
 def plot_curves(history: dict, path: Path, title: str) -> None:
@@ -214,12 +237,14 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             callbacks.append(perplexity_callback())
         if cfg.logger.tensorboard:
             log_dir = str(output_dir / "tensorboard")
+            profile = cfg.logger.get("profile_batch", 0)  # a step, or [first, last] (Keras takes a tuple)
+            profile = profile if isinstance(profile, (int, str)) else tuple(profile)
             callbacks.append(
-                keras.callbacks.TensorBoard(log_dir=log_dir, update_freq=cfg.logger.update_freq, profile_batch=0)
+                keras.callbacks.TensorBoard(log_dir=log_dir, update_freq=cfg.logger.update_freq, profile_batch=profile)
             )
             callbacks.append(TrainingStats(log_dir, update_freq=cfg.logger.update_freq))
             if chief:
-                write_hparams(log_dir, cfg)
+                write_hparams(log_dir, cfg, validation=data.validation is not None)
         callbacks += configured_callbacks(cfg, output_dir)
 
         timer = summary.step_timer()

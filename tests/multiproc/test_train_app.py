@@ -50,8 +50,10 @@ def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     results = json.loads((run / "results.json").read_text())
     assert len(results["history"]["loss"]) == 2  # epochs 1 and 2: epoch 0 came from the backup
     assert not (run / "backup").exists()  # done: the backup is removed
-    whole = _train(*TINY, f"hydra.run.dir={straight}")
+    # Uninterrupted, with TensorBoard on and step 2 profiled (logger.profile_batch): the same weights.
+    whole = _train(*TINY, "logger=tensorboard", "logger.profile_batch=2", f"hydra.run.dir={straight}")
     assert whole.returncode == 0, whole.stderr[-3000:]
+    assert list((straight / "tensorboard" / "train" / "plugins" / "profile").rglob("*.xplane.pb"))
     resumed, uninterrupted = (
         _weights(run / "checkpoints/epoch003.weights.h5"),
         _weights(straight / "checkpoints/epoch003.weights.h5"),
@@ -60,11 +62,12 @@ def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
 
 
 def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
-    # One worker a trial: the sweep is under test here (the killed run above trains on two).
+    # One worker a trial, in the sweep's own process (cluster=env outside a job): the sweep is under test here
+    # (the killed run above trains on two).
     done = _train(
         "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=minimize",
         "trainer.optimizer.learning_rate=interval(0.001,0.1)", *TINY[:2], "trainer.epochs=1",
-        "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", "cluster.num_workers=1",
+        "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", "cluster=env",
         f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
