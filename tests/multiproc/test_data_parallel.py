@@ -14,9 +14,11 @@ TARGET = "tests.multiproc.keras_workers"
 OVERLAP = "tests.multiproc.overlap_workers"
 # The module fixtures below run several tests' trainings in one launch.
 pytestmark = pytest.mark.timeout(900)
-# MLP and CNN, over shm and tcp, ring allreduce and parameter servers; the MLP over the RPC baselines too.
-CONFIGS = [[k, t, m] for k in ("mlp", "cnn") for t in ("shm", "tcp") for m in ("allreduce", "ps")]
-CONFIGS += [["mlp", t, m] for t in ("rpc+shm", "rpc+tcp") for m in ("allreduce", "ps")]
+# MLP and CNN over shm, the MLP over tcp and an RPC baseline, each with ring allreduce and parameter servers (the
+# model and the transport are independent; -m slow adds the CNN over tcp and the MLP over rpc+tcp).
+CONFIGS = [[k, "shm", m] for k in ("mlp", "cnn") for m in ("allreduce", "ps")]
+CONFIGS += [["mlp", t, m] for t in ("tcp", "rpc+shm") for m in ("allreduce", "ps")]
+MORE_CONFIGS = [["cnn", "tcp", m] for m in ("allreduce", "ps")] + [["mlp", "rpc+tcp", m] for m in ("allreduce", "ps")]
 # Overlap: 64-byte buckets make every gradient tensor a bucket of its own (the MLP has 6, the CNN 4); 0: one
 # exchange.
 BUCKETED = [[k, m, o] for k in ("mlp", "cnn") for m in ("allreduce", "ps") for o in (64, 0)]
@@ -66,9 +68,18 @@ def three_workers():
 
 
 def test_fit_matches_single_process_with_global_batch(two_workers):
+    _check_global_batch(two_workers("global batch"), CONFIGS)
+
+
+@pytest.mark.slow
+def test_fit_matches_single_process_in_the_other_configurations():
+    results = run_ranks("fit_model_many", 2, module=TARGET, timeout=600, configs=MORE_CONFIGS, batch=16)
+    _check_global_batch(results, MORE_CONFIGS)
+
+
+def _check_global_batch(results, configs):
     # Every configuration: 2 workers with global batch 16 end with the weights one process reaches with batch 16.
-    results = two_workers("global batch")
-    for kind, transport, mode in CONFIGS:
+    for kind, transport, mode in configs:
         key = f"{kind}/{transport}/{mode}"
         runs = [r.value[key] for r in results]
         assert runs[0]["transport"] == transport
