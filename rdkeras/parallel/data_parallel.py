@@ -90,8 +90,7 @@ class DataParallel(Parallelism):
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            average = GradientAllreduce(self.collectives, overlap_bytes=overlap)
-            fitting.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
+            _average_gradients(optimizer, GradientAllreduce(self.collectives, overlap_bytes=overlap))
         fitting.distribute_model(model, self)
         self._models.append(model)
         return model
@@ -110,7 +109,7 @@ class DataParallel(Parallelism):
             )
         average = GradientAllreduce(self.collectives)
         for optimizer in extra:
-            fitting.distribute_optimizer(optimizer, lambda _opt, base, grads, v: base(average(grads), v))
+            _average_gradients(optimizer, average)
             fitting.remember_own_optimizer(model, optimizer)
         fitting.reset_compiled_functions(model)  # a step traced before applied them undistributed
 
@@ -267,3 +266,8 @@ class ExchangePlan:
         rows = [f"| {path} | {shape} | {dtype} | {nbytes:,} |" for path, shape, dtype, nbytes in self.variables]
         lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
         return "\n".join(lines)
+
+
+def _average_gradients(optimizer: Any, average: GradientAllreduce) -> None:
+    """`optimizer.apply` averages the gradients over the replicas first (allreduce mode)."""
+    fitting.distribute_optimizer(optimizer, lambda _opt, base, grads, variables: base(average(grads), variables))
