@@ -11,11 +11,15 @@ backups across workers) is its own policy, in :mod:`rdkeras.fitting`. Here:
 - overrides of methods on single *instances* (never their classes, so what Keras
   serializes records Keras's own classes), and the names of the private methods
   rdkeras overrides (``BUILD_HOOK``, ``EPOCH_LOGS_HOOK``, the backup's hooks);
-- two class-level patches, each bounded: ``Model.compile`` while a strategy's
+- class-level patches, each bounded: ``Model.compile`` while a strategy's
   ``scope()`` is open on this thread (Keras has no per-scope compile hook outside
-  tf.distribute's own strategies, which rdkeras is not), and ``Model.fit`` while a
+  tf.distribute's own strategies, which rdkeras is not); ``Model.fit`` while a
   multi-worker strategy lives (the only place to refuse an undistributed model's
-  fit, which would train each worker alone).
+  fit, which would train each worker alone); ``Optimizer.apply`` while
+  ``strategy.run`` runs on this thread (tf.distribute's replica context, where
+  ``apply_gradients`` sums over replicas); and ``keras.random``'s draws while a
+  data-parallel train step is traced on this thread (a draw the size of this
+  replica's batch becomes its rows of the global batch's draw).
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ _HOOKS = (
     ("keras.callbacks.BackupAndRestore", "_last_batch_seen"),
     ("keras.optimizers.LossScaleOptimizer", "inner_optimizer"),
     ("keras.optimizers.Optimizer", "_trainable_variables"),
+    ("keras.layers.BatchNormalization", "_moments"),
+    ("keras.layers.BatchNormalization", "_reduction_axes"),
+    ("keras.Layer", "_flatten_layers"),
+    ("keras.src.random.seed_generator", "draw_seed"),
 )
 # Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
@@ -89,6 +97,7 @@ _INSTANCE_ATTRS = {
     "_trainable_variables",
     "_nodes_by_depth",
     "_keras_history",
+    "_reduction_axes",
 }
 
 
@@ -403,3 +412,110 @@ def unguard_fit(check: Callable[[Any], None]) -> None:
         _fit_guards.remove(check)
         if not _fit_guards and _unguard:
             _unguard.pop()()
+
+
+_apply_state = threading.local()
+
+
+@contextlib.contextmanager
+def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
+    """While active, ``Optimizer.apply`` on this thread (so ``apply_gradients`` too) of an optimizer rdkeras
+    has not overridden on its instance first passes the gradients through ``hook(optimizer, grads)``; once per
+    call, however the optimizers nest (a LossScaleOptimizer's inner one)."""
+    import keras
+
+    thread = threading.get_ident()
+    owners = {c for k in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
+              for c in k.__mro__ if "apply" in c.__dict__}  # fmt: skip
+    undo = []
+    for owner in owners:
+        previous = owner.__dict__["apply"]
+
+        def apply(optimizer: Any, grads: Any, trainable_variables: Any = None, previous: Any = previous) -> Any:
+            if threading.get_ident() != thread or getattr(_apply_state, "inside", False):
+                return previous(optimizer, grads, trainable_variables)
+            _apply_state.inside = True
+            try:
+                return previous(optimizer, hook(optimizer, list(grads)), trainable_variables)
+            finally:
+                _apply_state.inside = False
+
+        owner.apply = functools.wraps(previous)(apply)
+        undo.append((owner, previous))
+    try:
+        yield
+    finally:
+        for owner, previous in undo:
+            owner.apply = previous
+
+
+_DRAWS = ("normal", "uniform", "truncated_normal")
+
+
+@contextlib.contextmanager
+def global_batch_draws(replica_rows: int, global_rows: int, start: int) -> Iterator[None]:
+    """While active on this thread, ``keras.random.normal``/``uniform``/``truncated_normal`` with a first
+    dimension of `replica_rows` (this replica's part of the batch) draw `global_rows` rows with the same seed
+    and return rows ``start:start + replica_rows``: what one process, drawing for the whole batch, gives
+    these rows. Any other draw is Keras's own."""
+    import keras.random
+    import tensorflow as tf
+    from keras.src.random import seed_generator
+
+    thread = threading.get_ident()
+
+    class _Drawn(seed_generator.SeedGenerator):  # a seed already drawn, handed to Keras's own function
+        def __init__(self, seed: Any) -> None:  # no state variable: nothing to track
+            self._drawn = seed
+
+        def next(self, ordered: bool = True) -> Any:
+            return self._drawn
+
+    def make(previous: Any) -> Any:
+        @functools.wraps(previous)
+        def draw(shape: Any, *args: Any, seed: Any = None, **kwargs: Any) -> Any:
+            first = shape[0] if isinstance(shape, (tuple, list)) and len(shape) else None
+            if threading.get_ident() != thread or first is None:
+                return previous(shape, *args, seed=seed, **kwargs)
+            drawn = _Drawn(seed_generator.draw_seed(seed))  # the generator advances once, as in one process
+
+            def replica_rows_of_global() -> Any:
+                return previous((global_rows, *shape[1:]), *args, seed=drawn, **kwargs)[start : start + replica_rows]
+
+            def own() -> Any:
+                return previous(shape, *args, seed=drawn, **kwargs)
+
+            if isinstance(first, int):
+                return replica_rows_of_global() if first == replica_rows else own()
+            return tf.cond(tf.equal(first, replica_rows), replica_rows_of_global, own)
+
+        return draw
+
+    previous = {name: getattr(keras.random, name) for name in _DRAWS}
+    for name, fn in previous.items():
+        setattr(keras.random, name, make(fn))
+    try:
+        yield
+    finally:
+        for name, fn in previous.items():
+            setattr(keras.random, name, fn)
+
+
+def synchronized_batch_norms(model: Any) -> list[Any]:
+    """The model's BatchNormalization layers built with ``synchronized=True`` (nested models included)."""
+    import keras
+
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized
+    ]
+
+
+# BatchNormalization's batch statistics; rdkeras overrides it on synchronized layers (their moments over every
+# replica's part of the batch), and reads the axes it reduces over.
+MOMENTS_HOOK = "_moments"
+
+
+def reduction_axes(batch_norm: Any) -> list[int]:
+    return list(batch_norm._reduction_axes)

@@ -16,6 +16,7 @@ training loops :meth:`RDMAStrategy.allreduce`, :meth:`broadcast_variables` and
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -174,8 +175,28 @@ class RDMAStrategy:
         """Models compiled inside this block train distributed (also models loaded with
         ``keras.models.load_model``, which compiles them)."""
         self._check_open()
-        with keras_internals.on_compile(self._parallel.attach):
+        import tensorflow as tf
+
+        created: list[Any] = []
+
+        def record(next_creator: Any, **kwargs: Any) -> Any:
+            variable = next_creator(**kwargs)
+            created.append(variable)
+            return variable
+
+        with keras_internals.on_compile(self._parallel.attach), tf.variable_creator_scope(record):
             yield self
+        self._share_created(created)
+
+    def _share_created(self, created: list[Any]) -> None:
+        """Variables created in the scope start from the chief's values, as tf.distribute's do (a custom loop's
+        model and optimizer); those of models compiled there are left to ``fit``, which shares them anyway."""
+        if self.parallelism != "data" or self.num_workers == 1:
+            return
+        from rdkeras.parallel.collectives import share_new_variables
+
+        fitted = {id(w.value) for m in self._parallel.models for w in keras_internals.state_variables(m)}
+        share_new_variables(self._collectives(), [v for v in created if id(v) not in fitted], "in strategy.scope()")
 
     def distribute(self, model: Any) -> Any:
         """Distributes a model compiled outside :meth:`scope`."""
@@ -234,8 +255,47 @@ class RDMAStrategy:
     # -- custom training loops ---------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
-        """Runs `fn` for this worker's replica (tf.distribute's ``strategy.run``; one replica per worker)."""
-        return fn(*args, **(kwargs or {}))
+        """Runs `fn` for this worker's replica (tf.distribute's ``strategy.run``; one replica per worker, so
+        what it returns is this replica's value: :meth:`experimental_local_results`, :meth:`reduce` and
+        :meth:`gather` take it). As in tf.distribute's replica context, ``optimizer.apply_gradients`` inside
+        `fn` first sums the gradients over the replicas (scale the loss by the global batch, e.g. with
+        ``tf.nn.compute_average_loss(..., global_batch_size=...)``) -- unless :class:`DistributedGradientTape`
+        has averaged them in this call already. Works eagerly and inside ``tf.function``."""
+        if self.parallelism != "data" or self.num_workers == 1:
+            return fn(*args, **(kwargs or {}))
+        context = _ReplicaContext(self)
+        _replica_contexts.stack = [*_replica_stack(), context]
+        try:
+            with keras_internals.on_apply(context.sum_gradients):
+                return fn(*args, **(kwargs or {}))
+        finally:
+            _replica_contexts.stack = _replica_stack()[:-1]
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This worker's replicas' values of what :meth:`run` returned: a tuple of one (one replica per worker)."""
+        return (value,)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Every replica's `value` (a tensor or a structure of them) concatenated along `axis`, in replica
+        order; their sizes along `axis` may differ (tf.distribute's ``strategy.gather``). Collective."""
+        import tensorflow as tf
+
+        collectives = self._collectives()
+
+        def gather_one(t: Any) -> Any:
+            t = tf.convert_to_tensor(t)
+            if t.shape.rank == 0:
+                raise ValueError("gather needs tensors of rank >= 1 (a scalar has no axis to concatenate along)")
+            at = axis % t.shape.rank
+            order = [at, *(i for i in range(t.shape.rank) if i != at)]
+            moved = tf.transpose(t, order) if at else t
+            rows = tf.numpy_function(
+                collectives.gather_rows, [moved], Tout=t.dtype, stateful=True, name="rdkeras_gather"
+            )
+            rows.set_shape([None, *moved.shape[1:]])
+            return tf.transpose(rows, [order.index(i) for i in range(len(order))]) if at else rows
+
+        return tf.nest.map_structure(gather_one, value)
 
     def allreduce(self, values: Any, op: str = "mean") -> Any:
         """Averages (op="mean") or sums (op="sum") a structure of tensors over the data-parallel replicas;
@@ -332,7 +392,30 @@ class DistributedGradientTape:
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        for context in _replica_stack():
+            if context.strategy is self._strategy:
+                context.reduced_by_tape = True  # apply_gradients in this strategy.run must not sum them again
         return self._strategy.allreduce(grads, self._op)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
+
+
+_replica_contexts = threading.local()
+
+
+def _replica_stack() -> list[_ReplicaContext]:
+    return getattr(_replica_contexts, "stack", [])
+
+
+class _ReplicaContext:
+    """One call of :meth:`RDMAStrategy.run` on this thread: the gradients ``apply_gradients`` gets are summed
+    over the replicas, as in tf.distribute's replica context."""
+
+    def __init__(self, strategy: RDMAStrategy):
+        self.strategy, self.reduced_by_tape = strategy, False
+
+    def sum_gradients(self, optimizer: Any, grads: list) -> list:
+        if self.reduced_by_tape:
+            return grads
+        return self.strategy.allreduce(grads, "sum")

@@ -26,8 +26,9 @@ from rdkeras import fitting, keras_internals
 from rdkeras.engine import Engine
 from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
+from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
-from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
+from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, split_rows
 
 
 class DataParallel(Parallelism):
@@ -55,6 +56,7 @@ class DataParallel(Parallelism):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
         self.collectives = Collectives(engine, bucket_bytes)
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
+        self.batch_norm = SynchronizedMoments(self.collectives)
         self._models: list[Any] = []
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
         self._gathered_at: dict[int, tuple] = {}  # id(model) -> (optimizer step, PS step) last checked
@@ -91,6 +93,7 @@ class DataParallel(Parallelism):
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
             _average_gradients(optimizer, GradientAllreduce(self.collectives, overlap_bytes=overlap))
+        self.batch_norm.attach(model)
         fitting.distribute_model(model, self)
         self._models.append(model)
         return model
@@ -114,6 +117,8 @@ class DataParallel(Parallelism):
         fitting.reset_compiled_functions(model)  # a step traced before applied them undistributed
 
     def _forget_models(self) -> None:
+        for model in self._models:
+            self.batch_norm.detach(model)
         self._models.clear()
 
     def _all_finite(self, local: Any) -> Any:
@@ -164,7 +169,18 @@ class DataParallel(Parallelism):
                 f.set_shape([None, *t.shape[1:]])
             return keras.tree.pack_sequence_as(out, list(full))
 
-        return {"predict_step": predict_step}
+        def train_step(model: Any, data: Any) -> Any:
+            # Random draws the size of this replica's batch (a GAN's noise) become its rows of the draw one
+            # process makes for the whole global batch: the same numbers, whatever the number of workers.
+            step = keras_internals.original(model, "train_step")
+            total = self.global_batch_size
+            if total is None or not self.sharding.global_batch:
+                return step(data)
+            start, rows = split_rows(total, self.sharding.num_shards, self.sharding.index)
+            with keras_internals.global_batch_draws(rows, total, start):
+                return step(data)
+
+        return {"predict_step": predict_step, "train_step": train_step}
 
     @property
     def _partial_state_between_epochs(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -346,9 +347,10 @@ def replica_checks(mode: str = "allreduce") -> dict:
     return out
 
 
-def gan(epochs: int = 2) -> dict:
+def gan(epochs: int = 2, distributed: bool = True) -> dict:
     """The keras.io GAN pattern ("Customizing what happens in fit()"): a model with no call(), a custom compile
-    keeping two optimizers, a train_step applying each; its parts' weights after training on this worker."""
+    keeping two optimizers, a train_step applying each and drawing its noise for the batch it gets; its parts'
+    weights after training on this worker (or in one process, with the whole batch)."""
     import keras
     import tensorflow as tf
     from keras import ops
@@ -392,8 +394,8 @@ def gan(epochs: int = 2) -> dict:
             return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
 
     x, _ = _data()
-    strategy = rdkeras.RDMAStrategy()
-    with strategy.scope():
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
         keras.utils.set_random_seed(3)
         disc = keras.Sequential([keras.Input((10,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
         gen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(10)])
@@ -403,11 +405,13 @@ def gan(epochs: int = 2) -> dict:
             g_optimizer=keras.optimizers.Adam(0.01),
             loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
         )
-    history = model.fit(x, batch_size=BATCH, epochs=epochs, verbose=0)
+    history = model.fit(x, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False)
     out = {
         "weights": [w.tolist() for w in disc.get_weights() + gen.get_weights()],
         "d_loss": history.history["d_loss"],
     }
+    if strategy is None:
+        return out
     strategy.close()
     out["restored"] = not any(hasattr(o, "_rdkeras_originals") for o in (model.d_optimizer, model.g_optimizer))
     return out
@@ -430,12 +434,91 @@ def reduce_forms() -> dict:
         "mean along rows": lambda: strategy.reduce(tf.distribute.ReduceOp.MEAN, rows, axis=0),
         "sum along rows": lambda: strategy.reduce("SUM", rows, axis=0),
         "allreduce one tensor": lambda: strategy.allreduce(tf.constant([r + 1.0])),
+        "gather rows": lambda: strategy.gather(rows, axis=0),
+        "gather columns": lambda: strategy.gather(tf.transpose(rows), axis=1),
+        "gather a structure": lambda: strategy.gather({"ids": tf.constant([r] * (r + 1))}, axis=0),
+        "local results": lambda: strategy.experimental_local_results(strategy.run(lambda: rows * 2.0)),
     }
     out = {}
     for name, form in forms.items():
         out[name] = tf.nest.map_structure(lambda t: t.numpy().tolist(), form())
-        out[name + " (tf.function)"] = tf.function(form)().numpy().tolist()
+        out[name + " (tf.function)"] = tf.nest.map_structure(lambda t: t.numpy().tolist(), tf.function(form)())
     strategy.close()
+    return out
+
+
+def mwms_custom_loop(distributed: bool = True, steps: int = 6) -> dict:
+    """TensorFlow's "Custom training with tf.distribute.Strategy" tutorial (and the MultiWorkerMirrored
+    custom-loop one) with only the strategy line changed: model and optimizer made in strategy.scope(), the
+    per-example loss scaled by the global batch, strategy.run, strategy.reduce(SUM, ..., axis=None). Rank 1
+    seeds its model differently: the scope starts it from the chief's values."""
+    import keras
+    import tensorflow as tf
+
+    import rdkeras
+
+    global_batch = BATCH
+    strategy = rdkeras.RDMAStrategy() if distributed else tf.distribute.get_strategy()
+    rank = strategy.worker_index if distributed else 0
+    x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    with strategy.scope():
+        keras.utils.set_random_seed(40 + 7 * rank)
+        model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            per_example = loss_object(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B905 (the tutorial's line)
+        return loss
+
+    @tf.function
+    def distributed_train_step(inputs):
+        per_replica_losses = strategy.run(train_step, args=(inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    losses = [float(distributed_train_step(batch)) for batch in itertools_take(dist_dataset, steps)]
+    out = {"weights": [w.tolist() for w in model.get_weights()], "losses": losses}
+    if distributed:
+        strategy.close()
+    return out
+
+
+def batchnorm(synchronized: bool, distributed: bool = True, epochs: int = 2) -> dict:
+    """An MLP with BatchNormalization fit on this worker's part of each global batch (or in one
+    process): its weights and moving statistics."""
+    import keras
+
+    import rdkeras
+
+    x, y = _data()
+    strategy = rdkeras.RDMAStrategy() if distributed else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        keras.utils.set_random_seed(9)
+        model = keras.Sequential(
+            [keras.Input((10,)), keras.layers.Dense(16, name="hidden"),
+             keras.layers.BatchNormalization(synchronized=synchronized, name="bn"), keras.layers.Activation("relu"),
+             keras.layers.Dense(4, name="logits")],
+        )  # fmt: skip
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False)
+    bn = model.get_layer("bn")
+    out = {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "statistics": [np.asarray(v.numpy()).tolist() for v in (bn.moving_mean, bn.moving_variance)],
+    }
+    if strategy:
+        strategy.close()
     return out
 
 

@@ -63,6 +63,14 @@ def two_workers(killed, tmp_path_factory):
     jobs["reduce forms"] = (f"{TARGET}:reduce_forms", {})
     jobs["replica checks"] = (f"{TARGET}:replica_checks", {})
     jobs["gan"] = (f"{TARGET}:gan", {})
+    jobs["gan in one process"] = (f"{TARGET}:gan", {"distributed": False})
+    jobs["mwms custom loop"] = (f"{TARGET}:mwms_custom_loop", {})
+    jobs["mwms custom loop in one process"] = (f"{TARGET}:mwms_custom_loop", {"distributed": False})
+    jobs["synchronized batchnorm"] = (f"{TARGET}:batchnorm", {"synchronized": True})
+    jobs["synchronized batchnorm in one process"] = (
+        f"{TARGET}:batchnorm",
+        {"synchronized": True, "distributed": False},
+    )
     return launch_in_turn(jobs, 2, timeout=900)
 
 
@@ -144,9 +152,15 @@ def test_strategy_reduce_takes_every_form_mwms_loops_use(two_workers):
         "mean along rows": [2.5, 3.5],  # (1*[1, 2] + 3*[3, 4]) / 4 rows
         "sum along rows": [10.0, 14.0],
         "allreduce one tensor": [1.5],
+        # strategy.gather: every replica's rows in replica order, along any axis, any structure and dtype.
+        "gather rows": [[1.0, 2.0], [3.0, 4.0], [3.0, 4.0], [3.0, 4.0]],
+        "gather columns": [[1.0, 3.0, 3.0, 3.0], [2.0, 4.0, 4.0, 4.0]],
+        "gather a structure": {"ids": [0, 1, 1]},
     }
     for r in two_workers("reduce forms"):
-        for name, value in expected.items():
+        # experimental_local_results: a tuple of one, this replica's value of strategy.run (its rows, doubled).
+        own = {"local results": [[[2.0, 4.0]] if r.rank == 0 else [[6.0, 8.0]] * 3]}
+        for name, value in {**expected, **own}.items():
             assert r.value[name] == value, (r.rank, name, r.value[name])
             assert r.value[f"{name} (tf.function)"] == value, (r.rank, name, r.value[f"{name} (tf.function)"])
 
@@ -171,6 +185,30 @@ def test_a_gan_with_its_own_optimizers_trains_as_one_model(two_workers):
     first, second = (r.value for r in two_workers("gan"))
     assert first["weights"] == second["weights"] and first["d_loss"] == second["d_loss"]
     assert first["restored"] and second["restored"]  # strategy.close() gave the optimizers back to plain Keras
+    # Each worker's noise is its rows of the draw one process makes for the global batch: the same training.
+    alone = two_workers("gan in one process")[0].value
+    _close(first["weights"], alone["weights"], 1e-5)
+    _close(first["d_loss"], alone["d_loss"], 1e-5)
+
+
+def test_tf_distribute_custom_loop_runs_with_only_the_strategy_line_changed(two_workers):
+    # Model and optimizer made in scope (rank 1 seeded apart: the scope gives it the chief's values),
+    # apply_gradients inside strategy.run sums over replicas, reduce(SUM, axis=None) gives the global loss.
+    first, second = (r.value for r in two_workers("mwms custom loop"))
+    alone = two_workers("mwms custom loop in one process")[0].value
+    assert first == second
+    _close(first["weights"], alone["weights"], 1e-5)
+    _close(first["losses"], alone["losses"], 1e-5)
+
+
+def test_synchronized_batchnorm_normalizes_with_the_global_batch(two_workers):
+    # BatchNormalization(synchronized=True): moments over both workers' rows, so weights and moving statistics
+    # are one process's (unsynchronized, each worker's own batch gives other moments: 0.03 apart after 2 epochs).
+    first, second = (r.value for r in two_workers("synchronized batchnorm"))
+    alone = two_workers("synchronized batchnorm in one process")[0].value
+    assert first == second
+    _close(first["weights"], alone["weights"], 1e-5)
+    _close(first["statistics"], alone["statistics"], 1e-5)
 
 
 def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_changed(tmp_path):

@@ -23,6 +23,15 @@ def test_ring_calls_that_disagree_across_ranks_raise_everywhere(transport, how):
     assert any(r.value["error"][0] == "EngineError" for r in results), [r.value for r in results]
 
 
+def test_variables_made_in_scope_start_from_the_chiefs_and_must_match():
+    # What strategy.scope() does with the variables created in it (a custom loop's model and optimizer).
+    for r in run_threads("new_variables", 2, odd_rank=-1):
+        assert r.value == {"values": [[0.0, 0.0, 0.0], [[0, 0], [0, 0]]]}, r.value
+    for r in run_threads("new_variables", 2, odd_rank=1):
+        assert "the workers created different variables in strategy.scope()" in r.value["error"], r.value
+        assert f"({2 + r.rank} here; 1 worker(s) differ from rank 0)" in r.value["error"], r.value
+
+
 def test_a_rank_of_another_world_size_is_refused_by_name():
     sizes = [{"RDKERAS_WORLD_SIZE": "2"}, {"RDKERAS_WORLD_SIZE": "3"}]
     _, bad = run_ranks("connect_only", 2, per_rank_env=sizes, check=False, timeout=60, timeout_s=5)

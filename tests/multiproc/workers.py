@@ -480,6 +480,35 @@ def ring_disagreement(odd_rank: int, how: str) -> dict:
         return {"error": _error(e)}
 
 
+class _Variable:
+    """What share_new_variables reads and writes of a variable, in numpy."""
+
+    def __init__(self, value: np.ndarray):
+        self.value = value
+        self.shape, self.dtype = value.shape, value.dtype
+
+    def numpy(self) -> np.ndarray:
+        return self.value
+
+    def assign(self, value: np.ndarray) -> None:
+        self.value = np.array(value)
+
+
+def new_variables(odd_rank: int) -> dict:
+    """Every rank shares the variables it created; `odd_rank` (if any) created one more."""
+    from rdkeras.parallel.collectives import Collectives, share_new_variables
+
+    with open_engine() as eng:
+        made = [_Variable(np.full(3, eng.rank, np.float32)), _Variable(np.full((2, 2), 10 * eng.rank, np.int64))]
+        if eng.rank == odd_rank:
+            made.append(_Variable(np.zeros(1, np.float32)))
+        try:
+            share_new_variables(Collectives(eng, 1 << 20), made, "in strategy.scope()")
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"values": [v.value.tolist() for v in made]}
+
+
 def _comm(task: str) -> str:
     try:
         with open(f"/proc/self/task/{task}/comm") as f:
