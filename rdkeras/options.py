@@ -165,3 +165,19 @@ def quiet_tensorflow_logs(level: int = 2) -> None:
     """Hides TensorFlow's C++ start-up lines below `level` (2: INFO and WARNING; 3: errors too), unless the
     user chose a level; processes started from this one inherit it."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", str(level))
+
+
+def keras_backend(env: Mapping[str, str] | None = None) -> str:
+    """The backend Keras will load, without importing it: ``KERAS_BACKEND``, else the ``backend`` of
+    ``$KERAS_HOME/keras.json`` (``~/.keras``), else tensorflow (Keras's default)."""
+    import json
+
+    env = os.environ if env is None else env
+    chosen = env.get("KERAS_BACKEND", "").strip()
+    if chosen:
+        return chosen
+    home = Path(env.get("KERAS_HOME") or Path.home() / ".keras")
+    try:
+        return str(json.loads((home / "keras.json").read_text()).get("backend") or "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"

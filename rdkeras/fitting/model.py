@@ -15,10 +15,12 @@ class, through :mod:`rdkeras.keras_internals`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rdkeras import keras_internals
@@ -136,7 +138,8 @@ def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
     a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
     parallel.fitting = True
     try:
-        return fit(**a)
+        with _warnings_on_the_reporter(parallel):
+            return fit(**a)
     finally:
         parallel.fitting = False
 
@@ -162,7 +165,8 @@ def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(evaluate, args, kwargs)
     parallel.shard_evaluate(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    return evaluate(**a)
+    with _warnings_on_the_reporter(parallel):
+        return evaluate(**a)
 
 
 def _predict(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -171,12 +175,25 @@ def _predict(model: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(predict, args, kwargs)
     rows = parallel.shard_predict(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    out = predict(**a)
+    with _warnings_on_the_reporter(parallel):
+        out = predict(**a)
     if rows is None:
         return out
     import keras
 
     return keras.tree.map_structure(lambda o: o[:rows], out)
+
+
+@contextlib.contextmanager
+def _warnings_on_the_reporter(parallel: Parallelism) -> Iterator[None]:
+    """Keras's warnings about the program ("your input ran out of data", an ignored ``shuffle``) come from the
+    reporter alone, as its progress does; every other worker would only repeat them."""
+    if parallel.is_reporter:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"keras(\.|$)")
+        yield
 
 
 def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = None) -> None:

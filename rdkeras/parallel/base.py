@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rdkeras._log import logger
+
 if TYPE_CHECKING:
     from rdkeras.engine import Engine
     from rdkeras.parallel.collectives import Collectives
@@ -166,4 +168,9 @@ class Parallelism(abc.ABC):
         )
         if flags[0]:
             keras_internals.set_initial_epoch(model, int(flags[1]))
+            if self.is_reporter:
+                logger.info(
+                    f"resumed from BackupAndRestore's backup: {int(flags[1])} epoch(s) done, training on from epoch "
+                    f"{int(flags[1]) + 1} (weights and optimizer state as they were then, on every worker)"
+                )
         return bool(flags[0])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from rdkeras import cluster
-from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, rename_overrides, validate
+from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, rename_overrides, unknown_key, validate
 
 PROG = "rdkeras.train"
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -56,6 +57,8 @@ def _run_job(cfg: Any) -> float:
     if cfg.cluster.kind == "local" and not cluster.in_job():
         spawn_local(resolved, output_dir, cfg.cluster.num_workers, cfg.cluster.timeout)
         results = json.loads((output_dir / "results.json").read_text())  # the chief's
+        if cfg.trainer.get("compare_one_process") and cfg.cluster.num_workers > 1:
+            results = compare_with_one_process(resolved, output_dir, cfg.cluster.timeout)
     else:
         from rdkeras.train import worker
 
@@ -71,16 +74,48 @@ def objective(results: dict, key: str) -> float:
     return float(final[key])
 
 
-def spawn_local(config_path: Path, output_dir: Path, num_workers: int, timeout: float | None) -> None:
+ONE_PROCESS_DIR = "one_process"
+
+
+def compare_with_one_process(config_path: Path, output_dir: Path, timeout: float | None) -> dict:
+    """The run's training again in one process (no logger, callbacks or checkpoints), into ``one_process/``; its
+    throughput and final logs go into the run's results.json and a last summary line. Returns the results."""
+    from omegaconf import OmegaConf
+
+    from rdkeras.train import summary
+
+    cfg = OmegaConf.load(config_path)
+    cfg.cluster.num_workers, cfg.trainer.verbose, cfg.trainer.compare_one_process = 1, 0, False
+    cfg.logger.tensorboard, cfg.callbacks = False, {}
+    folder = output_dir / ONE_PROCESS_DIR
+    folder.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, folder / RESOLVED_CONFIG)
+    print(f"{PROG}: the same training in one process, to compare (output in {folder})", flush=True)
+    spawn_local(folder / RESOLVED_CONFIG, folder, 1, timeout, announce=False)
+    alone = json.loads((folder / "results.json").read_text())
+    results = json.loads((output_dir / "results.json").read_text())
+    results["one_process"] = {k: alone[k] for k in ("examples_per_s", "final", "fit_seconds")}
+    line = summary.one_process_line(results)
+    results["summary"] += "\n" + line
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(line, flush=True)
+    return results
+
+
+def spawn_local(
+    config_path: Path, output_dir: Path, num_workers: int, timeout: float | None, announce: bool = True
+) -> None:
     """Runs the workers on this machine through the launcher; their output is forwarded with a [rank] prefix
-    and written to ``worker-RANK.log`` in the output folder."""
+    (unless `announce` is false: then only into the logs) and written to ``worker-RANK.log`` in the output
+    folder."""
     from rdkeras.launch import Job, _failure_message, failed_rank, run_local
 
     for stale in output_dir.glob("error-*.txt"):
         stale.unlink()
     command = [sys.executable, "-m", "rdkeras.train.worker", str(config_path), str(output_dir)]
-    print(f"{PROG}: {num_workers} local workers, output in {output_dir}", flush=True)
-    results = run_local(command, Job(num_workers), timeout=timeout, forward=True, log_dir=output_dir)
+    if announce:
+        print(f"{PROG}: {num_workers} local workers, output in {output_dir}", flush=True)
+    results = run_local(command, Job(num_workers), timeout=timeout, forward=announce, log_dir=output_dir)
     errors = {}
     for r in results:
         error_file = output_dir / f"error-{r.rank}.txt"
@@ -110,6 +145,9 @@ def _describe(e: BaseException) -> str:
             what = "recipe" if group == "recipe" else f"{group} option"
             return f"unknown {what} {name!r}; choose one of: {', '.join(e.options or [])} ({group}=NAME)"
     text = " ".join(str(e).split())
+    typo = re.match(r"Could not override '([^']+)'\. To append to your config use \+", text)
+    if typo:
+        return unknown_key(typo.group(1))
     cause = e.__cause__
     if cause is not None and " ".join(str(cause).split()) not in text:
         text += f" ({' '.join(str(cause).split())})"

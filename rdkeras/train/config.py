@@ -9,6 +9,7 @@ from typing import Any
 from rdkeras import cluster
 from rdkeras._log import logger
 from rdkeras.engine import TRANSPORTS
+from rdkeras.options import keras_backend
 from rdkeras.parallel import check_settings
 
 CONFIG_NAME = "train"
@@ -73,6 +74,38 @@ def compose(overrides: list[str] | None = None) -> Any:
         return hydra_compose(CONFIG_NAME, overrides=rename_overrides(list(overrides or [])))
 
 
+def unknown_key(key: str) -> str:
+    """The message for an override of a key no config has: the closest keys there are (Hydra's own advice, to
+    add it with ``+``, would add a key nothing reads)."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    try:
+        known = list(_flat_keys(OmegaConf.to_container(compose([]))))
+    except Exception:  # the suggestion is a courtesy; the error stands without it
+        known = []
+    parent, _, last = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    if parent in known or not parent:  # a typo in the last word: compare it with its siblings'
+        close = [siblings[w] for w in difflib.get_close_matches(last, list(siblings), n=3, cutoff=0.75)]
+    else:
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+    if not close:  # the right word in the wrong place (epochs=3 for trainer.epochs=3)
+        close = [k for k in known if k.rpartition(".")[2] == last][:3]
+    hint = f"did you mean {' or '.join(close)}?" if close else "see the keys with --cfg job"
+    return f"unknown config key {key!r}: {hint} (a key of your own that something reads: +{key}=VALUE)"
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key, value in node.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            out += _flat_keys(value, f"{prefix}{key}.")
+    return out
+
+
 def _renamed(old: str) -> str:
     new = RENAMED_KEYS[old]
     logger.warning("%s is renamed %s (RDMAStrategy's word); the old key still works for now", old, new)
@@ -80,13 +113,16 @@ def _renamed(old: str) -> str:
 
 
 def rename_overrides(overrides: list[str]) -> list[str]:
-    """Command-line overrides with the renamed keys (RENAMED_KEYS) in their new words, and ``+recipe=NAME`` (how
-    the recipe was chosen before train.yaml had a recipe slot, and still in Hydra habit) as ``recipe=NAME``."""
+    """Command-line overrides with the renamed keys (RENAMED_KEYS) in their new words, ``+recipe=NAME`` (how
+    the recipe was chosen before train.yaml had a recipe slot, and still in Hydra habit) as ``recipe=NAME``, and
+    ``recipe=null`` (no recipe: the default groups alone) as Hydra's ``~recipe``."""
     out = []
     for o in overrides:
         prefix = o[: len(o) - len(o.lstrip("+~"))]
         key, sep, value = o[len(prefix) :].partition("=")
-        if key == "recipe" and prefix in ("+", "++") and sep:
+        if key == "recipe" and sep and value.lower() in ("null", "none") and prefix in ("", "+", "++"):
+            out.append("~recipe")
+        elif key == "recipe" and prefix in ("+", "++") and sep:
             out.append(f"recipe={value}")
         else:
             out.append(f"{prefix}{_renamed(key)}{sep}{value}" if key in RENAMED_KEYS else o)
@@ -117,6 +153,12 @@ def _positive(value: Any, name: str, allow_none: bool = False) -> None:
 def validate(cfg: Any) -> None:
     """Checks what can be checked before any worker starts; raises ConfigError."""
     rename_keys(cfg)
+    backend = keras_backend()
+    if backend != "tensorflow":
+        raise ConfigError(
+            f"rdkeras runs Keras on the TensorFlow backend, but Keras is set to {backend!r} (KERAS_BACKEND or "
+            "~/.keras/keras.json): set KERAS_BACKEND=tensorflow to train with rdkeras"
+        )
     kind = cfg.cluster.kind
     if kind not in ("local", "env"):
         raise ConfigError(f"cluster.kind must be 'local' or 'env', got {kind!r}")

@@ -42,7 +42,22 @@ def measure(strategy: Any) -> dict[str, float]:
     return dict(engine.traffic()) if engine is not None else {}
 
 
-def text(results: dict, before: dict[str, float], after: dict[str, float], *, synthetic: bool) -> str:
+def one_process_line(results: dict) -> str:
+    """The summary's comparison with the same training in one process (``results["one_process"]``)."""
+    alone = results["one_process"]
+    ratio = results["examples_per_s"] / max(alone["examples_per_s"], 1e-9)
+    line = (
+        f"  vs one process: {alone['examples_per_s']:,.0f} examples/s there (the same training, run after this "
+        f"one), so {ratio:.2f}x here"
+    )
+    if "val_accuracy" in alone["final"]:
+        line += f"; held-out accuracy there {alone['final']['val_accuracy']:.3f}"
+    return line
+
+
+def text(
+    results: dict, before: dict[str, float], after: dict[str, float], *, synthetic: bool, compared: bool = False
+) -> str:
     """The summary of a finished run (printed by the chief, also stored in results.json).
 
     Args:
@@ -52,6 +67,7 @@ def text(results: dict, before: dict[str, float], after: dict[str, float], *, sy
             run's ``examples_per_s``).
         before: This worker's traffic counters when fit started; after: when it ended.
         synthetic: The data is random (inputs and labels), so its metrics mean nothing.
+        compared: The same training runs in one process next (its line is added then).
     """
     workers, steps, batch = results["workers"], results["steps"], results["batch_size"]
     timed, seconds = results.get("steady_steps", 0), results.get("steady_seconds", 0.0)
@@ -72,12 +88,15 @@ def text(results: dict, before: dict[str, float], after: dict[str, float], *, sy
         got = (after.get("bytes_received", 0) - before.get("bytes_received", 0)) / steps
         wait = (after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) * 1e3 / steps
         lines.append(f"  per step on the chief: sent {_bytes(sent)}, received {_bytes(got)}, waited {wait:.1f} ms")
-    reference = results.get("one_process")
-    if reference:
-        ratio = total / max(reference["examples_per_s"], 1e-9)
-        lines.append(f"  vs one process: {reference['examples_per_s']:,.0f} examples/s there, {ratio:.2f}x here")
-    elif workers > 1:
-        lines.append("  vs one process: not measured in this run (add cluster.num_workers=1 to measure it)")
+    final = results.get("final", {})
+    held_out = [f"{k.removeprefix('val_')} {v:.3f}" for k, v in final.items() if k.startswith("val_")]
+    if held_out and not synthetic:
+        lines.append(f"  on the held-out data after the last epoch: {', '.join(held_out)}")
+    if workers > 1 and not compared:
+        lines.append(
+            "  vs one process: not measured in this run (trainer.compare_one_process=true runs the same training "
+            "in one process after it)"
+        )
     if synthetic:
         lines.append(
             "  the data is random (inputs and labels): loss and accuracy mean nothing here; this run measures speed"

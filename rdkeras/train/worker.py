@@ -283,7 +283,13 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
         }
         final = {k: vs[-1] for k, vs in results["history"].items() if vs}
         results["final"] = final
-        results["summary"] = summary.text(results, traffic_before, traffic_after, synthetic="samples" in cfg.data)
+        results["summary"] = summary.text(
+            results,
+            traffic_before,
+            traffic_after,
+            synthetic="samples" in cfg.data,
+            compared=bool(cfg.trainer.get("compare_one_process")) and cfg.cluster.get("kind") == "local",
+        )
         if chief:
             (output_dir / "results.json").write_text(json.dumps(results, indent=1))
             plot_curves(results["history"], output_dir / "curves.png", f"{model.name}, {strategy.num_workers} workers")

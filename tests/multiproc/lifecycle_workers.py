@@ -522,6 +522,32 @@ def batchnorm(synchronized: bool, distributed: bool = True, epochs: int = 2) -> 
     return out
 
 
+def ran_out_of_data() -> dict:
+    """A dataset of unknown size that runs out in the second epoch: Keras's warnings each worker saw."""
+    import warnings
+
+    import tensorflow as tf
+
+    import rdkeras
+
+    x, y = _data()
+
+    def batches():
+        yield from ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 5 * BATCH, BATCH))
+
+    spec = (tf.TensorSpec((None, 10), tf.float32), tf.TensorSpec((None,), tf.int64))
+    ds = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    strategy = rdkeras.RDMAStrategy()
+    with strategy.scope():
+        model = _model(seed=2)
+        _compile(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.fit(ds, epochs=2, steps_per_epoch=4, verbose=0)
+    strategy.close()
+    return {"warnings": [str(w.message).split(";")[0] for w in seen if issubclass(w.category, UserWarning)]}
+
+
 def itertools_take(ds, n):
     for i, item in enumerate(ds):
         if i >= n:

@@ -63,6 +63,7 @@ def two_workers(killed, tmp_path_factory):
     jobs["reduce forms"] = (f"{TARGET}:reduce_forms", {})
     jobs["replica checks"] = (f"{TARGET}:replica_checks", {})
     jobs["gan"] = (f"{TARGET}:gan", {})
+    jobs["ran out of data"] = (f"{TARGET}:ran_out_of_data", {})
     jobs["gan in one process"] = (f"{TARGET}:gan", {"distributed": False})
     jobs["mwms custom loop"] = (f"{TARGET}:mwms_custom_loop", {})
     jobs["mwms custom loop in one process"] = (f"{TARGET}:mwms_custom_loop", {"distributed": False})
@@ -189,6 +190,12 @@ def test_a_gan_with_its_own_optimizers_trains_as_one_model(two_workers):
     alone = two_workers("gan in one process")[0].value
     _close(first["weights"], alone["weights"], 1e-5)
     _close(first["d_loss"], alone["d_loss"], 1e-5)
+
+
+def test_keras_warnings_about_the_program_come_from_the_chief_alone(two_workers):
+    # A dataset of unknown size that runs out in epoch 2 (and fit's ignored shuffle): said once, by rank 0.
+    chief, other = (r.value["warnings"] for r in two_workers("ran out of data"))
+    assert chief.count("Your input ran out of data") == 1 and other == [], (chief, other)
 
 
 def test_tf_distribute_custom_loop_runs_with_only_the_strategy_line_changed(two_workers):

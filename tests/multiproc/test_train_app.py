@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,11 @@ from tests.conftest import TESTS_DIR
 
 REPO = TESTS_DIR.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "RDKERAS_TIMEOUT": "120", "PYTHONPATH": str(REPO)}
-# FCN-5 small enough for seconds: 3 epochs of 3 steps, a fixed data order.
+# FCN-5 on synthetic data (no recipe), small enough for seconds: 3 epochs of 3 steps, a fixed data order.
 TINY = [
-    "model.input_dim=64", "model.hidden=32", "trainer.epochs=3", "trainer.steps_per_epoch=3", "trainer.verbose=2",
-    "trainer.shuffle=false", "trainer.optimizer.class_name=Adam", "trainer.optimizer.learning_rate=0.01",
-    "logger=none",
+    "recipe=null", "model.input_dim=64", "model.hidden=32", "trainer.epochs=3", "trainer.steps_per_epoch=3",
+    "trainer.verbose=2", "trainer.shuffle=false", "trainer.optimizer.class_name=Adam",
+    "trainer.optimizer.learning_rate=0.01", "logger=none",
 ]  # fmt: skip
 
 
@@ -38,6 +39,29 @@ def _weights(path: Path) -> list[np.ndarray]:
     return out
 
 
+def test_the_readmes_first_run_learns_the_digits_and_compares_with_one_process(tmp_path):
+    # `python -m rdkeras.train`, as the README's first command runs it: the digits shipped with rdkeras on 2
+    # workers, then the same training in one process; no line of its output looks like an error.
+    done = subprocess.run(
+        [sys.executable, "-m", "rdkeras.train", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("RDKERAS_", "TF_CPP"))},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    alarming = re.compile(r"error|fail|traceback|exception|warn|cuInit|^[EWF]\d{4} ", re.I)
+    assert [line for line in (done.stdout + done.stderr).splitlines() if alarming.search(line)] == []
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["final"]["val_accuracy"] > 0.9 and results["one_process"]["final"]["val_accuracy"] > 0.9
+    summary = results["summary"]
+    assert f"on the held-out data after the last epoch: accuracy {results['final']['val_accuracy']:.3f}" in summary
+    ratio = results["examples_per_s"] / results["one_process"]["examples_per_s"]
+    assert f"examples/s there (the same training, run after this one), so {ratio:.2f}x here" in summary
+    assert summary.splitlines()[-1] in done.stdout  # the comparison is the output's last line
+
+
 def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     run, straight = tmp_path / "run", tmp_path / "straight"
     kill = ["+callbacks.kill._target_=tests.multiproc.lifecycle_workers.KillAtEpoch", "+callbacks.kill.epoch=1"]
@@ -47,6 +71,8 @@ def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     assert (run / "backup" / "latest.weights.h5").exists()  # epoch 0's state
     again = _train(*TINY, *kill, f"hydra.run.dir={run}")  # the same command, the same folder
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = "rdkeras: resumed from BackupAndRestore's backup: 1 epoch(s) done, training on from epoch 2"
+    assert (again.stdout + again.stderr).count(resumed) == 1  # said once, by the chief
     results = json.loads((run / "results.json").read_text())
     assert len(results["history"]["loss"]) == 2  # epochs 1 and 2: epoch 0 came from the backup
     assert not (run / "backup").exists()  # done: the backup is removed
@@ -66,7 +92,7 @@ def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
     # (the killed run above trains on two).
     done = _train(
         "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=minimize",
-        "trainer.optimizer.learning_rate=interval(0.001,0.1)", *TINY[:2], "trainer.epochs=1",
+        "trainer.optimizer.learning_rate=interval(0.001,0.1)", *TINY[:3], "trainer.epochs=1",
         "trainer.steps_per_epoch=2", "logger=none", "trainer.verbose=0", "cluster=env",
         f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip

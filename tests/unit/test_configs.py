@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -26,6 +27,7 @@ MODEL_FOR_DATA = {
     "synthetic_tokens": "lstm",
     "fashion_mnist": "fashion_cnn",
     "shakespeare": "char_lm",
+    "digits": "fcn5_digits",
 }
 
 DATA_FOR_MODEL = {
@@ -98,6 +100,14 @@ def test_the_recipe_is_chosen_with_or_without_a_plus():
     assert chosen == compose(["+recipe=vgg16_model"]) == compose(["++recipe=vgg16_model"])
     assert chosen.parallel.parallelism == "model" and chosen != compose([])
     assert compose(["recipe=fcn5", "model.hidden=64"]).model.hidden == 64  # the command line still wins
+    # Without a recipe on the command line: the digits shipped with rdkeras, compared with one process after;
+    # recipe=null (Hydra's ~recipe): the groups' own defaults, FCN-5 on synthetic vectors.
+    default, bare = compose([]), compose(["recipe=null"])
+    assert default == compose(["recipe=digits"]) and default.trainer.compare_one_process
+    assert default.data._target_ == "rdkeras.data.digits" and default.model.num_classes == 10
+    assert compose(["model=vgg16"]).model._target_.endswith("vgg16")  # a group on the command line still wins
+    assert bare == compose(["~recipe"]) and bare.data._target_ == "rdkeras.data.synthetic_vectors"
+    assert not bare.trainer.compare_one_process
 
 
 def test_config_keys_are_rdmastrategys_own_words_and_the_old_ones_still_work(caplog):
@@ -145,8 +155,12 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
         (["parallel=model"], "parallel: parallelism=model needs a placement"),
         (["+recipe=vgg16_model", "cluster.num_workers=1"], "there are only 1 workers"),
         (["trainer.batch_size=0"], "trainer.batch_size must be a whole number >= 1"),
-        (["trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
-        (["trainer.nope=1"], "Could not override 'trainer.nope'"),
+        (["recipe=null", "trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
+        # A typo'd key: the keys meant, not Hydra's advice to add it with + (which would add a key nothing reads).
+        (["trainer.epoch=1"], "unknown config key 'trainer.epoch': did you mean trainer.epochs?"),
+        (["trainr.epochs=1"], "unknown config key 'trainr.epochs': did you mean trainer.epochs?"),
+        (["epochs=1"], "unknown config key 'epochs': did you mean trainer.epochs?"),
+        (["env:KERAS_BACKEND=jax"], "rdkeras runs Keras on the TensorFlow backend, but Keras is set to 'jax'"),
         (
             ["+recipe=fcn5", "trainer.objective=val_acuracy"],
             "trainer.objective='val_acuracy' is not among the logs this run writes; "
@@ -156,12 +170,20 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
 )
 def test_bad_configs_end_in_one_error_line_and_exit_2(args, expected, tmp_path):
     # A subprocess, as users run it (Hydra configures logging process-wide); no worker starts.
+    env = dict(os.environ, **dict(a.removeprefix("env:").split("=", 1) for a in args if a.startswith("env:")))
     done = subprocess.run(
-        [sys.executable, "-m", "rdkeras.train", *args, f"hydra.run.dir={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "rdkeras.train",
+            *(a for a in args if not a.startswith("env:")),
+            f"hydra.run.dir={tmp_path}",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=tmp_path,
+        env=env,
     )
     assert done.returncode == 2, done.stdout + done.stderr
     out, err = done.stdout, done.stderr
@@ -183,6 +205,24 @@ def _idx(path, array, magic, dims):
     header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
     with gzip.open(path, "wb") as f:
         f.write(header + array.tobytes())
+
+
+def test_the_shipped_digits_split_into_training_and_held_out_images():
+    from rdkeras.data import DataError, digits
+
+    data = digits()
+    (vx, vy) = data.validation
+    assert data.x.shape == (1347, 64) and vx.shape == (450, 64) and data.x.dtype == np.float32
+    assert 0.0 == min(data.x.min(), vx.min()) and max(data.x.max(), vx.max()) == 1.0  # pixel counts 0..16, scaled
+    assert sorted(set(data.y.tolist())) == list(range(10)) and sorted(set(vy.tolist())) == list(range(10))
+    again = digits()  # every worker holds the same split; another seed another one, the same images
+    assert np.array_equal(again.x, data.x) and np.array_equal(again.validation[1], vy)
+    other = digits(seed=1)
+    assert not np.array_equal(other.y, data.y) and sorted(other.y.tolist() + other.validation[1].tolist()) == sorted(
+        data.y.tolist() + vy.tolist()
+    )
+    with pytest.raises(DataError, match=r"data\.held_out must be between 1 and 1796 of the 1797 images, got 1797"):
+        digits(held_out=1797)
 
 
 def test_fashion_mnist_reads_the_debian_package_layout(tmp_path):
