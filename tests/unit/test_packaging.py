@@ -1,4 +1,5 @@
-"""The wheel carries the top-level conf/ and recipes/, and the app finds them there from any directory."""
+"""The wheel carries the top-level conf/ and recipes/ (and the shipped digits), and the app finds them there from any
+directory."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def test_the_wheel_holds_every_config_group_and_recipe(wheel):
     expected = {f"rdkeras/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
     expected |= {f"rdkeras/recipes/{p.name}" for p in (REPO / "recipes").glob("*.yaml")}
     assert "rdkeras/conf/train.yaml" in expected and "rdkeras/recipes/fcn5.yaml" in expected
+    expected.add("rdkeras/data/digits.csv.gz")  # the default recipe's data, inside the package
     assert expected <= names, sorted(expected - names)
 
 
