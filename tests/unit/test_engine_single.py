@@ -307,3 +307,24 @@ def test_streaming_copy_moves_every_byte_and_none_past_the_end(size, shift):
 def test_a_timeout_that_cannot_end_a_wait_is_refused_naming_it(timeout):
     with pytest.raises(ValueError, match=r"timeout=.*: a wait needs a finite number of seconds > 0"):
         rdkeras.Engine(0, 1, transport="shm", timeout=timeout)
+
+
+def test_the_rdkeras_command_runs_each_entry_point_by_name(tmp_path):
+    # `rdkeras train|launch|bench ARGS` is `python -m rdkeras.train|launch|bench ARGS`, help and errors included.
+    import shutil
+    import subprocess
+
+    exe = shutil.which("rdkeras")
+    assert exe is not None, "the rdkeras console script is installed with the package"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    bench = run("bench", "--help")
+    assert bench.returncode == 0 and "{sendrecv,allreduce,fit,paper}" in bench.stdout
+    launch = run("launch", "--help")
+    assert launch.returncode == 0 and "-n PER_NODE" in launch.stdout
+    train = run("train", "trainer.epoch=1", f"hydra.run.dir={tmp_path}")
+    assert train.returncode == 2 and "did you mean trainer.epochs?" in train.stderr, train.stderr
+    unknown = run("nope")
+    assert unknown.returncode == 2 and "choose from 'train', 'launch', 'bench', 'doctor'" in unknown.stderr
