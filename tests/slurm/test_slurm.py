@@ -129,3 +129,21 @@ def test_hydra_submitit_launcher_runs_a_recipe_and_reports_a_failed_job(slurm, e
     failed = slurm.run(*args, "trainer.batch_size=0", env=env, timeout=600, cwd=tmp_path)
     assert failed.returncode == 2  # the job failed on the cluster; the sweep ends in its one-line error
     assert "rdkeras.train: error: trainer.batch_size must be a whole number >= 1, got 0" in failed.stderr, failed.stderr
+
+
+LOCAL_RANK_SCRIPT = """
+import os
+before = os.environ.get("LOCAL_RANK")
+import rdkeras
+strategy = rdkeras.RDMAStrategy()
+print("ranks", strategy.worker_index, before, os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], flush=True)
+strategy.close()
+"""
+
+
+def test_rdmastrategy_exports_local_rank_under_srun(slurm, env, tmp_path):
+    # Horovod-style scripts read os.environ["LOCAL_RANK"] after creating the strategy; srun sets SLURM_LOCALID only.
+    done = slurm.run("srun", "-n", "2", sys.executable, "-c", LOCAL_RANK_SCRIPT, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = sorted(line for line in done.stdout.splitlines() if line.startswith("ranks "))
+    assert seen == ["ranks 0 None 0 2", "ranks 1 None 1 2"], done.stdout
