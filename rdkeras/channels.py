@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from rdkeras.errors import EngineError
-from rdkeras.transports.base import DynamicChannelEnd, StaticChannelEnd
+from rdkeras.transports.base import DynamicChannelEnd, HierarchicalRing, StaticChannelEnd
 from rdkeras.transports.base import Ring as RingEnd
 
 
@@ -109,3 +109,10 @@ class Ring:
         """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype.
         The outputs are views of registered memory, valid until the next-but-one call."""
         return self.end.allreduce(arrays, average)
+
+    def hierarchical(self, arrays: Sequence[np.ndarray], average: bool, across: Ring, world: int) -> list[np.ndarray]:
+        """The sum over hosts (this ring: the members on this host; `across`: the members at this rank's
+        position on every host), divided by `world` for the average; views as :meth:`__call__`'s. Engine
+        rings only (a backend whose spec says ``hierarchical``)."""
+        inside, other = cast(HierarchicalRing, self.end), cast(HierarchicalRing, across.end)
+        return inside.allreduce_hierarchical(arrays, average, other, world)

@@ -119,6 +119,7 @@ class Engine:
         if rendezvous_timeout is None:
             rendezvous_timeout = min(settings.rendezvous_timeout, self.timeout)
         self.rendezvous_timeout = options_lib.check_timeout(rendezvous_timeout, "rendezvous_timeout")
+        self._hosts: list[str] | None = None
         self.heartbeat_timeout = options_lib.check_heartbeat(
             settings.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
         )
@@ -214,6 +215,13 @@ class Engine:
                 f"{self.rendezvous_timeout:g} s: not started, died during start-up, or started with another "
                 "RDKERAS_MASTER_ADDR/PORT or world size (RDKERAS_RENDEZVOUS_TIMEOUT waits longer)",
             ) from None
+
+    def hosts(self) -> list[str]:
+        """Every rank's host identity (equal where ranks share shared memory), by rank. Collective the first
+        time (every rank asks at the same point); remembered after."""
+        if self._hosts is None:
+            self._hosts = [v.decode() for v in self._gather_at_start("hosts", host_identity().encode())]
+        return list(self._hosts)
 
     def _choose_transport(self) -> str:
         """transport="auto": every rank's host and viable transports decide (rdkeras.transports.choose_auto);

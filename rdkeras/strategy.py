@@ -56,6 +56,9 @@ class RDMAStrategy:
             attached afterwards.
         cluster: where this process sits in the job (default: :func:`rdkeras.cluster.resolve`, from the
             environment), as tf.distribute's strategies take a ``cluster_resolver``.
+        algorithm: data parallelism: the allreduce, "auto" (default: hierarchical where several hosts run the
+            same number of workers each -- sum inside each host, shards across hosts, share inside each host --
+            else one ring), "ring" or "hierarchical".
     """
 
     def __init__(
@@ -73,12 +76,15 @@ class RDMAStrategy:
         global_batch: bool = True,
         overlap_bytes: int | None = None,
         cluster: cluster_lib.Cluster | None = None,
+        algorithm: str = "auto",
     ):
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
         settings = options.from_env()
         mode = mode or settings.data_mode
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
+        if algorithm not in ("auto", "ring", "hierarchical"):
+            raise ValueError(f"algorithm must be 'auto', 'ring' or 'hierarchical', got {algorithm!r}")
         keras_internals.check()
         c = cluster_lib.resolve() if cluster is None else cluster
         cluster_lib.export_local_rank(c)
@@ -100,7 +106,9 @@ class RDMAStrategy:
             if parallelism == "data":
                 from rdkeras.parallel.data_parallel import DataParallel
 
-                self._parallel: Parallelism = DataParallel(self.engine, mode, bucket_bytes, global_batch)
+                self._parallel: Parallelism = DataParallel(
+                    self.engine, mode, bucket_bytes, global_batch, algorithm=algorithm
+                )
                 self.overlap_bytes = overlap_bytes
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
@@ -108,6 +116,8 @@ class RDMAStrategy:
                 assert placement is not None  # (check_settings)
                 if overlap_bytes is not None:
                     raise ValueError("overlap_bytes needs parallelism='data'")
+                if algorithm != "auto":
+                    raise ValueError("algorithm needs parallelism='data'")
                 if parallelism == "hybrid":
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):

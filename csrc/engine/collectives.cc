@@ -202,7 +202,8 @@ void RingAllreduce::allgatherStep(uint8_t* out, size_t out_offset_in_region, siz
   ++gathers_;
 }
 
-RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average,
+                                         const ChunkHook& between) {
   size_t total;
   std::vector<size_t> offsets = ringLayout(inputs, &total);
   if (total > capacity_)
@@ -229,6 +230,10 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
     forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
       std::memcpy(out + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), hi - lo);
     });
+    if (between) {
+      for (size_t b0 = 0; b0 == 0 || b0 < total; b0 += bucket_bytes_)  // the same passes as with members
+        between(out + b0, std::min(total, b0 + bucket_bytes_) - b0);
+    }
     return {out, std::move(offsets)};
   }
   if (right_key_ == 0) throw EngineError("allreduce: run() before connect()");
@@ -244,6 +249,7 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
       reduceScatterStep(inputs, offsets, lo(send), hi(send), s == 0, lo(recv), hi(recv), out, dtype,
                         s == n - 2 ? inv : 1.0, b0 == 0 && s == 0 ? signature : 0);
     }
+    if (between) between(out + lo(rank_ + 1), hi(rank_ + 1) - lo(rank_ + 1));  // the chunk summed here
     // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
     // writes chunk rank-s straight into our output block.
     for (int s = 0; s < n - 1; ++s) {
@@ -252,6 +258,35 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
     }
   }
   return {out, std::move(offsets)};
+}
+
+namespace {
+
+template <typename T>
+void scaledCopy(uint8_t* dst, const uint8_t* src, size_t bytes, double scale) {
+  auto* d = reinterpret_cast<T*>(dst);
+  const auto* s = reinterpret_cast<const T*>(src);
+  const T k = static_cast<T>(scale);
+  for (size_t i = 0; i < bytes / sizeof(T); ++i) d[i] = s[i] * k;
+}
+
+}  // namespace
+
+RingAllreduce::Result hierarchicalAllreduce(RingAllreduce& inside, RingAllreduce& across,
+                                            const std::vector<ConstSpan>& inputs, DType dtype, bool average,
+                                            int world) {
+  const double scale = average ? 1.0 / world : 1.0;
+  return inside.run(inputs, dtype, false, [&](uint8_t* chunk, size_t bytes) {
+    // Every host's member at this position holds the same chunk (same layout, same ring order): equal sizes.
+    const RingAllreduce::Result summed = across.run({{chunk, bytes}}, dtype, false);
+    const uint8_t* sum = summed.out + summed.offsets[0];
+    if (scale == 1.0)
+      std::memcpy(chunk, sum, bytes);
+    else if (dtype == DType::kFloat32)
+      scaledCopy<float>(chunk, sum, bytes, scale);
+    else
+      scaledCopy<double>(chunk, sum, bytes, scale);
+  });
 }
 
 }  // namespace rdkeras

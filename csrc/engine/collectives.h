@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,9 +66,14 @@ class RingAllreduce {
     uint8_t* out;                 // the output block this call used
     std::vector<size_t> offsets;  // tensor i's sum starts at out + offsets[i] (64-byte aligned)
   };
+  // Between its reduce-scatter and its allgather, a pass may hand the chunk this rank then holds summed
+  // (bytes of the output block, padding included) to a hook that changes it in place: the hierarchical
+  // allreduce sums it across hosts there.
+  using ChunkHook = std::function<void(uint8_t* chunk, size_t bytes)>;
   // Reduces `inputs` (all of one dtype) into the next output block. With
   // `average`, the sum is divided by the number of members.
-  Result run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
+  Result run(const std::vector<ConstSpan>& inputs, DType dtype, bool average,
+             const ChunkHook& between = nullptr);
 
   size_t capacity() const { return capacity_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
@@ -97,5 +103,14 @@ class RingAllreduce {
   size_t offGather() const { return offFlag(3); }
   size_t offSignature() const { return offFlag(4); }  // the left member's call signature
 };
+
+// The sum over hosts: `inside` (this host's members, in the same order on every host) reduce-scatters each
+// pass, `across` (the members at this rank's position on every host, which hold the same chunk) sums that
+// chunk across hosts, and `inside` allgathers the result -- every host's links busy at once, each host
+// sending 2(H-1)/H of the bytes between hosts. With `average`, divided by `world` (every rank). Returns
+// `inside`'s output; every rank ends with the same bits.
+RingAllreduce::Result hierarchicalAllreduce(RingAllreduce& inside, RingAllreduce& across,
+                                            const std::vector<ConstSpan>& inputs, DType dtype, bool average,
+                                            int world);
 
 }  // namespace rdkeras

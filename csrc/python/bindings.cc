@@ -104,6 +104,37 @@ py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nb
   return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, ptr, owner);
 }
 
+// A ring call's inputs: float32 or float64 arrays of one dtype, C-contiguous, pinned where the transport
+// needs it; sets *dtype.
+std::vector<ConstSpan> ringInputs(RingAllreduce& ring, const std::vector<py::array>& arrays, DType* dtype) {
+  std::vector<ConstSpan> spans;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const py::array& a = arrays[i];
+    const char kind = a.dtype().kind();
+    const auto size = a.dtype().itemsize();
+    if (kind != 'f' || (size != 4 && size != 8))
+      throw py::type_error("allreduce supports float32 and float64 tensors");
+    const DType d = size == 4 ? DType::kFloat32 : DType::kFloat64;
+    if (i == 0) *dtype = d;
+    if (d != *dtype) throw py::type_error("allreduce: all tensors must share one dtype");
+    if (!(a.flags() & py::array::c_style)) throw py::value_error("allreduce: tensors must be C-contiguous");
+    spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
+    pin(*ring.engine(), a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
+  }
+  return spans;
+}
+
+// Views into the ring's output block, 64-byte aligned, each shaped as its input: TensorFlow aliases them.
+py::list ringOutputs(const py::object& ring, const std::vector<py::array>& arrays,
+                     const RingAllreduce::Result& r) {
+  py::list result;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    std::vector<py::ssize_t> shape(arrays[i].shape(), arrays[i].shape() + arrays[i].ndim());
+    result.append(py::array(arrays[i].dtype(), shape, r.out + r.offsets[i], ring));
+  }
+  return result;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -374,36 +405,32 @@ PYBIND11_MODULE(_engine, m) {
           "allreduce",
           [](py::object self, const std::vector<py::array>& arrays, bool average) {
             auto& ring = self.cast<RingAllreduce&>();
-            std::vector<ConstSpan> spans;
             DType dtype = DType::kFloat32;
-            for (size_t i = 0; i < arrays.size(); ++i) {
-              const py::array& a = arrays[i];
-              const char kind = a.dtype().kind();
-              const auto size = a.dtype().itemsize();
-              if (kind != 'f' || (size != 4 && size != 8))
-                throw py::type_error("allreduce supports float32 and float64 tensors");
-              const DType d = size == 4 ? DType::kFloat32 : DType::kFloat64;
-              if (i == 0) dtype = d;
-              if (d != dtype) throw py::type_error("allreduce: all tensors must share one dtype");
-              if (!(a.flags() & py::array::c_style))
-                throw py::value_error("allreduce: tensors must be C-contiguous");
-              spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
-              pin(*ring.engine(), a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
-            }
+            std::vector<ConstSpan> spans = ringInputs(ring, arrays, &dtype);
             RingAllreduce::Result r;
             {
               py::gil_scoped_release nogil;
               r = guarded(*ring.engine(), -1, [&] { return ring.run(spans, dtype, average); });
             }
-            // Views into the output block, 64-byte aligned: TensorFlow aliases them.
-            py::list result;
-            for (size_t i = 0; i < arrays.size(); ++i) {
-              std::vector<py::ssize_t> shape(arrays[i].shape(), arrays[i].shape() + arrays[i].ndim());
-              result.append(py::array(arrays[i].dtype(), shape, r.out + r.offsets[i], self));
-            }
-            return result;
+            return ringOutputs(self, arrays, r);
           },
-          py::arg("arrays"), py::arg("average") = false);
+          py::arg("arrays"), py::arg("average") = false)
+      .def(
+          "allreduce_hierarchical",
+          [](py::object self, const std::vector<py::array>& arrays, bool average, RingAllreduce& across,
+             int world) {
+            auto& ring = self.cast<RingAllreduce&>();
+            DType dtype = DType::kFloat32;
+            std::vector<ConstSpan> spans = ringInputs(ring, arrays, &dtype);
+            RingAllreduce::Result r;
+            {
+              py::gil_scoped_release nogil;
+              r = guarded(*ring.engine(), -1,
+                          [&] { return hierarchicalAllreduce(ring, across, spans, dtype, average, world); });
+            }
+            return ringOutputs(self, arrays, r);
+          },
+          py::arg("arrays"), py::arg("average"), py::arg("across"), py::arg("world"));
 
   // The benchmarks' timed loops in a submodule of their own, so the module's top level is the engine's;
   // registered in sys.modules too, so `import rdkeras._engine.bench` (and stubtest) finds it.

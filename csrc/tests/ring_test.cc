@@ -2,11 +2,13 @@
 // this process (one thread per rank), so a wrong step schedule gives wrong sums here.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/collectives.h"
@@ -177,4 +179,84 @@ TEST_CASE("RingAllreduce sums exactly on every rank, over several ranks, buckets
 TEST_CASE("RingAllreduce over tcp, and over a subgroup listed out of order") {
   checkRing<float>({3, {}, size_t{4} << 10, DType::kFloat32}, "tcp");
   checkRing<float>({4, {3, 0, 2}, size_t{4} << 10, DType::kFloat32}, "shm");
+}
+
+TEST_CASE("hierarchicalAllreduce sums exactly on every rank: hosts x workers, passes and dtypes") {
+  // Rank r is worker r % L of host r / L; `inside` rings the host's workers, `across` the workers at one
+  // position on every host.
+  const std::vector<size_t> counts = {1, 3, 0, 17, 1000, 17, 4099};
+  for (auto [hosts, locals] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}, std::pair{2, 1}}) {
+    for (size_t bucket : {size_t{4} << 10, size_t{1} << 20}) {
+      CAPTURE(hosts);
+      CAPTURE(locals);
+      CAPTURE(bucket);
+      const int world = hosts * locals;
+      auto engines = connectedEngines(world, "shm");
+      size_t capacity = 0;
+      for (size_t count : counts) capacity += count * sizeof(float) + 64;
+      std::vector<std::shared_ptr<RingAllreduce>> inside(world), across(world);
+      for (int r = 0; r < world; ++r) {
+        std::vector<int> host, position;
+        for (int l = 0; l < locals; ++l) host.push_back(r / locals * locals + l);
+        for (int h = 0; h < hosts; ++h) position.push_back(h * locals + r % locals);
+        inside[r] = std::make_shared<RingAllreduce>(engines[r], capacity, bucket, host);
+        across[r] = std::make_shared<RingAllreduce>(engines[r], bucket, bucket, position);
+      }
+      auto connect = [&](std::vector<std::shared_ptr<RingAllreduce>>& rings, auto ring_of) {
+        for (int r = 0; r < world; ++r) {
+          const std::vector<int> m = ring_of(r);
+          const int n = static_cast<int>(m.size()),
+                    at = static_cast<int>(std::find(m.begin(), m.end(), r) - m.begin());
+          if (n > 1)
+            rings[r]->connect(rings[m[(at + n - 1) % n]]->localDescriptor(),
+                              rings[m[(at + 1) % n]]->localDescriptor());
+        }
+      };
+      connect(inside, [&](int r) {
+        std::vector<int> m;
+        for (int l = 0; l < locals; ++l) m.push_back(r / locals * locals + l);
+        return m;
+      });
+      connect(across, [&](int r) {
+        std::vector<int> m;
+        for (int h = 0; h < hosts; ++h) m.push_back(h * locals + r % locals);
+        return m;
+      });
+      std::vector<std::vector<std::string>> wrong(world);
+      onEveryRank(world, [&](int r) {
+        for (int call = 0; call < 3; ++call) {
+          const bool average = call == 1;
+          std::vector<std::vector<float>> data(counts.size());
+          std::vector<ConstSpan> inputs;
+          for (size_t i = 0; i < counts.size(); ++i) {
+            for (size_t j = 0; j < counts[i]; ++j)
+              data[i].push_back(static_cast<float>(contribution(r, i, j, call)));
+            inputs.push_back({data[i].data(), counts[i] * sizeof(float)});
+          }
+          const RingAllreduce::Result result =
+              hierarchicalAllreduce(*inside[r], *across[r], inputs, DType::kFloat32, average, world);
+          for (size_t i = 0; i < counts.size(); ++i) {
+            const float* got = reinterpret_cast<const float*>(result.out + result.offsets[i]);
+            for (size_t j = 0; j < counts[i]; ++j) {
+              double want = 0;
+              for (int m = 0; m < world; ++m) want += contribution(m, i, j, call);
+              if (average) want /= world;
+              if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
+                wrong[r].push_back(
+                    strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
+                break;
+              }
+            }
+          }
+        }
+      });
+      inside.clear();
+      across.clear();
+      for (int r = 0; r < world; ++r) {
+        INFO("rank ", r, ": ", wrong[r].size(),
+             " wrong tensors, first: ", wrong[r].empty() ? "" : wrong[r][0]);
+        CHECK(wrong[r].empty());
+      }
+    }
+  }
 }

@@ -36,6 +36,40 @@ def _wire_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.kind == "f" or dtype.name == "bfloat16" else np.dtype(np.float64)
 
 
+ALGORITHMS = ("auto", "ring", "hierarchical")
+
+
+def host_groups(hosts: Sequence[str], members: Sequence[int]) -> list[list[int]]:
+    """The members grouped by host (`hosts[rank]`): hosts in the order of their first member, ranks in order."""
+    groups: dict[str, list[int]] = {}
+    for rank in members:
+        groups.setdefault(hosts[rank], []).append(rank)
+    return list(groups.values())
+
+
+def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[str, str]:
+    """(the allreduce algorithm, why) for members grouped by host. "auto": hierarchical where there are several
+    hosts with the same number (> 1) of members each -- only then does reducing inside each host first take
+    bytes off the links between hosts -- else the ring."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    sizes = sorted({len(g) for g in groups})
+    shape = f"{len(groups)} host(s) x {sizes[0]} worker(s)" if len(sizes) == 1 else f"hosts of {sizes} workers"
+    if algorithm == "ring":
+        return "ring", "asked for"
+    if algorithm == "hierarchical":
+        if len(sizes) > 1:
+            raise ValueError(
+                f"algorithm='hierarchical' needs the same number of workers on every host; these hosts have "
+                f"{', '.join(str(len(g)) for g in groups)}: use algorithm='ring' (or 'auto')"
+            )
+        return "hierarchical", f"asked for ({shape})"
+    if len(groups) > 1 and len(sizes) == 1 and sizes[0] > 1:
+        return "hierarchical", f"{shape}: sum inside each host, shards across hosts, share inside each host"
+    why = "one host" if len(groups) == 1 else "one worker per host" if sizes == [1] else "unequal hosts"
+    return "ring", f"{shape} ({why})"
+
+
 class Collectives:
     """Allreduce helpers over the engine, created lazily and identically on every member.
 
@@ -44,13 +78,51 @@ class Collectives:
         bucket_bytes: Bytes the ring moves per pass.
         members: The ranks taking part, in ring order (default: all).
         name: A prefix keeping this instance's rings apart from another's.
+        algorithm: "ring" (one ring over the members), "hierarchical" (see :class:`HierarchicalAllreduce`) or
+            "auto" (:func:`choose_algorithm`, from where the members run).
+        hosts: Each rank's host identity, by rank (default: the engine's; the first allreduce asks for it, so
+            give it when only some ranks are members).
     """
 
-    def __init__(self, engine: Engine, bucket_bytes: int, members: list[int] | None = None, name: str = ""):
+    def __init__(
+        self,
+        engine: Engine,
+        bucket_bytes: int,
+        members: list[int] | None = None,
+        name: str = "",
+        algorithm: str = "ring",
+        hosts: Sequence[str] | None = None,
+    ):
         self.engine, self.bucket_bytes, self.name = engine, bucket_bytes, name
         self.members = list(range(engine.world_size)) if members is None else list(members)
         self._rings: dict[tuple[str, str], tuple[Ring, int]] = {}
         self._serial = itertools.count()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        self.requested, self._hosts = algorithm, None if hosts is None else list(hosts)
+        self._chosen: tuple[str, str] | None = None
+        self._hierarchy: HierarchicalAllreduce | None = None
+
+    @property
+    def algorithm(self) -> tuple[str, str]:
+        """(the allreduce algorithm in use, why); collective the first time where it depends on the hosts."""
+        if self._chosen is None:
+            if self.requested == "ring" or self.size == 1:
+                self._chosen = ("ring", "asked for" if self.requested == "ring" else "one member")
+            elif not transports.get(self.engine.transport).hierarchical:
+                if self.requested == "hierarchical":
+                    raise ValueError(
+                        f"algorithm='hierarchical' runs in the engine; transport {self.engine.transport!r} is a "
+                        "baseline with a flat ring of its own: use algorithm='ring' (or 'auto') with it"
+                    )
+                self._chosen = ("ring", f"transport {self.engine.transport!r} has a flat ring of its own")
+            else:
+                hosts = self._hosts if self._hosts is not None else self.engine.hosts()
+                groups = host_groups(hosts, self.members)
+                self._chosen = choose_algorithm(self.requested, groups)
+                if self._chosen[0] == "hierarchical":
+                    self._hierarchy = HierarchicalAllreduce(self, groups)
+        return self._chosen
 
     @property
     def size(self) -> int:
@@ -81,12 +153,17 @@ class Collectives:
         groups: dict[str, list[int]] = {}
         for i, a in enumerate(arrays):
             groups.setdefault(np.dtype(a.dtype).name, []).append(i)
+        hierarchical = self.size > 1 and self.algorithm[0] == "hierarchical"
         for dtype, idx in sorted(groups.items()):
             if dtype not in _FLOAT_KINDS:
                 raise TypeError(f"cannot allreduce {dtype} tensors (float32/float64 only)")
             group = [np.ascontiguousarray(arrays[i]) for i in idx]
-            ring = self._ring(purpose, dtype, sum(a.nbytes + 64 for a in group))
-            for i, r in zip(idx, ring(group, average), strict=True):
+            if hierarchical:
+                assert self._hierarchy is not None  # (set with the choice)
+                reduced = self._hierarchy(group, average, purpose)
+            else:
+                reduced = self._ring(purpose, dtype, sum(a.nbytes + 64 for a in group))(group, average)
+            for i, r in zip(idx, reduced, strict=True):
                 out[i] = r
         return out
 
@@ -129,6 +206,40 @@ class Collectives:
         full[start : start + len(array)] = array
         (summed,) = self.allreduce([full], average=False, purpose="rows")
         return summed.astype(array.dtype)
+
+
+class HierarchicalAllreduce:
+    """A sum over hosts of L members each, in the engine (``hierarchicalAllreduce``, csrc/engine/collectives.cc):
+    a ring inside each host reduce-scatters every pass (shared memory), the members holding the same chunk on
+    every host (one per position) sum it across hosts -- every host's L links busy at once, each host sending
+    2(H-1)/H of the bytes in all where a flat ring sends 2(N-1)/N per rank -- and the ring inside the host
+    allgathers the sums. Every member ends with the same bits."""
+
+    def __init__(self, collectives: Collectives, groups: list[list[int]]):
+        me = collectives.engine.rank
+        host = next(h for h, g in enumerate(groups) if me in g)
+        self.position, self.locals_ = groups[host].index(me), len(groups[host])
+        base, size = collectives.name, collectives.bucket_bytes
+        self.inside = Collectives(collectives.engine, size, groups[host], name=f"{base}host{host}/")
+        self.across = Collectives(
+            collectives.engine, size, [g[self.position] for g in groups], name=f"{base}shard{self.position}/"
+        )
+        self.world = collectives.size
+
+    def __call__(self, arrays: list[np.ndarray], average: bool, purpose: str) -> list[np.ndarray]:
+        """The sums (means) of same-dtype arrays; views of registered memory, valid until the next-but-one
+        call for this purpose."""
+        dtype = np.dtype(arrays[0].dtype).name
+        total = sum(a.nbytes + 64 for a in arrays)
+        inside = self.inside._ring(purpose, dtype, total)
+        # The chunk a member holds after a pass's reduce-scatter: at most a 1/L share of a pass, 64-byte rounded.
+        chunk = -(-min(total, inside.end.capacity, self.bucket_bytes) // self.locals_) + 64
+        across = self.across._ring(purpose, dtype, chunk)
+        return inside.hierarchical(arrays, average, across, self.world)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.inside.bucket_bytes
 
 
 def share_variables(collectives: Collectives, variables: Sequence[Any], owners: Sequence[int]) -> None:

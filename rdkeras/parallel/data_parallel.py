@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import fitting, keras_internals
+from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
@@ -43,6 +44,8 @@ class DataParallel(Parallelism):
         overlap_bytes: Gradient bucket size with which the exchange overlaps backprop, for models attached
             from now on (0: one exchange after the backward pass; None: the transport's default,
             :func:`rdkeras.parallel.collectives.overlap_bytes`).
+        algorithm: The allreduce: "auto" (hierarchical across hosts of equal worker counts, else the ring),
+            "ring" or "hierarchical" (:class:`rdkeras.parallel.collectives.HierarchicalAllreduce`).
     """
 
     def __init__(
@@ -52,9 +55,10 @@ class DataParallel(Parallelism):
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
         overlap_bytes: int | None = None,
+        algorithm: str = "auto",
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
-        self.collectives = Collectives(engine, bucket_bytes)
+        self.collectives = Collectives(engine, bucket_bytes, algorithm=algorithm)
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
         self.batch_norm = SynchronizedMoments(self.collectives)
         self._models: list[Any] = []
@@ -82,6 +86,10 @@ class DataParallel(Parallelism):
         if model.jit_compile:
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
         optimizer = model.optimizer
+        if self.num_workers > 1 and self.mode == "allreduce":
+            chosen, why = self.collectives.algorithm  # collective (every worker attaches); the plan reads it later
+            if self.engine.rank == 0 and self.collectives.requested != "ring":
+                logger.info(f"allreduce: {chosen} ({why})")
         overlap = collectives.overlap_bytes(self.engine.transport) if self.overlap_bytes is None else self.overlap_bytes
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
@@ -234,9 +242,10 @@ class DataParallel(Parallelism):
             (v.path, tuple(v.shape), str(v.dtype), int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize)
             for v in model.trainable_variables
         ]
+        algorithm = self.collectives.algorithm if self.num_workers > 1 else ("ring", "one worker")
         return ExchangePlan(
             self.mode, self.num_workers, self.engine.transport, self.global_batch_size, variables,
-            self.collectives.bucket_bytes,
+            self.collectives.bucket_bytes, algorithm,
         )  # fmt: skip
 
 
@@ -250,6 +259,7 @@ class ExchangePlan:
     global_batch: int | None
     variables: list[tuple[str, tuple, str, int]]  # (path, shape, dtype, bytes) of each trainable variable
     bucket_bytes: int
+    algorithm: tuple[str, str] = ("ring", "")  # (allreduce algorithm, why it was chosen)
 
     @property
     def gradient_bytes(self) -> int:
@@ -270,10 +280,14 @@ class ExchangePlan:
         ]
         if self.mode == "allreduce":
             passes = max(1, math.ceil(total / self.bucket_bytes))
-            lines.append(
-                f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
-                f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
-            )
+            name, why = self.algorithm
+            if name == "ring":
+                lines.append(
+                    f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
+                    f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
+                )
+            else:
+                lines.append(f"Each step: a {name} allreduce of {total:,} gradient bytes ({why}).")
         else:
             lines.append(
                 f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "

@@ -78,15 +78,15 @@ ONE_PROCESS_DIR = "one_process"
 
 
 def compare_with_one_process(config_path: Path, output_dir: Path, timeout: float | None) -> dict:
-    """The run's training again in one process (no logger, callbacks or checkpoints), into ``one_process/``; its
-    throughput and final logs go into the run's results.json and a last summary line. Returns the results."""
+    """The run's training again in one process, into ``one_process/`` (its callbacks and TensorBoard events there,
+    so both runs pay the same per-step work); its throughput and final logs go into the run's results.json and
+    a last summary line. Returns the results."""
     from omegaconf import OmegaConf
 
     from rdkeras.train import summary
 
     cfg = OmegaConf.load(config_path)
-    cfg.cluster.num_workers, cfg.trainer.verbose, cfg.trainer.compare_one_process = 1, 0, False
-    cfg.logger.tensorboard, cfg.callbacks = False, {}
+    cfg.cluster.num_workers, cfg.trainer.compare_one_process = 1, False
     folder = output_dir / ONE_PROCESS_DIR
     folder.mkdir(exist_ok=True)
     OmegaConf.save(cfg, folder / RESOLVED_CONFIG)

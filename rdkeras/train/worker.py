@@ -32,6 +32,8 @@ def make_strategy(cfg: Any) -> Any:
     }
     if parallel.parallelism in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
+    if parallel.parallelism == "data" and parallel.get("algorithm") is not None:
+        kwargs.update(algorithm=parallel.algorithm)
     if parallel.parallelism in ("model", "hybrid"):
         kwargs.update(placement=dict(parallel.placement), micro_batches=parallel.micro_batches)
     if parallel.get("stages") is not None:

@@ -38,6 +38,9 @@ class BackendSpec:
     # The exchange's bytes are copied by this process's own cores (shm: a memcpy into the peer's memory),
     # so overlapping it with compute on the same cores only takes turns (rdkeras.parallel.collectives).
     copies_on_own_cores: bool = False
+    # Its rings run in the engine, which also composes them into the hierarchical allreduce across hosts (the
+    # baselines' rings are flat, in Python, as TensorFlow's gRPC collective is).
+    hierarchical: bool = True
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -151,7 +154,9 @@ register(
         _native("verbs"),
     )
 )
-register(BackendSpec("grpc", "the RPC baseline: TensorProto-style messages over gRPC", lambda: "", _grpc))
+register(
+    BackendSpec("grpc", "the RPC baseline: TensorProto-style messages over gRPC", lambda: "", _grpc, hierarchical=False)
+)
 
 
 def _rpc(inner: str) -> Callable[[BackendConfig], Backend]:
@@ -172,6 +177,7 @@ for _inner in ("shm", "tcp", "verbs"):
             get(_inner).why_not_viable,
             _rpc(_inner),
             copies_on_own_cores=get(_inner).copies_on_own_cores,  # the frames move as the inner's bytes do
+            hierarchical=False,
         )
     )
 

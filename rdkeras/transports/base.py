@@ -116,6 +116,15 @@ class Ring(Protocol):
         """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype."""
 
 
+class HierarchicalRing(Ring, Protocol):
+    """An engine ring (a backend whose spec says ``hierarchical``), which also runs the hierarchical allreduce:
+    this ring inside the host, `across` over the members at this position on every host."""
+
+    def allreduce_hierarchical(
+        self, arrays: Sequence[np.ndarray], average: bool, across: HierarchicalRing, world: int
+    ) -> list[np.ndarray]: ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One process's endpoint: memory, one-sided operations, channels, rings."""

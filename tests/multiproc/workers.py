@@ -509,6 +509,44 @@ def new_variables(odd_rank: int) -> dict:
         return {"values": [v.value.tolist() for v in made]}
 
 
+def hosts_allreduce(hosts: list[str], algorithm: str, sizes: list[int], calls: int = 3, bucket: int = 1 << 16) -> dict:
+    """`calls` allreduces (sums, then means) of float32 and float64 tensors of `sizes`, the ranks grouped into
+    `hosts`, in passes of `bucket` bytes; each call's inputs differ, so a result kept from an earlier call would
+    show."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine() as eng:
+        collectives = Collectives(eng, bucket, algorithm=algorithm, hosts=hosts)
+        out: dict = {"algorithm": collectives.algorithm[0], "calls": []}
+        for call in range(calls):
+            rng = np.random.default_rng(1000 * call + eng.rank)
+            arrays = [rng.standard_normal(n).astype(np.float32 if i % 2 else np.float64) for i, n in enumerate(sizes)]
+            average = call % 2 == 1
+            reduced = collectives.allreduce(arrays, average=average)
+            out["calls"].append({"average": average, "sums": [r.tolist() for r in reduced]})
+        return out
+
+
+def hierarchical_with_a_death(victim: int) -> dict:
+    """2 hosts x 2 ranks allreduce 8 MB hierarchically again and again; `victim` dies before its fourth call,
+    while the others are inside theirs."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine(timeout=60) as eng:
+        collectives = Collectives(eng, 1 << 20, algorithm="hierarchical", hosts=["a", "a", "b", "b"])
+        x = np.ones(2 << 20, np.float32)
+        t0 = time.monotonic()
+        try:
+            for i in range(1000):
+                if eng.rank == victim and i == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                collectives.allreduce([x], average=False)
+                t0 = time.monotonic()
+        except EngineError as e:
+            return {"error": _error(e), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
 def _comm(task: str) -> str:
     try:
         with open(f"/proc/self/task/{task}/comm") as f:

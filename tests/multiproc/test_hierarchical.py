@@ -1,0 +1,82 @@
+"""The hierarchical allreduce: equal to a numpy sum on every rank, the same bits everywhere, whatever the hosts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rdkeras.parallel.collectives import choose_algorithm, host_groups
+from tests.conftest import run_ranks, run_threads
+
+SIZES = [1, 7, 1000, 33, 4099, 0, 64]  # odd sizes, an empty tensor, many small ones among larger
+# 2 hosts x 2, 3 hosts x 2 with interleaved ranks, 2 hosts x 3, 2 hosts x 1.
+LAYOUTS = [["a", "a", "b", "b"], ["a", "b", "a", "b", "c", "c"], ["a", "a", "a", "b", "b", "b"], ["a", "b"]]
+
+
+def _inputs(rank: int, call: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * call + rank)
+    return [rng.standard_normal(n).astype(np.float32 if i % 2 else np.float64) for i, n in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize("bucket", [1 << 16, 4096], ids=["one-pass", "many-passes"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "shm+tcp"])
+@pytest.mark.parametrize("hosts", LAYOUTS)
+def test_every_rank_gets_the_numpy_sum_and_the_same_bits(transport, hosts, bucket):
+    results = run_threads(
+        "hosts_allreduce", len(hosts), transport=transport, hosts=hosts, algorithm="hierarchical", sizes=SIZES,
+        bucket=bucket,
+    )  # fmt: skip
+    assert all(r.value["algorithm"] == "hierarchical" for r in results)
+    for call, got in enumerate(results[0].value["calls"]):
+        want = [sum(_inputs(rank, call)[i].astype(np.float64) for rank in range(len(hosts))) for i in range(len(SIZES))]
+        if got["average"]:
+            want = [w / len(hosts) for w in want]
+        for i, (g, w) in enumerate(zip(got["sums"], want, strict=True)):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=f"call {call}, tensor {i}")
+    for r in results[1:]:
+        assert r.value["calls"] == results[0].value["calls"], f"rank {r.rank} holds other bits than rank 0"
+
+
+def test_auto_chooses_by_where_the_workers_run():
+    def choose(hosts):
+        return choose_algorithm("auto", host_groups(hosts, range(len(hosts))))
+
+    assert choose(["a", "a", "b", "b"]) == (
+        "hierarchical",
+        "2 host(s) x 2 worker(s): sum inside each host, shards across hosts, share inside each host",
+    )
+    assert choose(["a", "a"]) == ("ring", "1 host(s) x 2 worker(s) (one host)")
+    assert choose(["a", "b", "c"]) == ("ring", "3 host(s) x 1 worker(s) (one worker per host)")
+    assert choose(["a", "a", "b"]) == ("ring", "hosts of [1, 2] workers (unequal hosts)")
+    with pytest.raises(ValueError, match=r"needs the same number of workers on every host; these hosts have 2, 1"):
+        choose_algorithm("hierarchical", host_groups(["a", "a", "b"], range(3)))
+    with pytest.raises(ValueError, match=r"algorithm must be one of auto, ring, hierarchical, got 'tree'"):
+        choose_algorithm("tree", [[0]])
+    # On one host (every test machine) auto is the flat ring, and says so.
+    results = run_threads("hosts_allreduce", 2, hosts=["a", "a"], algorithm="auto", sizes=[5], calls=1)
+    assert [r.value["algorithm"] for r in results] == ["ring", "ring"]
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["a-shard-owner-of-host-a", "a-member-of-host-b"])
+def test_a_rank_killed_mid_allreduce_is_named_by_every_other(victim):
+    results = run_ranks("hierarchical_with_a_death", 4, check=False, timeout=120, victim=victim)
+    assert results[victim].returncode == -9
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.returncode == 0 and r.value["error"] is not None, (r.rank, r.output[-2000:])
+        kind, message, rank = r.value["error"]
+        assert kind == "PeerError" and rank == victim and f"rank {victim}" in message, (r.rank, message)
+        assert r.value["seconds"] < 10, (r.rank, r.value)
+
+
+def test_the_plan_says_which_allreduce_and_why():
+    from rdkeras.parallel.data_parallel import ExchangePlan
+
+    why = "2 host(s) x 2 worker(s): sum inside each host, shards across hosts, share inside each host"
+    plan = ExchangePlan(
+        "allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26, ("hierarchical", why)
+    )
+    assert f"Each step: a hierarchical allreduce of 64 gradient bytes ({why})." in plan.text()
+    flat = ExchangePlan("allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26)
+    assert "one ring allreduce of 64 gradient bytes" in flat.text()
