@@ -12,9 +12,17 @@ from tests.conftest import launch_in_turn, run_ranks
 
 TARGET = "tests.multiproc.lifecycle_workers"
 MODES = ["allreduce", "ps"]
+# Parameter-server mode's saving and resuming run with -m slow (the default run keeps allreduce's): the fixtures
+# below train it only where a slow test is selected.
+MODE_PARAMS = ["allreduce", pytest.param("ps", marks=pytest.mark.slow)]
 POLICIES = ["float32", "mixed_float16"]  # float32, then mixed precision (loss scaling)
 # The module fixtures below run several tests' trainings in one launch.
 pytestmark = pytest.mark.timeout(900)
+
+
+def _modes(config) -> list[str]:
+    """The data modes whose lifecycle runs train: PS mode's only where slow tests are selected (-m slow)."""
+    return MODES if "slow" in (config.option.markexpr or "").replace("not slow", "") else ["allreduce"]
 
 
 def _close(a, b, tol):
@@ -28,11 +36,11 @@ def _same_state(got: dict, want: dict, tol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict:
+def killed(tmp_path_factory, request) -> dict:
     """For each data mode, a launch whose rank 1 is killed as epoch 2 begins: the job fails, naming it, and
     BackupAndRestore holds epoch 1's state in the backup folder."""
     out = {}
-    for mode in MODES:
+    for mode in _modes(request.config):
         backup = str(tmp_path_factory.mktemp(f"backup-{mode}") / "backup")
         failed = run_ranks(
             "train_with_backup", 2, module=TARGET, timeout=300, check=False, backup_dir=backup, mode=mode,
@@ -43,13 +51,13 @@ def killed(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_workers(killed, tmp_path_factory):
+def two_workers(killed, tmp_path_factory, request):
     """The other 2-worker runs of the tests here, one after another in one launch (TensorFlow imports once a
     worker): saving (both modes, both policies), the killed runs relaunched, the custom loop and its
     one-process reference."""
     saved = tmp_path_factory.mktemp("saved")
     jobs: dict = {}
-    for mode in MODES:
+    for mode in _modes(request.config):
         jobs[f"save/{mode}"] = (
             f"{TARGET}:save_all",
             {"out_dir": str(saved / mode), "mode": mode, "policies": POLICIES},
@@ -76,14 +84,15 @@ def two_workers(killed, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loaded(two_workers) -> dict:
+def loaded(two_workers, request) -> dict:
     """Every saved folder, loaded in one fresh process that never imports rdkeras."""
     from tests.multiproc.lifecycle_workers import load_in_fresh_process
 
-    return load_in_fresh_process([two_workers.kwargs[f"save/{mode}"]["out_dir"] for mode in MODES], POLICIES)
+    folders = [two_workers.kwargs[f"save/{mode}"]["out_dir"] for mode in _modes(request.config)]
+    return load_in_fresh_process(folders, POLICIES)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODE_PARAMS)
 def test_saved_files_load_where_rdkeras_is_not_installed(two_workers, loaded, mode):
     results = two_workers(f"save/{mode}")
     loaded_all = loaded[two_workers.kwargs[f"save/{mode}"]["out_dir"]]
@@ -122,7 +131,7 @@ def _check_saved(chief: dict, other: dict, loaded: dict, policy: str) -> None:
     assert not loaded["json_mentions_rdkeras"] and loaded["from_json"] == "Sequential"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODE_PARAMS)
 def test_killed_worker_resumes_with_backup_and_restore(killed, two_workers, mode):
     # Rank 1 is killed as epoch 2 begins: the job fails, naming it.
     failed = killed[mode]["failed"]

@@ -31,6 +31,7 @@ def _png(path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_sendrecv_figure_report_and_scale_model_calibration(tmp_path):
     _paper(tmp_path, "--figures", "sendrecv", timeout=240)
     results = json.loads((tmp_path / "results.json").read_text())

@@ -142,6 +142,7 @@ def test_two_by_two_fit_equals_one_process(two_host_job):
             np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
     """README's `python -m rdkeras.launch --nnodes 2 ... -m rdkeras.train +recipe=fcn5`, one per "host"."""
     small = ["model.input_dim=256", "model.hidden=128", "trainer.epochs=1", "trainer.steps_per_epoch=4"]

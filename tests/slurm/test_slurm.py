@@ -116,6 +116,7 @@ def test_sbatch_script_runs_and_a_failing_job_is_reported(slurm, env, tmp_path):
     assert "rdkeras.train: error: trainer.batch_size must be a whole number >= 1, got 0" in logs
 
 
+@pytest.mark.slow
 def test_hydra_submitit_launcher_runs_a_recipe_and_reports_a_failed_job(slurm, env, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
     sweep = tmp_path / "multirun"

@@ -74,7 +74,11 @@ def _temporaries(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     ("kind", "size_kb", "saved"),
-    [("weights", 1700, "ck.weights.h5"), ("model", 1700, "ck.keras"), ("backup", 1700, "backup/latest.weights.h5")],
+    [
+        ("weights", 1700, "ck.weights.h5"),  # the default run keeps one kind; -m slow the whole-model and backup saves
+        pytest.param("model", 1700, "ck.keras", marks=pytest.mark.slow),
+        pytest.param("backup", 1700, "backup/latest.weights.h5", marks=pytest.mark.slow),
+    ],
 )
 def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_file(tmp_path, kind, size_kb, saved):
     with _tmpfs(tmp_path / "disk", size_kb) as disk:
