@@ -210,21 +210,22 @@ def test_keras_warnings_about_the_program_come_from_the_chief_alone(two_workers)
 def test_tf_distribute_custom_loop_runs_with_only_the_strategy_line_changed(two_workers):
     # Model and optimizer made in scope (rank 1 seeded apart: the scope gives it the chief's values),
     # apply_gradients inside strategy.run sums over replicas, reduce(SUM, axis=None) gives the global loss.
-    first, second = (r.value for r in two_workers("mwms custom loop"))
-    alone = two_workers("mwms custom loop in one process")[0].value
-    assert first == second
-    _close(first["weights"], alone["weights"], 1e-5)
-    _close(first["losses"], alone["losses"], 1e-5)
+    _replicas_agree_with_one_process(two_workers, "mwms custom loop", ["weights", "losses"])
 
 
 def test_synchronized_batchnorm_normalizes_with_the_global_batch(two_workers):
     # BatchNormalization(synchronized=True): moments over both workers' rows, so weights and moving statistics
     # are one process's (unsynchronized, each worker's own batch gives other moments: 0.03 apart after 2 epochs).
-    first, second = (r.value for r in two_workers("synchronized batchnorm"))
-    alone = two_workers("synchronized batchnorm in one process")[0].value
+    _replicas_agree_with_one_process(two_workers, "synchronized batchnorm", ["weights", "statistics"])
+
+
+def _replicas_agree_with_one_process(two_workers, key: str, fields: list[str]) -> None:
+    """Job `key`'s two workers hold the same bits, and `fields` equal job "`key` in one process"'s within 1e-5."""
+    first, second = (r.value for r in two_workers(key))
+    alone = two_workers(f"{key} in one process")[0].value
     assert first == second
-    _close(first["weights"], alone["weights"], 1e-5)
-    _close(first["statistics"], alone["statistics"], 1e-5)
+    for field in fields:
+        _close(first[field], alone[field], 1e-5)
 
 
 def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_changed(tmp_path):
