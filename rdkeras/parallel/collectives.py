@@ -54,7 +54,12 @@ def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[s
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     sizes = sorted({len(g) for g in groups})
-    shape = f"{len(groups)} host(s) x {sizes[0]} worker(s)" if len(sizes) == 1 else f"hosts of {sizes} workers"
+    hosts, each = len(groups), sizes[0]
+    shape = (
+        f"{hosts} host{'s' * (hosts > 1)} x {each} worker{'s' * (each > 1)}"
+        if len(sizes) == 1
+        else f"hosts of {' and '.join(map(str, sizes))} workers"
+    )
     if algorithm == "ring":
         return "ring", "asked for"
     if algorithm == "hierarchical":
@@ -67,7 +72,7 @@ def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[s
     if len(groups) > 1 and len(sizes) == 1 and sizes[0] > 1:
         return "hierarchical", f"{shape}: sum inside each host, shards across hosts, share inside each host"
     why = "one host" if len(groups) == 1 else "one worker per host" if sizes == [1] else "unequal hosts"
-    return "ring", f"{shape} ({why})"
+    return "ring", f"{shape}: {why}"
 
 
 class Collectives:

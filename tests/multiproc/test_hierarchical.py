@@ -43,11 +43,11 @@ def test_auto_chooses_by_where_the_workers_run():
 
     assert choose(["a", "a", "b", "b"]) == (
         "hierarchical",
-        "2 host(s) x 2 worker(s): sum inside each host, shards across hosts, share inside each host",
+        "2 hosts x 2 workers: sum inside each host, shards across hosts, share inside each host",
     )
-    assert choose(["a", "a"]) == ("ring", "1 host(s) x 2 worker(s) (one host)")
-    assert choose(["a", "b", "c"]) == ("ring", "3 host(s) x 1 worker(s) (one worker per host)")
-    assert choose(["a", "a", "b"]) == ("ring", "hosts of [1, 2] workers (unequal hosts)")
+    assert choose(["a", "a"]) == ("ring", "1 host x 2 workers: one host")
+    assert choose(["a", "b", "c"]) == ("ring", "3 hosts x 1 worker: one worker per host")
+    assert choose(["a", "a", "b"]) == ("ring", "hosts of 1 and 2 workers: unequal hosts")
     with pytest.raises(ValueError, match=r"needs the same number of workers on every host; these hosts have 2, 1"):
         choose_algorithm("hierarchical", host_groups(["a", "a", "b"], range(3)))
     with pytest.raises(ValueError, match=r"algorithm must be one of auto, ring, hierarchical, got 'tree'"):
@@ -73,7 +73,7 @@ def test_a_rank_killed_mid_allreduce_is_named_by_every_other(victim):
 def test_the_plan_says_which_allreduce_and_why():
     from rdkeras.parallel.data_parallel import ExchangePlan
 
-    why = "2 host(s) x 2 worker(s): sum inside each host, shards across hosts, share inside each host"
+    why = "2 hosts x 2 workers: sum inside each host, shards across hosts, share inside each host"
     plan = ExchangePlan(
         "allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26, ("hierarchical", why)
     )

@@ -111,7 +111,7 @@ def test_auto_picks_tcp_between_hosts_and_shm_within_one(two_host_job):
     # algorithm=auto: hierarchical, as 2 hosts run 2 workers each. Each host sums over shm, then worker l of each
     # host sums shard l across the hosts over tcp: every rank writes over both, and the bytes between the hosts
     # are spread evenly over its workers (a flat ring would send them all from ranks 1 and 3).
-    assert "allreduce: hierarchical (2 host(s) x 2 worker(s): sum inside each host" in two_host_job["logs"][0]
+    assert "allreduce: hierarchical (2 hosts x 2 workers: sum inside each host" in two_host_job["logs"][0]
     remote = []
     for r in two_host_job["across"]:
         traffic = r["traffic"]
