@@ -81,6 +81,18 @@ def test_a_closed_parameter_server_outlives_its_workers_last_flags(transport):
         assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameter_servers_take_many_small_gradients_as_one_message_per_owner(transport, world_size):
+    # 190 small variables (laid out before the two large ones): one write to each other owner, plus one per
+    # large gradient it owns; the averages are right every step.
+    results = _ranks("ps_many_small", world_size, transport=transport)
+    for r in results:
+        assert r.value["wrong"] == [], f"rank {r.rank}: {r.value['wrong'][:3]}"
+        assert r.value["writes"] == [r.value["owners"] + r.value["large"]] * 3, (r.rank, r.value)
+    assert max(r.value["small"] for r in results) >= 90  # some rank pushes dozens of small gradients in a message
+
+
 @pytest.mark.parametrize("transport", CONFORMING)
 def test_dynamic_channel_shape_changes_every_step(transport):
     assert _ranks("dynamic_changing_shapes", transport=transport, steps=40)[1].value == {"wrong": 0}

@@ -243,6 +243,42 @@ def ps_then_teardown(servers: int) -> dict:
     return _use_then_drop(servers, use)
 
 
+def ps_many_small(steps: int = 3) -> dict:
+    """Parameter servers for 190 small variables (Inception-v3's count) and two large ones: each step's averages,
+    and the writes each push takes (small gradients go to each owner as one message)."""
+    from rdkeras.parallel.parameter_server import FUSE_BELOW, ParameterServer
+
+    shapes = [(3 + i % 7, 5) for i in range(190)] + [(FUSE_BELOW // 4 + 3,), (FUSE_BELOW // 4 * 2,)]
+    with open_engine() as eng:
+        n, r = eng.world_size, eng.rank
+        ps = ParameterServer(eng, "many", overlap_bytes=0)
+        ps.setup(shapes, [np.float32] * len(shapes))
+        wrong, writes = [], []
+        for step in range(steps):
+            grads = [np.full(s, 100.0 * step + r + i / 1000, np.float32) for i, s in enumerate(shapes)]
+            ps.step += 1
+            before = eng.traffic()["writes"]
+            ps.push(range(len(grads)), grads)
+            writes.append(eng.traffic()["writes"] - before)
+            ps.announce()
+            for i, got in zip(ps.owned(len(grads)), ps.reduce(grads), strict=True):
+                want = np.float32(100.0 * step + (n - 1) / 2 + i / 1000)
+                if not np.allclose(got, want, rtol=1e-6):
+                    wrong.append([step, i, float(got.ravel()[0]), float(want)])
+            ps.publish_and_pull(*[np.zeros(shapes[i], np.float32) for i in ps.owned(len(grads))])
+        others = [i for i in range(len(shapes)) if ps.owner[i] != r]
+        large = [i for i in others if ps.sizes[i] >= FUSE_BELOW]
+        owners = {ps.owner[i] for i in others if ps.sizes[i] < FUSE_BELOW}  # that own small ones
+        ps.close()
+        return {
+            "wrong": wrong,
+            "writes": writes,
+            "large": len(large),
+            "owners": len(owners),
+            "small": len(others) - len(large),
+        }
+
+
 def dynamic_changing_shapes(steps: int) -> dict:
     """A dynamic channel whose shape changes every step (like a variable-length batch)."""
     wrong = 0
