@@ -83,8 +83,10 @@ class RDMAStrategy:
         settings = options.from_env()
         mode = mode or settings.data_mode
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
-        if algorithm not in ("auto", "ring", "hierarchical"):
-            raise ValueError(f"algorithm must be 'auto', 'ring' or 'hierarchical', got {algorithm!r}")
+        from rdkeras.parallel.collectives import ALGORITHMS
+
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
         keras_internals.check()
         c = cluster_lib.resolve() if cluster is None else cluster
         cluster_lib.export_local_rank(c)

@@ -238,13 +238,9 @@ class HierarchicalAllreduce:
         total = sum(a.nbytes + 64 for a in arrays)
         inside = self.inside._ring(purpose, dtype, total)
         # The chunk a member holds after a pass's reduce-scatter: at most a 1/L share of a pass, 64-byte rounded.
-        chunk = -(-min(total, inside.end.capacity, self.bucket_bytes) // self.locals_) + 64
+        chunk = -(-min(total, inside.end.capacity, self.inside.bucket_bytes) // self.locals_) + 64
         across = self.across._ring(purpose, dtype, chunk)
         return inside.hierarchical(arrays, average, across, self.world)
-
-    @property
-    def bucket_bytes(self) -> int:
-        return self.inside.bucket_bytes
 
 
 def share_variables(collectives: Collectives, variables: Sequence[Any], owners: Sequence[int]) -> None:

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -334,15 +335,24 @@ def kill_peer_during_transfer(victim: int) -> dict:
     with open_engine(timeout=60) as eng:
         ch = eng.static_channel("big", 0, 1, (16 << 20,), "uint8")
         x = np.ones(16 << 20, np.uint8)
-        t0 = time.monotonic()
-        try:
-            for i in range(1000):
-                if eng.rank == victim and i == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                ch.send(x) if eng.rank == 0 else ch.recv()
-                t0 = time.monotonic()
-        except EngineError as e:
-            return {"error": [type(e).__name__, str(e)], "seconds": time.monotonic() - t0}
+        out = _until_killed(eng, victim, lambda: ch.send(x) if eng.rank == 0 else ch.recv())
+    if out["error"] is not None:
+        out["error"] = out["error"][:2]  # (kind, message)
+    return out
+
+
+def _until_killed(eng: rdkeras.Engine, victim: int, call: Callable[[], object]) -> dict:
+    """Runs `call` again and again; `victim` kills itself before its fourth. The others return the error that
+    ended them and the seconds since their last completed call."""
+    t0 = time.monotonic()
+    try:
+        for i in range(1000):
+            if eng.rank == victim and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            call()
+            t0 = time.monotonic()
+    except EngineError as e:
+        return {"error": _error(e), "seconds": time.monotonic() - t0}
     return {"error": None}
 
 
@@ -571,16 +581,7 @@ def hierarchical_with_a_death(victim: int) -> dict:
     with open_engine(timeout=60) as eng:
         collectives = Collectives(eng, 1 << 20, algorithm="hierarchical", hosts=["a", "a", "b", "b"])
         x = np.ones(2 << 20, np.float32)
-        t0 = time.monotonic()
-        try:
-            for i in range(1000):
-                if eng.rank == victim and i == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                collectives.allreduce([x], average=False)
-                t0 = time.monotonic()
-        except EngineError as e:
-            return {"error": _error(e), "seconds": time.monotonic() - t0}
-    return {"error": None}
+        return _until_killed(eng, victim, lambda: collectives.allreduce([x], average=False))
 
 
 def _comm(task: str) -> str:
