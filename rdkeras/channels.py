@@ -13,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 
 from rdkeras.errors import EngineError
-from rdkeras.transports.base import DynamicChannelEnd, HierarchicalRing, StaticChannelEnd
+from rdkeras.transports.base import Doubling, DynamicChannelEnd, HierarchicalRing, StaticChannelEnd
 from rdkeras.transports.base import Ring as RingEnd
 
 
@@ -95,24 +95,40 @@ class DynamicChannel:
 
 
 class Ring:
-    """A ring allreduce among `members` (in ring order), set up once; call it once per exchange."""
+    """An allreduce among `members` -- a ring (in ring order), or the engine's recursive doubling -- set up once;
+    call it once per exchange."""
 
-    def __init__(self, name: str, end: RingEnd, members: list[int]):
+    def __init__(self, name: str, end: RingEnd | Doubling, members: list[int]):
         self.name, self.end, self.members = name, end, members
 
     @property
     def capacity(self) -> int:
-        """Bytes (all tensors of one call, padded) the ring's registered block holds."""
+        """Bytes (all tensors of one call, padded) the group's registered block holds."""
         return self.end.capacity
 
-    def __call__(self, arrays: Sequence[np.ndarray], average: bool = False) -> list[np.ndarray]:
+    def __call__(
+        self, arrays: Sequence[np.ndarray], average: bool = False, wire: str | None = None
+    ) -> list[np.ndarray]:
         """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype.
-        The outputs are views of registered memory, valid until the next-but-one call."""
-        return self.end.allreduce(arrays, average)
+        The outputs are views of registered memory, valid until the next-but-one call. `wire` ("float16",
+        "bfloat16"; engine groups only): float32 travels so, summed in float32 at every hop; the outputs are then
+        fresh float32 arrays."""
+        if wire is None:
+            return self.end.allreduce(arrays, average)
+        return cast(HierarchicalRing, self.end).allreduce(arrays, average, wire)
 
-    def hierarchical(self, arrays: Sequence[np.ndarray], average: bool, across: Ring, world: int) -> list[np.ndarray]:
+    def hierarchical(
+        self,
+        arrays: Sequence[np.ndarray],
+        average: bool,
+        across: Ring,
+        world: int,
+        wire: str | None = None,
+        within: bool = False,
+    ) -> list[np.ndarray]:
         """The sum over hosts (this ring: the members on this host; `across`: the members at this rank's
-        position on every host), divided by `world` for the average; views as :meth:`__call__`'s. Engine
+        position on every host), divided by `world` for the average; views as :meth:`__call__`'s. `wire`: the
+        type float32 crosses hosts as (`within`: inside each host too; the outputs are then fresh arrays). Engine
         rings only (a backend whose spec says ``hierarchical``)."""
         inside, other = cast(HierarchicalRing, self.end), cast(HierarchicalRing, across.end)
-        return inside.allreduce_hierarchical(arrays, average, other, world)
+        return inside.allreduce_hierarchical(arrays, average, other, world, wire, within)

@@ -21,7 +21,7 @@ import atexit
 import sys
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from rdkeras._log import logger
 from rdkeras.channels import DynamicChannel, Ring, StaticChannel, as_buffer
 from rdkeras.errors import EngineError, PeerError, TimeoutError, peer_error  # noqa: A004
 from rdkeras.rendezvous import Store, transport_key
-from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
+from rdkeras.transports.base import Backend, BackendConfig, NativeBackend, TransportOptions
 
 TRANSPORTS = ("auto", *transports.names())
 
@@ -384,6 +384,30 @@ class Engine:
         if n > 1:
             ring.connect(descs[0].decode(), descs[1].decode())
         return Ring(name, ring, members)
+
+    def doubling(self, name: str, capacity_bytes: int, members: Sequence[int] | None = None) -> Ring:
+        """A recursive-doubling allreduce over `members` (default: all ranks): log2(N) messages of every byte,
+        where a ring sends 2(N-1) of 1/N each -- faster for small tensors. Engine transports only (a spec that
+        says ``hierarchical``); collective, as :meth:`ring`, and called the same way."""
+        self._check_open(f"allreduce {name!r}")
+        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
+        if not transports.get(self.transport).hierarchical:
+            raise ValueError(f"recursive doubling runs in the engine; transport {self.transport!r} has only its ring")
+        if capacity_bytes < 0 or self.rank not in members:
+            raise ValueError(f"allreduce {name!r}: capacity_bytes must be >= 0 and this rank among {members}")
+        if name in self._names:
+            raise ValueError(f"name {name!r} is already used on this engine")
+        self._names.add(name)
+        end = cast(NativeBackend, self.backend).doubling(capacity_bytes, members)
+        self.store.set(f"doubling/{name}/{self.rank}", end.descriptor.encode())
+        partners = [members[p] for p in end.partners]
+        got = self.store.get([f"doubling/{name}/{r}" for r in partners], waiting_for=partners)
+        descriptors = [""] * len(members)
+        for p, d in zip(end.partners, got, strict=True):
+            descriptors[p] = d.decode()
+        if len(members) > 1:
+            end.connect(descriptors)
+        return Ring(name, end, members)
 
     def barrier(self, name: str = "barrier") -> None:
         self.store.barrier(name)

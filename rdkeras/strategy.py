@@ -58,7 +58,11 @@ class RDMAStrategy:
             environment), as tf.distribute's strategies take a ``cluster_resolver``.
         algorithm: data parallelism: the allreduce, "auto" (default: hierarchical where several hosts run the
             same number of workers each -- sum inside each host, shards across hosts, share inside each host --
-            else one ring), "ring" or "hierarchical".
+            else one ring; small tensors by recursive doubling), "ring", "hierarchical" or "doubling".
+        compression: data parallelism: None (default), "fp16" or "bf16": float32 gradients cross host
+            boundaries as that 16-bit type, summed in float32 at every hop (Horovod's ``Compression.fp16``);
+            weights and everything else travel exact.
+        compress_within_hosts: compress inside a host too (default False).
     """
 
     def __init__(
@@ -77,16 +81,20 @@ class RDMAStrategy:
         overlap_bytes: int | None = None,
         cluster: cluster_lib.Cluster | None = None,
         algorithm: str = "auto",
+        compression: str | None = None,
+        compress_within_hosts: bool = False,
     ):
         if placement is not None:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
         settings = options.from_env()
         mode = mode or settings.data_mode
         check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
-        from rdkeras.parallel.collectives import ALGORITHMS
+        from rdkeras.parallel.collectives import ALGORITHMS, COMPRESSIONS
 
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
         keras_internals.check()
         c = cluster_lib.resolve() if cluster is None else cluster
         cluster_lib.export_local_rank(c)
@@ -109,7 +117,13 @@ class RDMAStrategy:
                 from rdkeras.parallel.data_parallel import DataParallel
 
                 self._parallel: Parallelism = DataParallel(
-                    self.engine, mode, bucket_bytes, global_batch, algorithm=algorithm
+                    self.engine,
+                    mode,
+                    bucket_bytes,
+                    global_batch,
+                    algorithm=algorithm,
+                    compression=compression,
+                    compress_within_hosts=compress_within_hosts,
                 )
                 self.overlap_bytes = overlap_bytes
             else:
@@ -118,8 +132,8 @@ class RDMAStrategy:
                 assert placement is not None  # (check_settings)
                 if overlap_bytes is not None:
                     raise ValueError("overlap_bytes needs parallelism='data'")
-                if algorithm != "auto":
-                    raise ValueError("algorithm needs parallelism='data'")
+                if algorithm != "auto" or compression is not None:
+                    raise ValueError("algorithm and compression need parallelism='data'")
                 if parallelism == "hybrid":
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):

@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
 fi
-"$VENV/bin/pip" install -q numpy grpcio protobuf cloudpickle pybind11 pytest pytest-timeout
+"$VENV/bin/pip" install -q numpy ml-dtypes grpcio protobuf cloudpickle pybind11 pytest pytest-timeout
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRDKERAS_TESTS=ON \
   "-DRDKERAS_SANITIZE=address,undefined" -DPython_EXECUTABLE="$PWD/$VENV/bin/python" \
   -Dpybind11_DIR="$("$VENV/bin/python" -m pybind11 --cmakedir)" > "$BUILD.log" 2>&1 || { cat "$BUILD.log"; exit 1; }
@@ -40,7 +40,7 @@ set +e
 LD_PRELOAD="$LIBASAN:$LIBSTDCXX" "$VENV/bin/python" -m pytest -p no:cacheprovider -q -o addopts="" -m "not slow" \
   tests/unit/test_engine_single.py tests/multiproc/test_conformance.py tests/multiproc/test_failures.py \
   tests/multiproc/test_hostile.py tests/multiproc/test_misuse.py tests/multiproc/test_kill_trials.py \
-  tests/multiproc/test_hierarchical.py -k "not doctor and not rdkeras_command" "$@"
+  tests/multiproc/test_hierarchical.py tests/multiproc/test_algorithms.py -k "not doctor and not rdkeras_command" "$@"
 rc=$?
 set -e
 if ls "$REPORTS"/* > /dev/null 2>&1; then

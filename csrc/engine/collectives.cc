@@ -62,7 +62,183 @@ void forEachSegment(const std::vector<ConstSpan>& inputs, const std::vector<size
   }
 }
 
+float bitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint32_t floatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+uint16_t toBFloat16(float f) {
+  const uint32_t u = floatBits(f);
+  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays quiet NaN
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+float fromBFloat16(uint16_t h) { return bitsToFloat(static_cast<uint32_t>(h) << 16); }
+
+uint16_t toFloat16(float f) {
+  const uint32_t u = floatBits(f);
+  const uint32_t sign = (u >> 16) & 0x8000, abs = u & 0x7fffffff;
+  if (abs >= 0x7f800000) return static_cast<uint16_t>(sign | (abs > 0x7f800000 ? 0x7e00 : 0x7c00));
+  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds to >= 65520: infinity
+  if (abs < 0x38800000) {  // below 2^-14: a subnormal; adding 0.5 rounds to a multiple of 2^-24
+    return static_cast<uint16_t>(sign | (floatBits(bitsToFloat(abs) + 0.5f) - 0x3f000000));
+  }
+  // Rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits to nearest even.
+  return static_cast<uint16_t>(sign | ((abs + 0xc8000fff + ((abs >> 13) & 1)) >> 13));
+}
+float fromFloat16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 0) return bitsToFloat(sign | floatBits(static_cast<float>(mant) * 0x1p-24f));
+  if (exp == 31) return bitsToFloat(sign | 0x7f800000 | (mant << 13));
+  return bitsToFloat(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void toFloat16F16c(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = toFloat16(src[i]);
+}
+__attribute__((target("avx,f16c"))) void fromFloat16F16c(const uint16_t* src, float* dst, size_t n,
+                                                         float scale) {
+  size_t i = 0;
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(
+        dst + i,
+        _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), s));
+  for (; i < n; ++i) dst[i] = fromFloat16(src[i]) * scale;
+}
+bool hasF16c() {
+  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+// out = wire((float(a) + float(b)) * scale), element-wise over a 16-bit wire type.
+template <uint16_t (*To)(float), float (*From)(uint16_t)>
+void addWire(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) out[i] = To((From(a[i]) + From(b[i])) * scale);
+}
+
+// out = (a + b) * scale over `bytes` of `dtype`; out may be a (not b).
+void addInto(DType dtype, uint8_t* out, const uint8_t* a, const uint8_t* b, size_t bytes, double scale,
+             size_t nontemporal_from) {
+  switch (dtype) {
+    case DType::kFloat32:
+      if (out == a) {
+        auto* o = reinterpret_cast<float*>(out);
+        const auto* q = reinterpret_cast<const float*>(b);
+        const auto k = static_cast<float>(scale);
+        for (size_t i = 0; i < bytes / 4; ++i) o[i] = (o[i] + q[i]) * k;
+        return;
+      }
+      return addFloat(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(a),
+                      reinterpret_cast<const float*>(b), bytes / 4, static_cast<float>(scale),
+                      nontemporal_from);
+    case DType::kFloat64:
+      if (out == a) {
+        auto* o = reinterpret_cast<double*>(out);
+        const auto* q = reinterpret_cast<const double*>(b);
+        for (size_t i = 0; i < bytes / 8; ++i) o[i] = (o[i] + q[i]) * scale;
+        return;
+      }
+      return addScaled(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(a),
+                       reinterpret_cast<const double*>(b), bytes / 8, scale);
+    case DType::kFloat16:
+      return addWire<toFloat16, fromFloat16>(
+          reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(a),
+          reinterpret_cast<const uint16_t*>(b), bytes / 2, static_cast<float>(scale));
+    case DType::kBFloat16:
+      return addWire<toBFloat16, fromBFloat16>(
+          reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(a),
+          reinterpret_cast<const uint16_t*>(b), bytes / 2, static_cast<float>(scale));
+  }
+}
+
 }  // namespace
+
+size_t dtypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    default:
+      return 2;
+  }
+}
+
+const char* dtypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    default:
+      return "bfloat16";
+  }
+}
+
+void castToWire(const float* src, uint16_t* dst, size_t n, DType wire) {
+  if (wire == DType::kBFloat16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = toBFloat16(src[i]);
+    return;
+  }
+  if (wire != DType::kFloat16)
+    throw EngineError(strCat("cannot cast float32 to ", dtypeName(wire), " for the wire"));
+#if defined(__x86_64__)
+  if (hasF16c()) return toFloat16F16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = toFloat16(src[i]);
+}
+
+void castFromWire(const uint16_t* src, float* dst, size_t n, DType wire, float scale) {
+  if (wire == DType::kBFloat16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = fromBFloat16(src[i]) * scale;
+    return;
+  }
+  if (wire != DType::kFloat16) throw EngineError(strCat("cannot cast ", dtypeName(wire), " from the wire"));
+#if defined(__x86_64__)
+  if (hasF16c()) return fromFloat16F16c(src, dst, n, scale);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = fromFloat16(src[i]) * scale;
+}
+
+uint8_t* WireScratch::get(size_t bytes) {
+  if (bytes > bytes_)
+    throw EngineError(strCat("allreduce: ", bytes, " bytes on the wire exceed the capacity of ", bytes_));
+  if (!block_) block_ = std::make_unique<RegisteredBlock>(tracker_, bytes_);  // on first use, never replaced
+  return block_->data();
+}
+
+void allreduceOnWire(const std::vector<ConstSpan>& inputs, const std::vector<float*>& outputs, DType wire,
+                     float scale, WireScratch& scratch,
+                     const std::function<AllreduceResult(const std::vector<ConstSpan>&)>& reduce) {
+  std::vector<ConstSpan> narrow;
+  for (const auto& in : inputs) narrow.push_back({nullptr, in.bytes / 2});
+  size_t total;
+  const std::vector<size_t> at = ringLayout(narrow, &total);
+  uint8_t* base = scratch.get(std::max<size_t>(total, kAlign));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    narrow[i].data = base + at[i];
+    castToWire(static_cast<const float*>(inputs[i].data), reinterpret_cast<uint16_t*>(base + at[i]),
+               inputs[i].bytes / 4, wire);
+  }
+  const AllreduceResult summed = reduce(narrow);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    castFromWire(reinterpret_cast<const uint16_t*>(summed.out + summed.offsets[i]), outputs[i],
+                 inputs[i].bytes / 4, wire, scale);
+}
 
 namespace {
 
@@ -95,7 +271,8 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
       left_(members_[(rank_ + world_ - 1) % world_]),
       right_(members_[(rank_ + 1) % world_]),
       capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
-      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
+      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)),
+      scratch_(engine_->tracker(), capacity_) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offSignature() + 64);
   block_ = registered_->data();
@@ -123,6 +300,20 @@ void RingAllreduce::connect(const std::string& left, const std::string& right) {
     throw EngineError("allreduce: neighbour descriptors from the wrong ranks");
   left_key_ = fieldNumber(left, "key");
   right_key_ = fieldNumber(right, "key");
+}
+
+uint64_t callSignature(const std::vector<ConstSpan>& inputs, DType dtype) {
+  for (const auto& in : inputs)
+    if (in.bytes % dtypeSize(dtype))
+      throw EngineError("allreduce: tensor size is not a multiple of its dtype size");
+  uint64_t signature = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) signature = (signature ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  mix(static_cast<uint64_t>(dtype));
+  mix(inputs.size());
+  for (const auto& in : inputs) mix(in.bytes);
+  return signature | 1;
 }
 
 std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total) {
@@ -166,10 +357,10 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   // Receive the left neighbour's partial sum and add our input to it.
   engine_->waitFlag(block_ + offFlag(slot), m + 1, left_, "allreduce: data from the left neighbour");
   if (signature && loadAcquire(block_ + offSignature()) != signature) {
-    const std::string why = strCat("allreduce: rank ", left_, " passed other tensors than this rank (rank ",
-                                   engine_->rank(), ": ", inputs.size(), " tensors, ", total_bytes_,
-                                   " bytes of ", dtype == DType::kFloat32 ? "float32" : "float64",
-                                   "); every member must pass the same sizes and dtype, in the same order");
+    const std::string why =
+        strCat("allreduce: rank ", left_, " passed other tensors than this rank (rank ", engine_->rank(),
+               ": ", inputs.size(), " tensors, ", total_bytes_, " bytes of ", dtypeName(dtype),
+               "); every member must pass the same sizes and dtype, in the same order");
     engine_->reportOwnFailure(why);
     throw EngineError(why);
   }
@@ -177,14 +368,8 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   const uint8_t* staged = block_ + offSlot(slot);
   forEachSegment(inputs, offsets, recv_begin, recv_end, [&](size_t i, size_t lo, size_t hi) {
     const auto* in = static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]);
-    const uint8_t* partial = staged + (lo - recv_begin);
-    if (dtype == DType::kFloat32)
-      addFloat(reinterpret_cast<float*>(out + lo), reinterpret_cast<const float*>(in),
-               reinterpret_cast<const float*>(partial), (hi - lo) / 4, static_cast<float>(scale),
-               engine_->transportOptions().nt_threshold);
-    else
-      addScaled(reinterpret_cast<double*>(out + lo), reinterpret_cast<const double*>(in),
-                reinterpret_cast<const double*>(partial), (hi - lo) / 8, scale);
+    addInto(dtype, out + lo, in, staged + (lo - recv_begin), hi - lo, scale,
+            engine_->transportOptions().nt_threshold);
   });
   t.writeFlag(left_, left_key_, offAck(), m + 1, deadline);
   ++messages_;
@@ -209,20 +394,9 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
   if (total > capacity_)
     throw EngineError(
         strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
-  const size_t elem = dtype == DType::kFloat32 ? 4 : 8;
-  for (const auto& in : inputs)
-    if (in.bytes % elem) throw EngineError("allreduce: tensor size is not a multiple of its dtype size");
   total_bytes_ = 0;
   for (const auto& in : inputs) total_bytes_ += in.bytes;
-  // What every member must agree on: dtype, count and sizes (FNV-1a; never 0).
-  uint64_t signature = 1469598103934665603ull;
-  auto mix = [&](uint64_t v) {
-    for (int i = 0; i < 8; ++i) signature = (signature ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
-  };
-  mix(static_cast<uint64_t>(dtype));
-  mix(inputs.size());
-  for (const auto& in : inputs) mix(in.bytes);
-  signature |= 1;
+  const uint64_t signature = callSignature(inputs, dtype);
   const size_t out_region_offset = (calls_++ % 2) * capacity_;
   uint8_t* out = block_ + out_region_offset;
   const int n = world_;
@@ -262,6 +436,190 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
 
 namespace {
 
+int largestPowerOfTwo(int n) {
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+
+int log2Of(int power) {
+  int k = 0;
+  while ((1 << k) < power) ++k;
+  return k;
+}
+
+}  // namespace
+
+DoublingAllreduce::DoublingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes,
+                                     std::vector<int> members)
+    : engine_(std::move(engine)),
+      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+      position_(positionOf(members_, engine_->rank())),
+      world_(static_cast<int>(members_.size())),
+      power_(largestPowerOfTwo(world_)),
+      steps_(log2Of(power_)),
+      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
+      acked_by_(steps_ + 1, -1),
+      scratch_(engine_->tracker(), capacity_) {
+  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offAck(steps_ + 1));
+  block_ = registered_->data();
+}
+
+DoublingAllreduce::~DoublingAllreduce() {
+  // A partner acks each message once it has read it: until then this rank's message may be read from its
+  // block.
+  if (calls_ == 0) return;
+  for (int step = 0; step <= steps_; ++step)
+    if (acked_by_[step] >= 0) engine_->settleFlag(block_ + offAck(step), calls_, acked_by_[step]);
+}
+
+std::string DoublingAllreduce::localDescriptor() const {
+  return strCat("doubling;rank=", engine_->rank(), ";key=", registered_->key(), ";capacity=", capacity_);
+}
+
+void DoublingAllreduce::connect(const std::vector<std::string>& descriptors) {
+  if (descriptors.size() != members_.size())
+    throw EngineError(
+        strCat("allreduce: ", descriptors.size(), " descriptors for ", members_.size(), " members"));
+  keys_.assign(descriptors.size(), 0);
+  const std::vector<int> needed = partners();
+  for (size_t p = 0; p < descriptors.size(); ++p) {
+    const std::string& d = descriptors[p];
+    if (d.empty()) {  // not a partner of this member's: never written to
+      if (std::find(needed.begin(), needed.end(), static_cast<int>(p)) != needed.end())
+        throw EngineError(strCat("allreduce: no descriptor for partner rank ", members_[p]));
+      continue;
+    }
+    if (fieldNumber(d, "rank") != static_cast<uint64_t>(members_[p]))
+      throw EngineError(strCat("allreduce: descriptor ", p, " is rank ", field(d, "rank"), "'s, not rank ",
+                               members_[p], "'s"));
+    if (fieldNumber(d, "capacity") != capacity_)
+      throw EngineError(strCat("allreduce: rank ", field(d, "rank"), " declared another capacity (", d,
+                               ") than this rank (", localDescriptor(), ")"));
+    keys_[p] = fieldNumber(d, "key");
+  }
+}
+
+std::vector<int> DoublingAllreduce::partners() const {
+  std::vector<int> out;
+  if (position_ >= power_) return {position_ - power_};
+  if (position_ + power_ < world_) out.push_back(position_ + power_);
+  for (int k = 0; k < steps_; ++k) out.push_back(position_ ^ (1 << k));
+  return out;
+}
+
+void DoublingAllreduce::send(int peer, int step, const std::vector<ConstSpan>& inputs,
+                             const std::vector<size_t>& offsets, const uint8_t* out, size_t total,
+                             uint64_t signature) {
+  Transport& t = engine_->transport();
+  const Deadline deadline = engine_->deadline();
+  const int rank = members_[peer], parity = static_cast<int>(calls_ % 2);
+  const uint64_t key = keys_[peer];
+  t.writeFlag(rank, key, offSignature(step, parity), signature, deadline);
+  if (out == nullptr) {
+    forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
+      t.write(rank, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), key,
+              offSlot(step, parity) + lo, hi - lo, deadline);
+    });
+  } else if (total > 0) {
+    t.write(rank, out, key, offSlot(step, parity), total, deadline);
+  }
+  t.writeFlag(rank, key, offFlag(step, parity), calls_ + 1, deadline);
+  acked_by_[step] = rank;
+}
+
+const uint8_t* DoublingAllreduce::receive(int peer, int step, uint64_t signature, size_t total,
+                                          const std::vector<ConstSpan>& inputs, DType dtype) {
+  const int rank = members_[peer], parity = static_cast<int>(calls_ % 2);
+  engine_->waitFlag(block_ + offFlag(step, parity), calls_ + 1, rank,
+                    "allreduce: a partial sum from a partner");
+  if (loadAcquire(block_ + offSignature(step, parity)) != signature) {
+    size_t bytes = 0;
+    for (const auto& in : inputs) bytes += in.bytes;
+    const std::string why =
+        strCat("allreduce: rank ", rank, " passed other tensors than this rank (rank ", engine_->rank(), ": ",
+               inputs.size(), " tensors, ", bytes, " bytes of ", dtypeName(dtype),
+               "); every member must pass the same sizes and dtype, in the same order");
+    engine_->reportOwnFailure(why);
+    throw EngineError(why);
+  }
+  engine_->countReceived(total);
+  return block_ + offSlot(step, parity);
+}
+
+AllreduceResult DoublingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+  size_t total;
+  std::vector<size_t> offsets = ringLayout(inputs, &total);
+  if (total > capacity_)
+    throw EngineError(
+        strCat("allreduce of ", total, " bytes exceeds this group's capacity of ", capacity_, " bytes"));
+  const uint64_t signature = callSignature(inputs, dtype);
+  const int parity = static_cast<int>(calls_ % 2);
+  uint8_t* out = block_ + parity * capacity_;
+  if (world_ > 1 && keys_.empty()) throw EngineError("allreduce: run() before connect()");
+  Transport& t = engine_->transport();
+  const size_t nt = engine_->transportOptions().nt_threshold;
+  const double last_scale = average ? 1.0 / world_ : 1.0;
+  auto addInputs = [&](const uint8_t* other, double scale) {  // out = inputs + other, tensor by tensor
+    forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
+      addInto(dtype, out + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), other + lo,
+              hi - lo, scale, nt);
+    });
+  };
+  auto ack = [&](int peer, int step) {
+    t.writeFlag(members_[peer], keys_[peer], offAck(step), calls_ + 1, engine_->deadline());
+  };
+  const int fold = steps_;    // the step index of the fold in and back
+  if (position_ >= power_) {  // hand the inputs over, get the sum back straight into this call's output block
+    const int core = position_ - power_;
+    send(core, fold, inputs, offsets, nullptr, total, signature);
+    receive(core, fold, signature, total, inputs, dtype);
+    ack(core, fold);
+    ++calls_;
+    return {out, std::move(offsets)};
+  }
+  bool from_inputs = true;  // `out` holds nothing yet: the partial sum is the inputs themselves
+  if (position_ + power_ < world_) {
+    const int extra = position_ + power_;
+    const uint8_t* theirs = receive(extra, fold, signature, total, inputs, dtype);
+    addInputs(theirs, steps_ == 0 ? last_scale : 1.0);
+    ack(extra, fold);
+    from_inputs = false;
+  }
+  for (int k = 0; k < steps_; ++k) {
+    const int partner = position_ ^ (1 << k);
+    send(partner, k, inputs, offsets, from_inputs ? nullptr : out, total, signature);
+    const uint8_t* theirs = receive(partner, k, signature, total, inputs, dtype);
+    const double scale = k == steps_ - 1 ? last_scale : 1.0;
+    if (from_inputs) {
+      addInputs(theirs, scale);
+    } else {
+      forEachSegment(inputs, offsets, 0, total, [&](size_t, size_t lo, size_t hi) {
+        addInto(dtype, out + lo, out + lo, theirs + lo, hi - lo, scale, nt);
+      });
+    }
+    ack(partner, k);
+    from_inputs = false;
+  }
+  if (world_ == 1) {
+    forEachSegment(inputs, offsets, 0, total, [&](size_t i, size_t lo, size_t hi) {
+      std::memcpy(out + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), hi - lo);
+    });
+  }
+  if (position_ + power_ < world_) {  // the sum back to the member folded in, into its output block
+    const int extra = position_ + power_;
+    if (total > 0)
+      t.write(members_[extra], out, keys_[extra], parity * capacity_, total, engine_->deadline());
+    t.writeFlag(members_[extra], keys_[extra], offSignature(fold, parity), signature, engine_->deadline());
+    t.writeFlag(members_[extra], keys_[extra], offFlag(fold, parity), calls_ + 1, engine_->deadline());
+    acked_by_[fold] = members_[extra];
+  }
+  ++calls_;
+  return {out, std::move(offsets)};
+}
+
+namespace {
+
 template <typename T>
 void scaledCopy(uint8_t* dst, const uint8_t* src, size_t bytes, double scale) {
   auto* d = reinterpret_cast<T*>(dst);
@@ -274,10 +632,19 @@ void scaledCopy(uint8_t* dst, const uint8_t* src, size_t bytes, double scale) {
 
 RingAllreduce::Result hierarchicalAllreduce(RingAllreduce& inside, RingAllreduce& across,
                                             const std::vector<ConstSpan>& inputs, DType dtype, bool average,
-                                            int world) {
+                                            int world, DType wire) {
   const double scale = average ? 1.0 / world : 1.0;
+  if (wire != dtype && dtype != DType::kFloat32)
+    throw EngineError(
+        strCat("allreduce: only float32 travels as ", dtypeName(wire), ", not ", dtypeName(dtype)));
   return inside.run(inputs, dtype, false, [&](uint8_t* chunk, size_t bytes) {
     // Every host's member at this position holds the same chunk (same layout, same ring order): equal sizes.
+    if (wire != dtype) {
+      allreduceOnWire({{chunk, bytes}}, {reinterpret_cast<float*>(chunk)}, wire, static_cast<float>(scale),
+                      across.wireScratch(),
+                      [&](const std::vector<ConstSpan>& narrow) { return across.run(narrow, wire, false); });
+      return;
+    }
     const RingAllreduce::Result summed = across.run({{chunk, bytes}}, dtype, false);
     const uint8_t* sum = summed.out + summed.offsets[0];
     if (scale == 1.0)

@@ -28,12 +28,48 @@
 
 namespace rdkeras {
 
-enum class DType { kFloat32, kFloat64 };
+// The element types a reduction sums. float16/bfloat16 are wire types: each addition is done in float32 and
+// rounded back (to nearest even), as Horovod's Compression.fp16 sums what NCCL hands it.
+enum class DType { kFloat32, kFloat64, kFloat16, kBFloat16 };
+size_t dtypeSize(DType dtype);
+const char* dtypeName(DType dtype);
+
+// float32 <-> a 16-bit wire type (round to nearest even; NaN stays NaN, overflow becomes infinity), the
+// way back scaled by `scale`.
+void castToWire(const float* src, uint16_t* dst, size_t n, DType wire);
+void castFromWire(const uint16_t* src, float* dst, size_t n, DType wire, float scale);
 
 struct ConstSpan {
   const void* data;
   size_t bytes;
 };
+
+// What an allreduce returns: tensor i's sum starts at out + offsets[i] (64-byte aligned), in registered
+// memory that stays intact until the next-but-one call.
+struct AllreduceResult {
+  uint8_t* out;
+  std::vector<size_t> offsets;
+};
+
+// Registered memory an allreduce reads a wire-typed copy of its inputs from: `bytes` (its capacity),
+// registered on first use and kept (a one-sided write from it may still be in flight when a call returns).
+class WireScratch {
+ public:
+  WireScratch(TensorTracker& tracker, size_t bytes) : tracker_(tracker), bytes_(bytes) {}
+  uint8_t* get(size_t bytes);
+
+ private:
+  TensorTracker& tracker_;
+  size_t bytes_;
+  std::unique_ptr<RegisteredBlock> block_;
+};
+
+// Runs `reduce` over `inputs` (float32) cast to `wire`, and casts the sums back into `outputs` (one float32
+// buffer per input, as large), scaled by `scale`. The inputs' copies are laid out as the reduction lays out
+// its inputs, in `scratch`.
+void allreduceOnWire(const std::vector<ConstSpan>& inputs, const std::vector<float*>& outputs, DType wire,
+                     float scale, WireScratch& scratch,
+                     const std::function<AllreduceResult(const std::vector<ConstSpan>&)>& reduce);
 
 // Pure arithmetic of the ring, shared by run() and the unit tests.
 // Where each tensor starts in a ring's output block (64-byte aligned); *total is the padded size.
@@ -62,10 +98,7 @@ class RingAllreduce {
   // Descriptors of the left (whom we ack) and right (whom we write to) members.
   void connect(const std::string& left, const std::string& right);
 
-  struct Result {
-    uint8_t* out;                 // the output block this call used
-    std::vector<size_t> offsets;  // tensor i's sum starts at out + offsets[i] (64-byte aligned)
-  };
+  using Result = AllreduceResult;
   // Between its reduce-scatter and its allgather, a pass may hand the chunk this rank then holds summed
   // (bytes of the output block, padding included) to a hook that changes it in place: the hierarchical
   // allreduce sums it across hosts there.
@@ -76,7 +109,9 @@ class RingAllreduce {
              const ChunkHook& between = nullptr);
 
   size_t capacity() const { return capacity_; }
+  int size() const { return world_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
+  WireScratch& wireScratch() { return scratch_; }
 
  private:
   void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
@@ -102,15 +137,79 @@ class RingAllreduce {
   size_t offAck() const { return offFlag(2); }
   size_t offGather() const { return offFlag(3); }
   size_t offSignature() const { return offFlag(4); }  // the left member's call signature
+  WireScratch scratch_;
+};
+
+// What every member of an allreduce must agree on: dtype, count and sizes (FNV-1a; never 0).
+uint64_t callSignature(const std::vector<ConstSpan>& inputs, DType dtype);
+
+// DoublingAllreduce: the latency-optimal sum for small tensors. Recursive doubling: at step k every member
+// swaps its whole partial sum with the member 2^k positions away (position XOR 2^k) and adds -- log2(N)
+// messages where the ring sends 2(N-1), each of all the bytes where the ring's carry 1/N. With N not a power
+// of two, the members beyond the largest power P first hand their inputs to the member P positions before
+// them and get the sum back at the end (two more messages). Both partners of a step add the same two operands
+// (a + b == b + a in IEEE arithmetic), so every member ends with the same bits, as with the ring.
+//
+// Each step's message lands in a registered slot of the partner's (two per step, alternating per call: a
+// partner writes a slot again only after it heard from this rank in the next call, by which time this rank
+// read it); the inputs are read in place; the outputs alternate between two blocks as the ring's do.
+class DoublingAllreduce {
+ public:
+  DoublingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, std::vector<int> members = {});
+  // Waits (a few seconds at most) for the acks of this rank's last messages, which are read from its block.
+  ~DoublingAllreduce();
+  DoublingAllreduce(const DoublingAllreduce&) = delete;
+  DoublingAllreduce& operator=(const DoublingAllreduce&) = delete;
+
+  std::string localDescriptor() const;
+  // The members' descriptors, in the members' order ("" for a member that is not one of partners()).
+  void connect(const std::vector<std::string>& descriptors);
+  AllreduceResult run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
+
+  size_t capacity() const { return capacity_; }
+  int size() const { return world_; }
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
+  WireScratch& wireScratch() { return scratch_; }
+  // The member positions this one exchanges with, in order (the fold-in partner first where it has one).
+  std::vector<int> partners() const;
+
+ private:
+  // Sends [begin, end) of the padded layout (from the inputs, or from `out`) to `peer`'s slot of `step`.
+  void send(int peer, int step, const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
+            const uint8_t* out, size_t total, uint64_t signature);
+  // Waits for `peer`'s message of `step`, checks its signature, acks it; returns the slot.
+  const uint8_t* receive(int peer, int step, uint64_t signature, size_t total,
+                         const std::vector<ConstSpan>& inputs, DType dtype);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<int> members_;
+  int position_, world_, power_, steps_;  // power_: the largest power of 2 <= world_; steps_: log2(power_)
+  size_t capacity_;
+  std::unique_ptr<RegisteredBlock> registered_;
+  uint8_t* block_ = nullptr;
+  std::vector<uint64_t> keys_;  // by member position
+  uint64_t calls_ = 0;
+  std::vector<int> acked_by_;  // the engine ranks whose acks the destructor waits for, by step (-1: none)
+  WireScratch scratch_;
+  // Block: [out 0 | out 1 | slots (step, parity) | flags (step, parity) | signatures (step, parity) | acks
+  // (step)] with steps_ + 1 steps: the doubling steps, then the fold (in from the member P after, back to
+  // it).
+  size_t offSlot(int step, int parity) const { return (2 + 2 * step + parity) * capacity_; }
+  size_t offFlag(int step, int parity) const {
+    return (2 * steps_ + 4) * capacity_ + (2 * step + parity) * 64;
+  }
+  size_t offSignature(int step, int parity) const { return offFlag(steps_ + 1 + step, parity); }
+  size_t offAck(int step) const { return offFlag(2 * steps_ + 2, 0) + step * 64; }
 };
 
 // The sum over hosts: `inside` (this host's members, in the same order on every host) reduce-scatters each
 // pass, `across` (the members at this rank's position on every host, which hold the same chunk) sums that
 // chunk across hosts, and `inside` allgathers the result -- every host's links busy at once, each host
 // sending 2(H-1)/H of the bytes between hosts. With `average`, divided by `world` (every rank). Returns
-// `inside`'s output; every rank ends with the same bits.
+// `inside`'s output; every rank ends with the same bits. With `wire` a 16-bit type (inputs float32), the
+// shards cross hosts as `wire`: half the bytes on the slow links, summed in float32 at every hop.
 RingAllreduce::Result hierarchicalAllreduce(RingAllreduce& inside, RingAllreduce& across,
                                             const std::vector<ConstSpan>& inputs, DType dtype, bool average,
-                                            int world);
+                                            int world, DType wire);
 
 }  // namespace rdkeras

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 
 #include "bench/bench_loops.h"
 #include "engine/channel.h"
@@ -104,9 +105,9 @@ py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nb
   return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, ptr, owner);
 }
 
-// A ring call's inputs: float32 or float64 arrays of one dtype, C-contiguous, pinned where the transport
+// An allreduce's inputs: float32 or float64 arrays of one dtype, C-contiguous, pinned where the transport
 // needs it; sets *dtype.
-std::vector<ConstSpan> ringInputs(RingAllreduce& ring, const std::vector<py::array>& arrays, DType* dtype) {
+std::vector<ConstSpan> reduceInputs(Engine& engine, const std::vector<py::array>& arrays, DType* dtype) {
   std::vector<ConstSpan> spans;
   for (size_t i = 0; i < arrays.size(); ++i) {
     const py::array& a = arrays[i];
@@ -119,18 +120,70 @@ std::vector<ConstSpan> ringInputs(RingAllreduce& ring, const std::vector<py::arr
     if (d != *dtype) throw py::type_error("allreduce: all tensors must share one dtype");
     if (!(a.flags() & py::array::c_style)) throw py::value_error("allreduce: tensors must be C-contiguous");
     spans.push_back({a.data(), static_cast<size_t>(a.nbytes())});
-    pin(*ring.engine(), a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
+    pin(engine, a, {const_cast<void*>(a.data()), static_cast<size_t>(a.nbytes())});
   }
   return spans;
 }
 
-// Views into the ring's output block, 64-byte aligned, each shaped as its input: TensorFlow aliases them.
-py::list ringOutputs(const py::object& ring, const std::vector<py::array>& arrays,
-                     const RingAllreduce::Result& r) {
+// Views into the group's output block, 64-byte aligned, each shaped as its input: TensorFlow aliases them.
+py::list reduceOutputs(const py::object& group, const std::vector<py::array>& arrays,
+                       const AllreduceResult& r) {
   py::list result;
   for (size_t i = 0; i < arrays.size(); ++i) {
     std::vector<py::ssize_t> shape(arrays[i].shape(), arrays[i].shape() + arrays[i].ndim());
-    result.append(py::array(arrays[i].dtype(), shape, r.out + r.offsets[i], ring));
+    result.append(py::array(arrays[i].dtype(), shape, r.out + r.offsets[i], group));
+  }
+  return result;
+}
+
+// The wire type a caller names ("float16", "bfloat16"; None: the tensors' own), for float32 tensors.
+std::optional<DType> wireType(const std::optional<std::string>& wire, DType dtype) {
+  if (!wire) return std::nullopt;
+  DType w;
+  if (*wire == "float16")
+    w = DType::kFloat16;
+  else if (*wire == "bfloat16")
+    w = DType::kBFloat16;
+  else
+    throw py::value_error("allreduce: wire must be 'float16', 'bfloat16' or None, got '" + *wire + "'");
+  if (dtype != DType::kFloat32)
+    throw py::type_error(std::string("allreduce: only float32 tensors travel as ") + *wire + ", not " +
+                         dtypeName(dtype));
+  return w;
+}
+
+// A RingAllreduce's or DoublingAllreduce's allreduce: views of its output block, or with a `wire` type fresh
+// float32 arrays cast back from the wire's sums.
+template <typename Group>
+py::list groupAllreduce(const py::object& self, const std::vector<py::array>& arrays, bool average,
+                        const std::optional<std::string>& wire) {
+  auto& group = self.cast<Group&>();
+  DType dtype = DType::kFloat32;
+  std::vector<ConstSpan> spans = reduceInputs(*group.engine(), arrays, &dtype);
+  const std::optional<DType> narrow = wireType(wire, dtype);
+  if (!narrow) {
+    AllreduceResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = guarded(*group.engine(), -1, [&] { return group.run(spans, dtype, average); });
+    }
+    return reduceOutputs(self, arrays, r);
+  }
+  py::list result;
+  std::vector<float*> outputs;
+  for (const auto& a : arrays) {
+    py::array_t<float> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+    outputs.push_back(out.mutable_data());
+    result.append(out);
+  }
+  const float scale = average ? 1.0f / static_cast<float>(group.size()) : 1.0f;
+  {
+    py::gil_scoped_release nogil;
+    guarded(*group.engine(), -1, [&] {
+      allreduceOnWire(spans, outputs, *narrow, scale, group.wireScratch(),
+                      [&](const std::vector<ConstSpan>& in) { return group.run(in, *narrow, false); });
+      return 0;
+    });
   }
   return result;
 }
@@ -338,7 +391,13 @@ PYBIND11_MODULE(_engine, m) {
              std::vector<int> members) {
             return std::make_shared<RingAllreduce>(e, capacity_bytes, bucket_bytes, std::move(members));
           },
-          py::arg("capacity_bytes"), py::arg("bucket_bytes"), py::arg("members"));
+          py::arg("capacity_bytes"), py::arg("bucket_bytes"), py::arg("members"))
+      .def(
+          "doubling",
+          [](const std::shared_ptr<Engine>& e, size_t capacity_bytes, std::vector<int> members) {
+            return std::make_shared<DoublingAllreduce>(e, capacity_bytes, std::move(members));
+          },
+          py::arg("capacity_bytes"), py::arg("members"));
 
   py::class_<StaticChannel, std::shared_ptr<StaticChannel>>(m, "StaticChannel")
       .def_property_readonly("descriptor", &StaticChannel::localDescriptor)
@@ -401,36 +460,56 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &RingAllreduce::capacity)
       .def("connect", &RingAllreduce::connect, py::arg("left"), py::arg("right"))
-      .def(
-          "allreduce",
-          [](py::object self, const std::vector<py::array>& arrays, bool average) {
-            auto& ring = self.cast<RingAllreduce&>();
-            DType dtype = DType::kFloat32;
-            std::vector<ConstSpan> spans = ringInputs(ring, arrays, &dtype);
-            RingAllreduce::Result r;
-            {
-              py::gil_scoped_release nogil;
-              r = guarded(*ring.engine(), -1, [&] { return ring.run(spans, dtype, average); });
-            }
-            return ringOutputs(self, arrays, r);
-          },
-          py::arg("arrays"), py::arg("average") = false)
+      .def("allreduce", &groupAllreduce<RingAllreduce>, py::arg("arrays"), py::arg("average") = false,
+           py::arg("wire") = py::none())
       .def(
           "allreduce_hierarchical",
           [](py::object self, const std::vector<py::array>& arrays, bool average, RingAllreduce& across,
-             int world) {
+             int world, const std::optional<std::string>& wire, bool within) {
             auto& ring = self.cast<RingAllreduce&>();
             DType dtype = DType::kFloat32;
-            std::vector<ConstSpan> spans = ringInputs(ring, arrays, &dtype);
-            RingAllreduce::Result r;
+            std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), arrays, &dtype);
+            const std::optional<DType> narrow = wireType(wire, dtype);
+            if (narrow && within) {  // the wire type inside each host too: fresh float32 arrays cast back
+              py::list result;
+              std::vector<float*> outputs;
+              for (const auto& a : arrays) {
+                py::array_t<float> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+                outputs.push_back(out.mutable_data());
+                result.append(out);
+              }
+              const float scale = average ? 1.0f / static_cast<float>(world) : 1.0f;
+              py::gil_scoped_release nogil;
+              guarded(*ring.engine(), -1, [&] {
+                allreduceOnWire(spans, outputs, *narrow, scale, ring.wireScratch(),
+                                [&](const std::vector<ConstSpan>& in) {
+                                  return hierarchicalAllreduce(ring, across, in, *narrow, false, world,
+                                                               *narrow);
+                                });
+                return 0;
+              });
+              return result;
+            }
+            AllreduceResult r;
             {
               py::gil_scoped_release nogil;
-              r = guarded(*ring.engine(), -1,
-                          [&] { return hierarchicalAllreduce(ring, across, spans, dtype, average, world); });
+              r = guarded(*ring.engine(), -1, [&] {
+                return hierarchicalAllreduce(ring, across, spans, dtype, average, world,
+                                             narrow.value_or(dtype));
+              });
             }
-            return ringOutputs(self, arrays, r);
+            return reduceOutputs(self, arrays, r);
           },
-          py::arg("arrays"), py::arg("average"), py::arg("across"), py::arg("world"));
+          py::arg("arrays"), py::arg("average"), py::arg("across"), py::arg("world"),
+          py::arg("wire") = py::none(), py::arg("within") = false);
+
+  py::class_<DoublingAllreduce, std::shared_ptr<DoublingAllreduce>>(m, "DoublingAllreduce")
+      .def_property_readonly("descriptor", &DoublingAllreduce::localDescriptor)
+      .def_property_readonly("capacity", &DoublingAllreduce::capacity)
+      .def_property_readonly("partners", &DoublingAllreduce::partners)
+      .def("connect", &DoublingAllreduce::connect, py::arg("descriptors"))
+      .def("allreduce", &groupAllreduce<DoublingAllreduce>, py::arg("arrays"), py::arg("average") = false,
+           py::arg("wire") = py::none());
 
   // The benchmarks' timed loops in a submodule of their own, so the module's top level is the engine's;
   // registered in sys.modules too, so `import rdkeras._engine.bench` (and stubtest) finds it.

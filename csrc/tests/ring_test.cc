@@ -233,8 +233,8 @@ TEST_CASE("hierarchicalAllreduce sums exactly on every rank: hosts x workers, pa
               data[i].push_back(static_cast<float>(contribution(r, i, j, call)));
             inputs.push_back({data[i].data(), counts[i] * sizeof(float)});
           }
-          const RingAllreduce::Result result =
-              hierarchicalAllreduce(*inside[r], *across[r], inputs, DType::kFloat32, average, world);
+          const RingAllreduce::Result result = hierarchicalAllreduce(
+              *inside[r], *across[r], inputs, DType::kFloat32, average, world, DType::kFloat32);
           for (size_t i = 0; i < counts.size(); ++i) {
             const float* got = reinterpret_cast<const float*>(result.out + result.offsets[i]);
             for (size_t j = 0; j < counts[i]; ++j) {
@@ -259,4 +259,76 @@ TEST_CASE("hierarchicalAllreduce sums exactly on every rank: hosts x workers, pa
       }
     }
   }
+}
+
+TEST_CASE("DoublingAllreduce sums exactly on every rank, powers of two or not, calls after calls") {
+  const std::vector<size_t> counts = {1, 3, 0, 17, 1000, 17, 4099};
+  for (int world = 1; world <= 9; ++world) {
+    CAPTURE(world);
+    auto engines = connectedEngines(world, world == 3 ? "tcp" : "shm");
+    size_t capacity = 0;
+    for (size_t count : counts) capacity += count * sizeof(float) + 64;
+    std::vector<std::shared_ptr<DoublingAllreduce>> groups(world);
+    for (int r = 0; r < world; ++r) groups[r] = std::make_shared<DoublingAllreduce>(engines[r], capacity);
+    std::vector<std::string> descriptors;
+    for (int r = 0; r < world; ++r) descriptors.push_back(groups[r]->localDescriptor());
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> partners(
+          world);  // only the partners' descriptors, as the Python side passes them
+      for (int p : groups[r]->partners()) partners[p] = descriptors[p];
+      if (world > 1) groups[r]->connect(partners);
+    }
+    std::vector<std::vector<std::string>> wrong(world);
+    std::vector<std::vector<float>> first(world);  // rank r's bits of call 1, tensor 4
+    onEveryRank(world, [&](int r) {
+      for (int call = 0; call < 5; ++call) {
+        const bool average = call % 2 == 1;
+        std::vector<std::vector<float>> data(counts.size());
+        std::vector<ConstSpan> inputs;
+        for (size_t i = 0; i < counts.size(); ++i) {
+          for (size_t j = 0; j < counts[i]; ++j)
+            data[i].push_back(static_cast<float>(contribution(r, i, j, call)));
+          inputs.push_back({data[i].data(), counts[i] * sizeof(float)});
+        }
+        const AllreduceResult result = groups[r]->run(inputs, DType::kFloat32, average);
+        for (size_t i = 0; i < counts.size(); ++i) {
+          const float* got = reinterpret_cast<const float*>(result.out + result.offsets[i]);
+          if (call == 1 && i == 4) first[r].assign(got, got + counts[i]);
+          for (size_t j = 0; j < counts[i]; ++j) {
+            double want = 0;
+            for (int m = 0; m < world; ++m) want += contribution(m, i, j, call);
+            if (average) want /= world;
+            if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
+              wrong[r].push_back(
+                  strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
+              break;
+            }
+          }
+        }
+      }
+    });
+    groups.clear();  // before the engines: each waits for its partners' last acks
+    for (int r = 0; r < world; ++r) {
+      INFO("rank ", r, ": ", wrong[r].size(), " wrong tensors, first: ", wrong[r].empty() ? "" : wrong[r][0]);
+      CHECK(wrong[r].empty());
+      CHECK(first[r] == first[0]);  // the same bits everywhere (averages are inexact)
+    }
+  }
+}
+
+TEST_CASE("the wire types round to nearest even; sums on the wire add in float32") {
+  const std::vector<float> in = {1.0f,     1.0f + 0x1p-11f, 1.0f + 0x3p-11f, 65504.0f,       65520.0f,
+                                 0x1p-24f, 0x1p-25f,        -2.5f,           1.0f + 0x1p-8f, 1.0f + 0x3p-8f};
+  std::vector<uint16_t> wire(in.size());
+  std::vector<float> back(in.size());
+  castToWire(in.data(), wire.data(), in.size(), DType::kFloat16);
+  castFromWire(wire.data(), back.data(), in.size(), DType::kFloat16, 1.0f);
+  const std::vector<float> half = {1.0f,     1.0f, 1.0f + 0x4p-11f, 65504.0f,       INFINITY,
+                                   0x1p-24f, 0.0f, -2.5f,           1.0f + 0x1p-8f, 1.0f + 0x3p-8f};
+  CHECK(back == half);
+  castToWire(in.data(), wire.data(), in.size(), DType::kBFloat16);
+  castFromWire(wire.data(), back.data(), in.size(), DType::kBFloat16, 2.0f);  // scaled on the way back
+  const std::vector<float> brain = {2.0f,     2.0f,     2.0f,  2 * 65536.0f, 2 * 65536.0f,
+                                    0x1p-23f, 0x1p-24f, -5.0f, 2.0f,         2.0f + 0x4p-7f};
+  CHECK(back == brain);
 }

@@ -1,4 +1,4 @@
-"""python -m rdkeras.bench {sendrecv,allreduce,fit,paper,hosts} [options]"""
+"""python -m rdkeras.bench {sendrecv,allreduce,algorithms,fit,paper,hosts} [options]"""
 
 from __future__ import annotations
 
@@ -12,9 +12,16 @@ def main(argv: list[str] | None = None) -> int:
     to_stderr()  # an application: rdkeras's messages are shown
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    from rdkeras.bench import allreduce, fit, hosts, paper, sendrecv
+    from rdkeras.bench import algorithms, allreduce, fit, hosts, paper, sendrecv
 
-    benches = {"sendrecv": sendrecv, "allreduce": allreduce, "fit": fit, "paper": paper, "hosts": hosts}
+    benches = {
+        "sendrecv": sendrecv,
+        "allreduce": allreduce,
+        "algorithms": algorithms,
+        "fit": fit,
+        "paper": paper,
+        "hosts": hosts,
+    }
     for name, module in benches.items():
         module.add_arguments(sub.add_parser(name, help=(module.__doc__ or name).splitlines()[0]))
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -36,7 +37,12 @@ def _wire_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.kind == "f" or dtype.name == "bfloat16" else np.dtype(np.float64)
 
 
-ALGORITHMS = ("auto", "ring", "hierarchical")
+ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")
+COMPRESSIONS = (None, "fp16", "bf16")
+_WIRE = {"fp16": "float16", "bf16": "bfloat16"}
+# Where a host runs more workers than it has cores, a message also waits for its receiver to be scheduled:
+# ~150 us a message with 3 and 4 workers on 2 cores (python -m rdkeras.bench algorithms).
+SCHEDULING_S = 150e-6
 
 
 def host_groups(hosts: Sequence[str], members: Sequence[int]) -> list[list[int]]:
@@ -48,9 +54,9 @@ def host_groups(hosts: Sequence[str], members: Sequence[int]) -> list[list[int]]
 
 
 def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[str, str]:
-    """(the allreduce algorithm, why) for members grouped by host. "auto": hierarchical where there are several
-    hosts with the same number (> 1) of members each -- only then does reducing inside each host first take
-    bytes off the links between hosts -- else the ring."""
+    """(the allreduce algorithm for large tensors, why) for members grouped by host. "auto": hierarchical where
+    there are several hosts with the same number (> 1) of members each -- only then does reducing inside each
+    host first take bytes off the links between hosts -- else the ring. (Small tensors: :func:`doubling_below`.)"""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     sizes = sorted({len(g) for g in groups})
@@ -60,8 +66,8 @@ def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[s
         if len(sizes) == 1
         else f"hosts of {' and '.join(map(str, sizes))} workers"
     )
-    if algorithm == "ring":
-        return "ring", "asked for"
+    if algorithm in ("ring", "doubling"):
+        return algorithm, "asked for"
     if algorithm == "hierarchical":
         if len(sizes) > 1:
             raise ValueError(
@@ -75,6 +81,26 @@ def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[s
     return "ring", f"{shape}: {why}"
 
 
+def doubling_messages(members: int) -> int:
+    """Messages in sequence in a recursive-doubling allreduce of `members`: log2 of the largest power of two
+    P <= members, and two more (in and back) for the members beyond P."""
+    power = 1 << (members.bit_length() - 1)
+    return power.bit_length() - 1 + (2 if power < members else 0)
+
+
+def doubling_below(members: int, message_s: float, byte_s: float, add_byte_s: float) -> int:
+    """The size (bytes) below which recursive doubling beats the ring, from the transport's per-message and
+    per-byte costs and the per-byte cost of a sum: the ring sends 2(N-1) messages of G/N bytes each and adds
+    (N-1)/N of G; recursive doubling sends L messages of G (L = :func:`doubling_messages`) and adds L·G."""
+    n = members
+    if n < 2:
+        return 0
+    steps = doubling_messages(n)
+    saved = (2 * (n - 1) - steps) * message_s
+    extra = (steps - 2 * (n - 1) / n) * byte_s + (steps - (n - 1) / n) * add_byte_s
+    return int(saved / extra) if extra > 0 else 1 << 62
+
+
 class Collectives:
     """Allreduce helpers over the engine, created lazily and identically on every member.
 
@@ -83,10 +109,15 @@ class Collectives:
         bucket_bytes: Bytes the ring moves per pass.
         members: The ranks taking part, in ring order (default: all).
         name: A prefix keeping this instance's rings apart from another's.
-        algorithm: "ring" (one ring over the members), "hierarchical" (see :class:`HierarchicalAllreduce`) or
-            "auto" (:func:`choose_algorithm`, from where the members run).
+        algorithm: "ring" (one ring over the members), "hierarchical" (see :class:`HierarchicalAllreduce`),
+            "doubling" (recursive doubling, for small tensors: ``Engine.doubling``) or "auto": by where the members
+            run (:func:`choose_algorithm`) and, on an engine transport, recursive doubling below
+            :func:`doubling_below` bytes.
         hosts: Each rank's host identity, by rank (default: the engine's; the first allreduce asks for it, so
             give it when only some ranks are members).
+        compression: None, "fp16" or "bf16": float32 gradients (``allreduce(..., compress=True)``) cross host
+            boundaries as that 16-bit type, summed in float32 at every hop (Horovod's ``Compression.fp16``).
+        compress_within_hosts: Compress inside a host too (one host's ring, the hierarchical allreduce's inside).
     """
 
     def __init__(
@@ -97,6 +128,8 @@ class Collectives:
         name: str = "",
         algorithm: str = "ring",
         hosts: Sequence[str] | None = None,
+        compression: str | None = None,
+        compress_within_hosts: bool = False,
     ):
         self.engine, self.bucket_bytes, self.name = engine, bucket_bytes, name
         self.members = list(range(engine.world_size)) if members is None else list(members)
@@ -104,30 +137,63 @@ class Collectives:
         self._serial = itertools.count()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
         self.requested, self._hosts = algorithm, None if hosts is None else list(hosts)
+        self.compression, self.compress_within_hosts = compression, compress_within_hosts
         self._chosen: tuple[str, str] | None = None
         self._hierarchy: HierarchicalAllreduce | None = None
+        self._multi_host = False
+        self.doubling_below = 0  # bytes below which "auto" sends a call by recursive doubling
 
     @property
     def algorithm(self) -> tuple[str, str]:
-        """(the allreduce algorithm in use, why); collective the first time where it depends on the hosts."""
+        """(the allreduce algorithm in use for large tensors, why); collective the first time where it depends
+        on the hosts."""
         if self._chosen is None:
-            if self.requested == "ring" or self.size == 1:
+            spec = transports.get(self.engine.transport)
+            if not spec.hierarchical and (self.requested in ("hierarchical", "doubling") or self.compression):
+                asked = f"compression={self.compression!r}" if self.compression else f"algorithm={self.requested!r}"
+                raise ValueError(
+                    f"{asked} runs in the engine; transport {self.engine.transport!r} is a baseline with a flat ring "
+                    "of its own: use algorithm='ring' (or 'auto') and no compression with it"
+                )
+            if (self.requested == "ring" and not self.compression) or self.size == 1:
                 self._chosen = ("ring", "asked for" if self.requested == "ring" else "one member")
-            elif not transports.get(self.engine.transport).hierarchical:
-                if self.requested == "hierarchical":
-                    raise ValueError(
-                        f"algorithm='hierarchical' runs in the engine; transport {self.engine.transport!r} is a "
-                        "baseline with a flat ring of its own: use algorithm='ring' (or 'auto') with it"
-                    )
+            elif not spec.hierarchical:
                 self._chosen = ("ring", f"transport {self.engine.transport!r} has a flat ring of its own")
             else:
                 hosts = self._hosts if self._hosts is not None else self.engine.hosts()
                 groups = host_groups(hosts, self.members)
+                self._multi_host = len(groups) > 1
                 self._chosen = choose_algorithm(self.requested, groups)
                 if self._chosen[0] == "hierarchical":
                     self._hierarchy = HierarchicalAllreduce(self, groups)
+                if self.requested == "auto":
+                    message_s, byte_s, add_byte_s = spec.costs
+                    if max(len(g) for g in groups) > (os.cpu_count() or 1):  # messages wait to be scheduled
+                        message_s += SCHEDULING_S
+                    self.doubling_below = doubling_below(self.size, message_s, byte_s, add_byte_s)
         return self._chosen
+
+    def algorithm_for(self, nbytes: int) -> str:
+        """The algorithm a call of `nbytes` (padded) runs (collective the first time, as :attr:`algorithm`)."""
+        name = self.algorithm[0] if self.size > 1 else "ring"
+        return "doubling" if name != "doubling" and nbytes < self.doubling_below else name
+
+    def describe(self) -> str:
+        """The algorithm(s) in use and why, and what compression does, in a sentence (collective, as
+        :attr:`algorithm`)."""
+        name, why = self.algorithm
+        text = f"{name} ({why})"
+        if self.doubling_below:
+            text += f"; recursive doubling below {self.doubling_below:,} bytes"
+        if self.compression and (self._multi_host or self.compress_within_hosts):
+            where = "everywhere" if self.compress_within_hosts else "between hosts"
+            text += f"; float32 gradients travel as {_WIRE[self.compression]} {where}"
+        elif self.compression:
+            text += f"; compression {self.compression!r} unused: every worker on one host"
+        return text
 
     @property
     def size(self) -> int:
@@ -137,37 +203,47 @@ class Collectives:
     def position(self) -> int:
         return self.members.index(self.engine.rank)
 
-    def _ring(self, purpose: str, dtype: str, nbytes: int) -> Ring:
+    def _ring(self, purpose: str, dtype: str, nbytes: int, kind: str = "ring") -> Ring:
         ring: Ring | None
-        ring, capacity = self._rings.get((purpose, dtype), (None, 0))
+        ring, capacity = self._rings.get((f"{kind}:{purpose}", dtype), (None, 0))
         needed = nbytes + 64 * 1024  # 64-byte padding per tensor, generously
         if ring is None or needed > capacity:
-            capacity = max(needed, 2 * capacity, 1 << 20)
-            ring = self.engine.ring(
-                f"{self.name}{purpose}/{dtype}/{next(self._serial)}", capacity, self.bucket_bytes, self.members
-            )
-            self._rings[(purpose, dtype)] = (ring, capacity)
+            capacity = max(needed, 2 * capacity, 1 << 20 if kind == "ring" else 0)
+            label = f"{self.name}{purpose}/{dtype}/{next(self._serial)}"
+            if kind == "doubling":
+                ring = self.engine.doubling(label, capacity, self.members)
+            else:
+                ring = self.engine.ring(label, capacity, self.bucket_bytes, self.members)
+            self._rings[(f"{kind}:{purpose}", dtype)] = (ring, capacity)
         return ring
 
-    def allreduce(self, arrays: Sequence[np.ndarray], average: bool, purpose: str = "grads") -> list[np.ndarray]:
-        """Sums (averages) same-shaped lists of float arrays across members; one ring call per dtype.
+    def allreduce(
+        self, arrays: Sequence[np.ndarray], average: bool, purpose: str = "grads", compress: bool = False
+    ) -> list[np.ndarray]:
+        """Sums (averages) same-shaped lists of float arrays across members; one call per dtype.
 
-        The results are views of registered memory, valid until the next-but-one call for this purpose.
+        The results are views of registered memory, valid until the next-but-one call for this purpose (with
+        compression: fresh arrays). `compress`: float32 arrays may travel as the `compression` type (gradients;
+        never weights, whose broadcasts must be exact).
         """
         out: list[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
         groups: dict[str, list[int]] = {}
         for i, a in enumerate(arrays):
             groups.setdefault(np.dtype(a.dtype).name, []).append(i)
-        hierarchical = self.size > 1 and self.algorithm[0] == "hierarchical"
         for dtype, idx in sorted(groups.items()):
             if dtype not in _FLOAT_KINDS:
                 raise TypeError(f"cannot allreduce {dtype} tensors (float32/float64 only)")
             group = [np.ascontiguousarray(arrays[i]) for i in idx]
-            if hierarchical:
+            nbytes = sum(a.nbytes + 64 for a in group)
+            wire = _WIRE.get(self.compression or "") if compress and dtype == "float32" else None
+            algorithm = self.algorithm_for(nbytes)
+            if algorithm == "hierarchical":
                 assert self._hierarchy is not None  # (set with the choice)
-                reduced = self._hierarchy(group, average, purpose)
+                reduced = self._hierarchy(group, average, purpose, wire, self.compress_within_hosts)
             else:
-                reduced = self._ring(purpose, dtype, sum(a.nbytes + 64 for a in group))(group, average)
+                if not (self._multi_host or self.compress_within_hosts):
+                    wire = None
+                reduced = self._ring(purpose, dtype, nbytes, algorithm)(group, average, wire)
             for i, r in zip(idx, reduced, strict=True):
                 out[i] = r
         return out
@@ -231,16 +307,19 @@ class HierarchicalAllreduce:
         )
         self.world = collectives.size
 
-    def __call__(self, arrays: list[np.ndarray], average: bool, purpose: str) -> list[np.ndarray]:
+    def __call__(
+        self, arrays: list[np.ndarray], average: bool, purpose: str, wire: str | None = None, within: bool = False
+    ) -> list[np.ndarray]:
         """The sums (means) of same-dtype arrays; views of registered memory, valid until the next-but-one
-        call for this purpose."""
+        call for this purpose (fresh arrays where compressed). `wire`: the 16-bit type float32 crosses hosts as;
+        `within`: inside each host too."""
         dtype = np.dtype(arrays[0].dtype).name
         total = sum(a.nbytes + 64 for a in arrays)
         inside = self.inside._ring(purpose, dtype, total)
         # The chunk a member holds after a pass's reduce-scatter: at most a 1/L share of a pass, 64-byte rounded.
         chunk = -(-min(total, inside.end.capacity, self.inside.bucket_bytes) // self.locals_) + 64
         across = self.across._ring(purpose, dtype, chunk)
-        return inside.hierarchical(arrays, average, across, self.world)
+        return inside.hierarchical(arrays, average, across, self.world, wire, within and wire is not None)
 
 
 def share_variables(collectives: Collectives, variables: Sequence[Any], owners: Sequence[int]) -> None:
@@ -457,7 +536,7 @@ class GradientAllreduce:
     def _reduce(self, *arrays: np.ndarray) -> list[np.ndarray]:
         # The inputs are views of TensorFlow's buffers; the outputs are 64-byte
         # aligned views of registered memory, which TensorFlow aliases.
-        reduced = self.collectives.allreduce(list(arrays), average=self.average)
+        reduced = self.collectives.allreduce(list(arrays), average=self.average, compress=True)
         return [r.reshape(a.shape) for r, a in zip(reduced, arrays, strict=True)]  # views (0-d stays 0-d)
 
     def _overlapped(self, wire: list[Any]) -> list[Any]:
@@ -483,5 +562,5 @@ class GradientAllreduce:
 
     def _reduce_bucket(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         # A ring per bucket: its outputs stay valid until that bucket's next-but-one exchange.
-        reduced = self.collectives.allreduce(arrays, average=self.average, purpose=f"grads{bucket}")
+        reduced = self.collectives.allreduce(arrays, average=self.average, purpose=f"grads{bucket}", compress=True)
         return [r.reshape(a.shape) for r, a in zip(reduced, arrays, strict=True)]

@@ -44,8 +44,11 @@ class DataParallel(Parallelism):
         overlap_bytes: Gradient bucket size with which the exchange overlaps backprop, for models attached
             from now on (0: one exchange after the backward pass; None: the transport's default,
             :func:`rdkeras.parallel.collectives.overlap_bytes`).
-        algorithm: The allreduce: "auto" (hierarchical across hosts of equal worker counts, else the ring),
-            "ring" or "hierarchical" (:class:`rdkeras.parallel.collectives.HierarchicalAllreduce`).
+        algorithm: The allreduce: "auto" (hierarchical across hosts of equal worker counts, else the ring; small
+            tensors by recursive doubling), "ring", "hierarchical" or "doubling"
+            (:class:`rdkeras.parallel.collectives.Collectives`).
+        compression: None, "fp16" or "bf16": the type float32 gradients cross hosts as.
+        compress_within_hosts: Compress inside each host too.
     """
 
     def __init__(
@@ -56,9 +59,19 @@ class DataParallel(Parallelism):
         global_batch: bool = True,
         overlap_bytes: int | None = None,
         algorithm: str = "auto",
+        compression: str | None = None,
+        compress_within_hosts: bool = False,
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
-        self.collectives = Collectives(engine, bucket_bytes, algorithm=algorithm)
+        if compression and mode == "ps":
+            raise ValueError(f"compression={compression!r} compresses the allreduce: use mode='allreduce'")
+        self.collectives = Collectives(
+            engine,
+            bucket_bytes,
+            algorithm=algorithm,
+            compression=compression,
+            compress_within_hosts=compress_within_hosts,
+        )
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
         self.batch_norm = SynchronizedMoments(self.collectives)
         self._models: list[Any] = []
@@ -87,9 +100,9 @@ class DataParallel(Parallelism):
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
         optimizer = model.optimizer
         if self.num_workers > 1 and self.mode == "allreduce":
-            chosen, why = self.collectives.algorithm  # collective (every worker attaches); the plan reads it later
-            if self.engine.rank == 0 and self.collectives.requested != "ring":
-                logger.info(f"allreduce: {chosen} ({why})")
+            described = self.collectives.describe()  # collective (every worker attaches); the plan reads it later
+            if self.engine.rank == 0 and (self.collectives.requested != "ring" or self.collectives.compression):
+                logger.info(f"allreduce: {described}")
         overlap = collectives.overlap_bytes(self.engine.transport) if self.overlap_bytes is None else self.overlap_bytes
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
@@ -242,7 +255,10 @@ class DataParallel(Parallelism):
             (v.path, tuple(v.shape), str(v.dtype), int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize)
             for v in model.trainable_variables
         ]
-        algorithm = self.collectives.algorithm if self.num_workers > 1 else ("ring", "one worker")
+        algorithm = ("ring", "one worker")
+        if self.num_workers > 1:
+            gradients = sum(v[3] + 64 for v in variables)
+            algorithm = (self.collectives.algorithm_for(gradients), self.collectives.describe())
         return ExchangePlan(
             self.mode, self.num_workers, self.engine.transport, self.global_batch_size, variables,
             self.collectives.bucket_bytes, algorithm,
@@ -285,9 +301,11 @@ class ExchangePlan:
                 lines.append(
                     f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
                     f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
+                    + (f" Allreduce: {why}." if why and why != "one worker" else "")
                 )
             else:
-                lines.append(f"Each step: a {name} allreduce of {total:,} gradient bytes ({why}).")
+                shown = "recursive-doubling" if name == "doubling" else name
+                lines.append(f"Each step: a {shown} allreduce of {total:,} gradient bytes ({why}).")
         else:
             lines.append(
                 f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "

@@ -1,4 +1,4 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair (tests and benchmarks).
+"""Several "hosts" on one machine: network namespaces on one switch (tests and benchmarks).
 
     from rdkeras.testing import netns
 
@@ -7,10 +7,12 @@
         subprocess.run(a.command(["python", "-m", "rdkeras.launch", ...]))
         a.addr, b.addr                    # each host's address on the link
 
-Each host is a namespace with ``lo`` and one end of a veth pair, addressed from
-a private /24 chosen per process. ``rate`` (a ``tc tbf`` limit) and ``delay``
-(``tc netem``) shape both ends. Processes in the namespaces share the file
-system and ``boot_id`` but not abstract unix sockets, as two containers on one
+Each host is a namespace with ``lo`` and one end of a veth pair whose other end
+is a port of a bridge in a namespace of its own (the switch); addresses come
+from a private /24 chosen per process. ``rate`` (a ``tc tbf`` limit) and
+``delay`` (``tc netem``) shape both ends of every host's link, as a NIC of that
+speed would in both directions. Processes in the namespaces share the file
+system and ``boot_id`` but not abstract unix sockets, as containers on one
 machine do. Everything is removed on the way out, also when the body raises;
 :func:`cleanup_stale` removes what a killed run left behind.
 """
@@ -77,60 +79,69 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _shape(host: Host, rate: str | None, delay: str | None) -> None:
+MAX_HOSTS = 4
+
+
+def _shape(namespace: str, device: str, rate: str | None, delay: str | None) -> None:
     try:
-        _add_qdiscs(host, rate, delay)
+        _add_qdiscs(namespace, device, rate, delay)
     except NetnsError as e:
         what = "tc netem (delay) needs the kernel's sch_netem" if delay else "tc tbf (rate) needs sch_tbf"
-        raise NetnsError(f"cannot shape {host.device}: {what}: {e}") from None
+        raise NetnsError(f"cannot shape {device}: {what}: {e}") from None
 
 
-def _add_qdiscs(host: Host, rate: str | None, delay: str | None) -> None:
+def _add_qdiscs(namespace: str, device: str, rate: str | None, delay: str | None) -> None:
+    tc = ["netns", "exec", namespace, "tc", "qdisc", "add", "dev", device]
     if rate and delay:
-        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "handle", "1:", "netem",
-            "delay", delay)  # fmt: skip
-        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "parent", "1:", "handle", "2:",
-            "tbf", "rate", rate, "burst", "256kb", "latency", "10ms")  # fmt: skip
+        _ip(*tc, "root", "handle", "1:", "netem", "delay", delay)
+        _ip(*tc, "parent", "1:", "handle", "2:", "tbf", "rate", rate, "burst", "256kb", "latency", "10ms")
     elif rate:
-        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", rate,
-            "burst", "256kb", "latency", "10ms")  # fmt: skip
+        _ip(*tc, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "10ms")
     elif delay:
-        _ip("netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.device, "root", "netem", "delay", delay)
+        _ip(*tc, "root", "netem", "delay", delay)
 
 
 @contextlib.contextmanager
 def hosts(count: int = 2, *, rate: str | None = None, delay: str | None = None) -> Iterator[list[Host]]:
-    """Two namespaces joined by a veth pair, removed on the way out.
+    """`count` namespaces, each linked to one switch, removed on the way out.
 
     Args:
-        count: Hosts to make (2: the two ends of one veth pair).
-        rate: Bandwidth cap on each end, in tc's units ("1gbit", "100mbit"); None: unshaped.
+        count: Hosts to make, 2 to 4.
+        rate: Bandwidth cap on each end of every host's link, in tc's units ("1gbit", "100mbit"); None: unshaped.
         delay: Added one-way latency on each end ("100us", "1ms"); None: none.
     """
-    if count != 2:
-        raise ValueError(f"a veth pair joins exactly 2 hosts, not {count}")
+    if not 2 <= count <= MAX_HOSTS:
+        raise ValueError(f"hosts(count) makes 2 to {MAX_HOSTS} hosts, not {count}")
     why = why_not()
     if why:
         raise NetnsError(why)
     tag = f"{os.getpid()}x{os.urandom(2).hex()}"
     subnet = f"10.{200 + os.getpid() % 50}.{int.from_bytes(os.urandom(1), 'big')}"
+    switch = f"{PREFIX}{tag}sw"
     made = [Host(f"{PREFIX}{tag}{side}", f"{subnet}.{i + 1}", f"{PREFIX}{tag[-4:]}{side}") for i, side in
-            enumerate("ab")]  # fmt: skip
+            enumerate("abcd"[:count])]  # fmt: skip
     try:
+        _ip("netns", "add", switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
         for h in made:
+            port = f"{h.device}s"  # the switch's end
             _ip("netns", "add", h.name)
-        _ip("link", "add", made[0].device, "type", "veth", "peer", "name", made[1].device)
-        for h in made:
+            _ip("link", "add", h.device, "type", "veth", "peer", "name", port)
             _ip("link", "set", h.device, "netns", h.name)
+            _ip("link", "set", port, "netns", switch)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
             _ip("netns", "exec", h.name, "ip", "addr", "add", f"{h.addr}/24", "dev", h.device)
             _ip("netns", "exec", h.name, "ip", "link", "set", h.device, "up")
             _ip("netns", "exec", h.name, "ip", "link", "set", "lo", "up")
-            _shape(h, rate, delay)
+            _shape(h.name, h.device, rate, delay)
+            _shape(switch, port, rate, delay)
         yield made
     finally:
-        # The link first (a namespace is freed lazily, and its veth end with it), wherever each end is now.
+        # The links first (a namespace is freed lazily, and its veth end with it), wherever each end is now.
         for h in made:
             for argv in (["ip", "-n", h.name, "link", "del", h.device], ["ip", "link", "del", h.device]):
                 subprocess.run(argv, capture_output=True, timeout=30)
-        for h in made:
-            subprocess.run(["ip", "netns", "del", h.name], capture_output=True, timeout=30)
+        for name in [h.name for h in made] + [switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

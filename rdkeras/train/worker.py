@@ -32,8 +32,10 @@ def make_strategy(cfg: Any) -> Any:
     }
     if parallel.parallelism in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
-    if parallel.parallelism == "data" and parallel.get("algorithm") is not None:
-        kwargs.update(algorithm=parallel.algorithm)
+    if parallel.parallelism == "data":
+        for key in ("algorithm", "compression", "compress_within_hosts"):
+            if parallel.get(key) is not None:
+                kwargs[key] = parallel[key]
     if parallel.parallelism in ("model", "hybrid"):
         kwargs.update(placement=dict(parallel.placement), micro_batches=parallel.micro_batches)
     if parallel.get("stages") is not None:

@@ -41,6 +41,10 @@ class BackendSpec:
     # Its rings run in the engine, which also composes them into the hierarchical allreduce across hosts (the
     # baselines' rings are flat, in Python, as TensorFlow's gRPC collective is).
     hierarchical: bool = True
+    # What a sum costs on it: seconds per message, per byte moved and per byte added (the engine's, on one core),
+    # from which "auto" picks recursive doubling for small tensors (rdkeras.parallel.collectives.doubling_below).
+    # Fitted to ``python -m rdkeras.bench algorithms`` on a 2-core x86 VM (the sum: ~5 GB/s on one core).
+    costs: tuple[float, float, float] = (50e-6, 0.7e-9, 0.2e-9)
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -134,10 +138,15 @@ def _grpc(config: BackendConfig) -> Backend:
 
 register(
     BackendSpec(
-        "shm", "one host: peers map each other's memory", _compiled("shm"), _native("shm"), copies_on_own_cores=True
+        "shm",
+        "one host: peers map each other's memory",
+        _compiled("shm"),
+        _native("shm"),
+        copies_on_own_cores=True,
+        costs=(1e-6, 0.1e-9, 0.2e-9),  # a flag seen in ~1 us, a memcpy at ~10 GB/s
     )
 )
-register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))
+register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))  # (default)
 register(
     BackendSpec(
         "shm+tcp",
@@ -152,6 +161,7 @@ register(
         "InfiniBand/RoCE RDMA over RC queue pairs",
         _engine.verbs_why_not_viable,  # says what is missing: the build, the library or a device
         _native("verbs"),
+        costs=(3e-6, 0.1e-9, 0.2e-9),  # an RDMA write and its flag; ~100 Gbit/s
     )
 )
 register(

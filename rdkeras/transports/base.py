@@ -117,11 +117,41 @@ class Ring(Protocol):
 
 
 class HierarchicalRing(Ring, Protocol):
-    """An engine ring (a backend whose spec says ``hierarchical``), which also runs the hierarchical allreduce:
-    this ring inside the host, `across` over the members at this position on every host."""
+    """An engine ring (a backend whose spec says ``hierarchical``), which also runs the hierarchical allreduce
+    (this ring inside the host, `across` over the members at this position on every host) and casts float32 to a
+    16-bit `wire` type ("float16", "bfloat16") where asked: the whole way, or between hosts only."""
+
+    def allreduce(
+        self, arrays: Sequence[np.ndarray], average: bool = False, wire: str | None = None
+    ) -> list[np.ndarray]: ...
 
     def allreduce_hierarchical(
-        self, arrays: Sequence[np.ndarray], average: bool, across: HierarchicalRing, world: int
+        self,
+        arrays: Sequence[np.ndarray],
+        average: bool,
+        across: HierarchicalRing,
+        world: int,
+        wire: str | None = None,
+        within: bool = False,
+    ) -> list[np.ndarray]: ...
+
+
+class Doubling(Protocol):
+    """An engine's recursive-doubling allreduce among some ranks (a backend whose spec says ``hierarchical``)."""
+
+    @property
+    def descriptor(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def partners(self) -> list[int]:
+        """The member positions whose descriptors this one needs."""
+
+    def connect(self, descriptors: Sequence[str]) -> None:
+        """Takes every member's descriptor, in the members' order."""
+
+    def allreduce(
+        self, arrays: Sequence[np.ndarray], average: bool = False, wire: str | None = None
     ) -> list[np.ndarray]: ...
 
 
@@ -200,3 +230,9 @@ class Backend(Protocol):
         """bytes_written, bytes_read, writes, reads, flags, bytes_received, wait_seconds."""
 
     def count_received(self, nbytes: int) -> None: ...
+
+
+class NativeBackend(Backend, Protocol):
+    """The engine's own backend (a spec that says ``hierarchical``): its collectives beyond the ring."""
+
+    def doubling(self, capacity_bytes: int, members: Sequence[int]) -> Doubling: ...

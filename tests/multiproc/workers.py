@@ -555,22 +555,50 @@ def new_variables(odd_rank: int) -> dict:
         return {"values": [v.value.tolist() for v in made]}
 
 
-def hosts_allreduce(hosts: list[str], algorithm: str, sizes: list[int], calls: int = 3, bucket: int = 1 << 16) -> dict:
+def hosts_allreduce(
+    hosts: list[str],
+    algorithm: str,
+    sizes: list[int],
+    calls: int = 3,
+    bucket: int = 1 << 16,
+    compression: str | None = None,
+    within: bool = False,
+) -> dict:
     """`calls` allreduces (sums, then means) of float32 and float64 tensors of `sizes`, the ranks grouped into
-    `hosts`, in passes of `bucket` bytes; each call's inputs differ, so a result kept from an earlier call would
-    show."""
+    `hosts`, in passes of `bucket` bytes, compressed as asked; each call's inputs differ, so a result kept from an
+    earlier call would show."""
     from rdkeras.parallel.collectives import Collectives
 
     with open_engine() as eng:
-        collectives = Collectives(eng, bucket, algorithm=algorithm, hosts=hosts)
-        out: dict = {"algorithm": collectives.algorithm[0], "calls": []}
+        collectives = Collectives(
+            eng, bucket, algorithm=algorithm, hosts=hosts, compression=compression, compress_within_hosts=within
+        )
+        out: dict = {"algorithm": collectives.algorithm[0], "described": collectives.describe(), "calls": []}
         for call in range(calls):
             rng = np.random.default_rng(1000 * call + eng.rank)
             arrays = [rng.standard_normal(n).astype(np.float32 if i % 2 else np.float64) for i, n in enumerate(sizes)]
             average = call % 2 == 1
-            reduced = collectives.allreduce(arrays, average=average)
+            reduced = collectives.allreduce(arrays, average=average, compress=True)
             out["calls"].append({"average": average, "sums": [r.tolist() for r in reduced]})
         return out
+
+
+def wire_round_trip(values: list[float]) -> dict:
+    """`values` (float32) through a one-member allreduce on each 16-bit wire type: what the wire keeps."""
+    with open_engine() as eng:
+        group = eng.doubling("one", 1 << 16)
+        x = np.asarray(values, np.float32)
+        return {wire: group([x], wire=wire)[0].view(np.uint32).tolist() for wire in ("float16", "bfloat16")}
+
+
+def doubling_with_a_death(victim: int) -> dict:
+    """5 ranks sum 1 KB by recursive doubling again and again; `victim` dies before its fourth call."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine(timeout=60) as eng:
+        collectives = Collectives(eng, 1 << 20, algorithm="doubling")
+        x = np.ones(256, np.float32)
+        return _until_killed(eng, victim, lambda: collectives.allreduce([x], average=False))
 
 
 def hierarchical_with_a_death(victim: int) -> dict:

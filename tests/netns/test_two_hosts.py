@@ -169,3 +169,36 @@ def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
     results = json.loads((tmp_path / "node0" / "results.json").read_text())
     assert results["workers"] == 4 and results["transport"] == "shm+tcp"
     assert "[0] summary: fcn5 on 4 worker(s)" in outs[0]
+
+
+@pytest.mark.parametrize("count", [3, 4])
+def test_hosts_on_one_switch_sum_hierarchically_with_bf16_between_them(count):
+    """`count` namespaces x 2 workers (shm inside, tcp between, each host's link shaped): the hierarchical
+    allreduce with bf16 shards between the hosts sums on every rank, the same bits everywhere."""
+    from rdkeras.bench import run_ranks_on_hosts
+
+    sizes = [1, 1000, 4099, 0, 33]
+    with netns.hosts(count, rate="1gbit") as made:
+        assert len({h.addr for h in made}) == count
+        ranks = run_ranks_on_hosts(
+            "test", f"{count} hosts", "tests.multiproc.workers:hosts_allreduce", 2 * count,
+            {"hosts": [f"h{r // 2}" for r in range(2 * count)], "algorithm": "hierarchical", "sizes": sizes,
+             "compression": "bf16", "bucket": 4096},
+            hosts=made, env={"PYTHONPATH": str(REPO)}, timeout=300,
+        )  # fmt: skip
+    assert ranks is not None, "a rank failed (its output is printed above)"
+    assert not any(name.startswith(netns.PREFIX) for name in _netns_names()), "namespaces left behind"
+    assert all(r.value["algorithm"] == "hierarchical" for r in ranks)
+    assert all(r.value["calls"] == ranks[0].value["calls"] for r in ranks), "the ranks hold different bits"
+    for call, got in enumerate(ranks[0].value["calls"]):
+        inputs = []
+        for rank in range(2 * count):
+            rng = np.random.default_rng(1000 * call + rank)
+            inputs.append(
+                [rng.standard_normal(n).astype(np.float32 if i % 2 else np.float64) for i, n in enumerate(sizes)]
+            )
+        for i in range(len(sizes)):
+            want = sum(x[i].astype(np.float64) for x in inputs) / (2 * count if got["average"] else 1)
+            bound = sum(np.abs(x[i].astype(np.float64)) for x in inputs) / (2 * count if got["average"] else 1)
+            tolerance = 1e-12 if i % 2 == 0 else 2.0**-8 * (count + 1)  # float64 exact; float32 on a bf16 wire
+            assert np.all(np.abs(np.asarray(got["sums"][i]) - want) <= tolerance * bound + 1e-12), (call, i)
