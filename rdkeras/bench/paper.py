@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras import options
-from rdkeras.bench import measure, workloads
+from rdkeras.bench import clusters, measure, workloads
 from rdkeras.bench.analysis import analyze
 from rdkeras.bench.labels import MB
 
@@ -169,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads(Path(args.from_json).read_text()) if args.from_json else _measure(args, out)
+    # The models' profiles for the at-scale projections, counted once (a rebuild from JSON reuses them).
+    profiles = (results.get("scale_model") or {}).get("at_scale", {}).get("profiles")
     results["scale_model"] = analyze(results)
+    results["scale_model"]["at_scale"] = clusters.analyze(profiles)
     _save(results, out)
     text = report.write(results, out)
     print(text)

@@ -30,12 +30,21 @@ Here every byte moves by CPU (no NIC), so with more workers than cores each work
 communication is scaled by N/cores, and compute is measured so (every rank computing at once).
 
 The projection replaces this machine's parts by the described cluster's (``Testbed``): compute from the
-model's FLOPs at a GPU's sustained rate; rdkeras's per-byte cost by the RDMA link's (zero-copy: the NIC
-moves the bytes, GPUDirect reads GPU memory); RPC over RDMA by the link plus the copies the RPC layer
-adds (measured here as rpc+shm minus shm, scaled by the two machines' memcpy speeds) plus a PCIe copy
-off the GPU; gRPC over TCP by its per-byte CPU cost here, scaled the same way, plus the TCP link. It is
-a model of where the time goes, not of contention: it ignores incast at parameter servers, congestion and
-stragglers, which make real clusters slower at scale.
+model's FLOPs at a GPU's sustained rate; rdkeras's per-byte cost by the RDMA link's (the NIC moves the
+bytes from host memory), plus the PCIe copies its numpy_function hops make today -- the gradients off the
+GPU before the exchange and the averages back after it, which no overlap hides (charged until a path
+without host staging exists); RPC over RDMA by the link plus the copies the RPC layer adds (measured here
+as rpc+shm minus shm, scaled by the two machines' memcpy speeds) plus a PCIe copy off the GPU; gRPC over
+TCP by its per-byte CPU cost here, scaled the same way, plus the TCP link. It is a model of where the time
+goes, not of contention: it ignores incast at parameter servers, congestion and stragglers, which make real
+clusters slower at scale.
+
+On clusters of GPU servers (``rdkeras_step``, ``horovod_step``; rdkeras.bench.clusters applies them), from
+cited constants alone: each allreduce algorithm's steps priced by the hops they cross -- through a server's
+NIC, which its GPUs share, or inside it over shared memory -- with the sums on a CPU core (rdkeras) or on
+the GPU (NCCL, by NVIDIA's own cost model); gradients appear during backprop in its layers' order and at
+the times their FLOPs say, and are fused into buckets (rdkeras: fixed 4 MiB ones, in passes of at most
+64 MiB; Horovod: whatever exists when its thread is free, up to 64 MB), one allreduce at a time.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rdkeras.parallel import collectives
 from rdkeras.parallel.parameter_server import deal
 
 MB = 1 << 20
@@ -53,20 +63,39 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class Testbed:
-    """The cluster to project to. Defaults: the seed's (8 servers, a P100 each, 100 Gb/s InfiniBand)."""
+    """The cluster to project to. Defaults: the seed's (8 servers, a P100 each, 100 Gb/s InfiniBand).
+
+    ``workers`` GPUs in all, ``gpus_per_server`` of them in each server, which share its one NIC."""
 
     workers: int = 8
-    gpu_tflops: float = 9.3  # P100 fp32 peak
-    gpu_efficiency: float = 0.35  # sustained share of the peak in training (cuDNN/cuBLAS, batch 32)
-    link_gbps: float = 100.0  # InfiniBand EDR
-    rdma_latency_s: float = 3e-6  # one RDMA write plus its flag
+    gpu_tflops: float = 9.3  # P100 PCIe fp32 peak (NVIDIA Tesla P100 datasheet; SXM2: 10.6)
+    # Sustained share of the peak in training for the projection's every model (cuDNN/cuBLAS, batch 32); not
+    # cited -- the models measured by TensorFlow's P100 benchmarks range 46-59% (135% for VGG-16's Winograd
+    # convolutions), which the at-scale projections (rdkeras.bench.clusters) use per model instead.
+    gpu_efficiency: float = 0.35
+    link_gbps: float = 100.0  # InfiniBand EDR (one NIC a server)
+    # One RDMA write plus its flag; NCCL's own model charges 2.7 us for its low-latency ring step across the
+    # network (NVIDIA/nccl src/graph/tuning.cc at 01afd20, hwLat[NET][Ring][LL]).
+    rdma_latency_s: float = 3e-6
     tcp_gbps: float = 25.0  # TCP over the same fabric (IPoIB), what gRPC.TCP gets before its CPU costs
-    memcpy_gb_per_s: float = 8.0  # one Xeon E5-2690 v4 core
-    pcie_gb_per_s: float = 12.0  # GPU -> host copy before an RPC serializes a tensor (no GPUDirect)
+    # One Xeon core's memcpy (the reductions, the shared-memory copies inside a server): glibc memcpy measured
+    # 8.9-15.1 GB/s on one core of this project's 2.8 GHz Xeon (README, micro-benchmarks); the lower end.
+    memcpy_gb_per_s: float = 8.0
+    # GPU <-> host over PCIe 3.0 x16: CUDA's bandwidthTest on a P100 PCIe, pinned memory, 11.7 GB/s host to
+    # device and 12.9 GB/s back (microway.com, "NVIDIA Tesla P100 PCI-E 16GB GPU Accelerator Up Close").
+    pcie_gb_per_s: float = 12.0
+    gpus_per_server: int = 1
+    # A step between two workers of one server over shared memory: shm's one-way 8-byte latency measured on
+    # this project's machine (README, micro-benchmarks).
+    shm_latency_s: float = 0.32e-6
 
     @property
     def gpu_flops(self) -> float:
         return self.gpu_tflops * 1e12 * self.gpu_efficiency
+
+    @property
+    def servers(self) -> int:
+        return max(1, self.workers // self.gpus_per_server)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -244,12 +273,15 @@ class Projection:
     workers: int
     compute_s: float
     comm_s: dict[str, float]
+    # Per transport, what no overlap can hide: the copy of the averaged gradients back to the GPU after the
+    # exchange (rdkeras's results leave its numpy_function hop on the host).
+    after_s: dict[str, float] = field(default_factory=dict)
 
     def rate(self, transport: str, overlap: bool = False) -> float:
-        comm = self.comm_s[transport]
+        comm, after = self.comm_s[transport], self.after_s.get(transport, 0.0)
         # With overlap, the backward pass (2/3 of the compute) hides the communication it can.
         step = self.compute_s / 3 + max(2 * self.compute_s / 3, comm) if overlap else self.compute_s + comm
-        return 1.0 / step
+        return 1.0 / (step + after)
 
 
 TESTBED_TRANSPORTS = ("rdkeras", "rpc_rdma", "grpc_tcp")
@@ -293,7 +325,18 @@ def project(
         )
         for name, (a, b) in testbed_costs(calibration, testbed).items()
     }
-    return Projection(model["name"], mode, testbed.workers, compute, comm)
+    # rdkeras's gradients reach the engine through numpy_function hops: off the GPU before the exchange (with
+    # the transfers), back onto it after -- charged until a path without host staging exists.
+    after = {}
+    if "rdkeras" in comm and testbed.workers > 1:
+        comm["rdkeras"] += staging_seconds(model["gradient_bytes"], testbed)
+        after["rdkeras"] = staging_seconds(model["gradient_bytes"], testbed)
+    return Projection(model["name"], mode, testbed.workers, compute, comm, after)
+
+
+def staging_seconds(nbytes: float, testbed: Testbed) -> float:
+    """One copy of `nbytes` between a GPU and its host over PCIe (one way)."""
+    return nbytes / (testbed.pcie_gb_per_s * 1e9)
 
 
 def sweep(
@@ -306,3 +349,271 @@ def sweep(
         rate = {t: p.rate(t) for t in p.comm_s}
         rows.append({"workers": n, "rates": rate, "compute_s": p.compute_s, "comm_s": p.comm_s})
     return rows
+
+
+# On a cluster of GPU servers: each allreduce algorithm's steps and the hops they cross, gradients fused into
+# buckets as they appear during backprop, and (for rdkeras) the copies between GPU and host around them.
+
+PARTS = ("latency", "network", "in_server", "sums", "casts", "pcie")
+PART_LABELS = {
+    "latency": "per-step latency",
+    "network": "bytes through the servers' NICs",
+    "in_server": "copies inside a server",
+    "sums": "sums on a CPU core",
+    "casts": "casts to 16 bits and back",
+    "pcie": "GPU <-> host copies",
+}
+ALGORITHMS = ("ring", "hierarchical", "doubling", "auto")
+
+# NVIDIA's cost model of NCCL's ring allreduce, Simple protocol (NVIDIA/nccl src/graph/tuning.cc at 01afd20:
+# baseLat[Ring][Simple], hwLat[PCI][Ring][Simple], hwLat[NET][Ring][Simple], and the x1.9 "plateau effect of
+# ring" for allreduces of nRanks/16 x 64 KiB or more across nodes).
+NCCL_BASE_S = 8.4e-6
+NCCL_PCI_STEP_S = 5.7e-6
+NCCL_NET_STEP_S = 9.6e-6
+NCCL_PLATEAU = 1.9
+
+
+@dataclass(frozen=True)
+class Hops:
+    """One step of a collective on a cluster: per message and per byte through a server's NIC (which its GPUs
+    share) and between two workers of one server (shared memory), and per byte summed on one core."""
+
+    net_a: float
+    net_b: float
+    host_a: float
+    host_b: float
+    sum_b: float
+
+    @classmethod
+    def of(cls, testbed: Testbed) -> Hops:
+        copy = 1 / (testbed.memcpy_gb_per_s * 1e9)
+        return cls(testbed.rdma_latency_s, 8 / (testbed.link_gbps * 1e9), testbed.shm_latency_s, copy, copy)
+
+
+def _parts(**seconds: float) -> dict[str, float]:
+    return {k: seconds.get(k, 0.0) for k in PARTS}
+
+
+def _casts(nbytes: float, wire: float, hops: Hops) -> float:
+    """Casting `nbytes` of float32 to the 16-bit wire type and the sums back (one pass over them each way)."""
+    return 2 * nbytes * hops.sum_b if wire < 1 else 0.0
+
+
+def ring_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> dict[str, float]:
+    """rdkeras's flat ring over every worker of `servers` x `per_server`, ordered server by server (each server's
+    boundary crossed once each way): 2(N-1) steps of x/N bytes, each as slow as its slowest hop (across servers
+    where there are several, else inside one), and (N-1)/N of x summed. `wire`: the share of the bytes on the
+    wire (0.5: every tensor cast to 16 bits and back)."""
+    n = servers * per_server
+    if n <= 1:
+        return _parts()
+    chunk = x / n * wire
+    step = []
+    if servers > 1:
+        step.append((hops.net_a, "network", chunk * hops.net_b))
+    if per_server > 1:
+        step.append((hops.host_a, "in_server", chunk * hops.host_b))
+    a, kind, moved = max(step, key=lambda s: s[0] + s[2])
+    steps = 2 * (n - 1)
+    return _parts(
+        latency=steps * a, **{kind: steps * moved}, sums=(n - 1) / n * x * hops.sum_b, casts=_casts(x, wire, hops)
+    )
+
+
+def hierarchical_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> dict[str, float]:
+    """rdkeras's hierarchical allreduce: a ring inside each server reduce-scatters (L-1 steps of x/L), each local
+    rank sums its x/L shard across servers by a ring of the same-position ranks (2(H-1) steps; the L rings share
+    the server's NIC, which carries x/H a step: 2(H-1)/H of x across in all), and the ring inside allgathers.
+    `wire` < 1: only the shards crossing servers are cast."""
+    h, l_ = servers, per_server
+    if h * l_ <= 1:
+        return _parts()
+    return _parts(
+        latency=2 * (l_ - 1) * hops.host_a + 2 * (h - 1) * hops.net_a,
+        network=2 * (h - 1) * x / h * wire * hops.net_b,
+        in_server=2 * (l_ - 1) * x / l_ * hops.host_b,
+        sums=((l_ - 1) / l_ * x + (h - 1) / h * x / l_) * hops.sum_b,
+        casts=_casts(x / l_, wire, hops) if h > 1 else 0.0,
+    )
+
+
+def doubling_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> dict[str, float]:
+    """rdkeras's latency-optimal allreduce for small tensors (recursive doubling, the "tree"): log2(P) steps, P
+    the largest power of 2 <= N, each exchanging all x bytes with the partner 2^k positions away (inside the
+    server while 2^k < L; across it every worker of a server sends at once, L·x through its NIC) and adding them;
+    with N > P, the workers beyond P fold into a partner first and get the sum back after (two steps more)."""
+    n = servers * per_server
+    if n <= 1:
+        return _parts()
+    p = 1 << (n.bit_length() - 1)
+    out = _parts(casts=_casts(x, wire, hops))
+    for k in range(p.bit_length() - 1):
+        if (1 << k) < per_server:
+            out["latency"] += hops.host_a
+            out["in_server"] += x * wire * hops.host_b
+        else:
+            out["latency"] += hops.net_a
+            out["network"] += per_server * x * wire * hops.net_b
+        out["sums"] += x * hops.sum_b
+    if n > p:
+        kind, a, b = ("network", hops.net_a, hops.net_b) if servers > 1 else ("in_server", hops.host_a, hops.host_b)
+        out["latency"] += 2 * a
+        out[kind] += 2 * x * wire * b
+        out["sums"] += x * hops.sum_b
+    return out
+
+
+def doubling_below(servers: int, per_server: int, hops: Hops) -> float:
+    """The bytes below which "auto" takes recursive doubling: rdkeras.parallel.collectives.doubling_below's
+    crossover, with the cluster's costs (a message and a byte across servers where there are several)."""
+    a, b = (hops.net_a, hops.net_b) if servers > 1 else (hops.host_a, hops.host_b)
+    below = collectives.doubling_below(servers * per_server, a, b, hops.sum_b)
+    return math.inf if below >= 1 << 62 else float(below)
+
+
+def pick_algorithm(algorithm: str, nbytes: float, servers: int, per_server: int, hops: Hops) -> str:
+    """The algorithm an allreduce call of `nbytes` runs: "auto" is recursive doubling below doubling_below, else
+    hierarchical where there are several servers of more than one worker each, else the ring."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm != "auto":
+        return algorithm
+    if nbytes < doubling_below(servers, per_server, hops):
+        return "doubling"
+    return "hierarchical" if servers > 1 and per_server > 1 else "ring"
+
+
+def allreduce_parts(
+    algorithm: str, x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0
+) -> tuple[str, dict[str, float]]:
+    """(the algorithm that ran, its seconds by part) for one allreduce of `x` bytes (pick_algorithm's)."""
+    used = pick_algorithm(algorithm, x, servers, per_server, hops)
+    cost = {"ring": ring_parts, "hierarchical": hierarchical_parts, "doubling": doubling_parts}[used]
+    return used, cost(x, servers, per_server, hops, wire)
+
+
+def nccl_ring_parts(x: float, servers: int, per_server: int, testbed: Testbed) -> dict[str, float]:
+    """One NCCL ring allreduce of `x` bytes by NVIDIA's own cost model (see NCCL_*): latency = base + a PCIe step
+    for each of the 2(N-1) steps inside a server and a network step for each of the 2(H-1) across, x1.9 for large
+    allreduces across servers; bandwidth = the NIC's (one ring, each server's boundary crossed once each way),
+    x·2(N-1)/N through it. NCCL sums on the GPU (no CPU sums) and, without GPUDirect, stages through host
+    memory in a pipeline the NIC's rate bounds (not charged)."""
+    n = servers * per_server
+    if n <= 1:
+        return _parts()
+    steps, across = 2 * (n - 1), 2 * (servers - 1)
+    latency = NCCL_BASE_S + (steps - across) * NCCL_PCI_STEP_S + across * NCCL_NET_STEP_S
+    if servers > 1 and x >= n / 16 * 65536:
+        latency *= NCCL_PLATEAU
+    bus = (testbed.link_gbps / 8 if servers > 1 else testbed.pcie_gb_per_s) * 1e9
+    return _parts(latency=latency, **{"network" if servers > 1 else "in_server": x * steps / n / bus})
+
+
+@dataclass
+class Step:
+    """One data-parallel step on a cluster: its compute, its length, what its communication spent by part (summed
+    over its calls, hidden behind backprop or not) and its allreduce calls by algorithm."""
+
+    compute_s: float
+    step_s: float
+    parts: dict[str, float]
+    calls: dict[str, int]
+
+    @property
+    def efficiency(self) -> float:
+        """The step's share spent computing: throughput against one worker alone (scaling efficiency)."""
+        return self.compute_s / self.step_s
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=lambda k: self.parts[k])
+
+
+def gradient_buckets(tensors: Sequence[Sequence[float]], bucket_bytes: int) -> list[tuple[float, float]]:
+    """(ready, bytes) of rdkeras's overlap buckets: `tensors` as (share of backprop done when its gradient
+    exists, bytes) in backprop's order, a bucket closed once it holds `bucket_bytes` (collectives.reverse_buckets),
+    ready with its last gradient."""
+    out, filled = [], 0.0
+    for ready, nbytes in tensors:
+        filled += nbytes
+        if filled >= bucket_bytes:
+            out.append((ready, filled))
+            filled = 0.0
+    if filled:
+        out.append((tensors[-1][0], filled))
+    return out
+
+
+def rdkeras_step(
+    tensors: Sequence[Sequence[float]],
+    compute_s: float,
+    testbed: Testbed,
+    algorithm: str = "auto",
+    wire: float = 1.0,
+    bucket_bytes: int = 4 * MB,
+    pass_bytes: int = 64 * MB,
+    overlap: bool = True,
+    staging: bool = True,
+) -> Step:
+    """rdkeras's data-parallel step as the code runs it: backprop (2/3 of the compute, after the forward third)
+    produces the gradients (`tensors`: see gradient_buckets); each bucket, once its gradients exist, is copied
+    to the host (`staging`: the numpy_function hop; on the GPU's own PCIe link, one bucket after another) and
+    allreduced by the communication thread, one bucket at a time, in passes of at most `pass_bytes` (the ring's
+    bucket_bytes); after the last one, every averaged gradient is copied back to the GPU, which nothing hides.
+    Without `overlap` every bucket waits for the end of backprop."""
+    hops, servers, per_server = Hops.of(testbed), testbed.servers, testbed.gpus_per_server
+    parts, calls = _parts(), dict[str, int]()
+    if testbed.workers <= 1:
+        return Step(compute_s, compute_s, parts, calls)
+    forward, backward = compute_s / 3, 2 * compute_s / 3
+    copied = free = 0.0
+    for ready, nbytes in gradient_buckets(tensors, bucket_bytes):
+        at = forward + ready * backward if overlap else compute_s
+        if staging:
+            copied = max(at, copied) + staging_seconds(nbytes, testbed)
+            parts["pcie"] += staging_seconds(nbytes, testbed)
+            at = copied
+        passes = max(1, math.ceil(nbytes / pass_bytes))
+        used = pick_algorithm(algorithm, nbytes, servers, per_server, hops)  # by the call's bytes, as the code
+        used, cost = allreduce_parts(used, nbytes / passes, servers, per_server, hops, wire)
+        for k, v in cost.items():
+            parts[k] += passes * v
+        calls[used] = calls.get(used, 0) + passes
+        free = max(at, free) + passes * sum(cost.values())
+    end = max(compute_s, free)
+    if staging:
+        back = staging_seconds(sum(b for _, b in tensors), testbed)
+        parts["pcie"] += back
+        end += back
+    return Step(compute_s, end, parts, calls)
+
+
+def horovod_step(
+    tensors: Sequence[Sequence[float]],
+    compute_s: float,
+    testbed: Testbed,
+    fusion_bytes: int = 64 * MB,
+    overlap: bool = True,
+) -> Step:
+    """Horovod's step with NCCL: whenever its communication thread is free, every gradient that exists by then
+    (tensor fusion: up to `fusion_bytes` a call, a larger tensor alone) goes in one NCCL ring allreduce on the
+    GPUs (nccl_ring_parts); the compute as in rdkeras_step. Horovod's coordination cycle and fusion-buffer
+    copies (on the GPU) are not charged."""
+    parts, calls = _parts(), dict[str, int]()
+    if testbed.workers <= 1:
+        return Step(compute_s, compute_s, parts, calls)
+    forward, backward = compute_s / 3, 2 * compute_s / 3
+    ready = [forward + r * backward if overlap else compute_s for r, _ in tensors]
+    free, i = 0.0, 0
+    while i < len(tensors):
+        start, fused, j = max(free, ready[i]), 0.0, i
+        while j < len(tensors) and ready[j] <= start and (j == i or fused + tensors[j][1] <= fusion_bytes):
+            fused += tensors[j][1]
+            j += 1
+        cost = nccl_ring_parts(fused, testbed.servers, testbed.gpus_per_server, testbed)
+        for k, v in cost.items():
+            parts[k] += v
+        calls["nccl ring"] = calls.get("nccl ring", 0) + 1
+        free, i = start + sum(cost.values()), j
+    return Step(compute_s, max(compute_s, free), parts, calls)
