@@ -99,33 +99,68 @@ float fromFloat16(uint16_t h) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx,f16c"))) void toFloat16F16c(const float* src, uint16_t* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-  for (; i < n; ++i) dst[i] = toFloat16(src[i]);
+// Eight floats to eight wire values and back, round to nearest even: F16C for float16; for bfloat16 the
+// scalar rounding on 32-bit lanes (NaN kept quiet), then packed.
+__attribute__((target("avx2,f16c"))) inline __m128i toWire8(__m256 f, DType wire) {
+  if (wire == DType::kFloat16) return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
 }
-__attribute__((target("avx,f16c"))) void fromFloat16F16c(const uint16_t* src, float* dst, size_t n,
-                                                         float scale) {
-  size_t i = 0;
-  const __m256 s = _mm256_set1_ps(scale);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(
-        dst + i,
-        _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), s));
-  for (; i < n; ++i) dst[i] = fromFloat16(src[i]) * scale;
+__attribute__((target("avx2,f16c"))) inline __m256 fromWire8(__m128i h, DType wire) {
+  if (wire == DType::kFloat16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-bool hasF16c() {
-  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+__m128i load8(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+void store8(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
+
+// The vector part of each loop (a multiple of 8 elements); returns how many it did.
+__attribute__((target("avx2,f16c"))) size_t toWireVec(const float* src, uint16_t* dst, size_t n, DType wire) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, toWire8(_mm256_loadu_ps(src + i), wire));
+  return i;
+}
+__attribute__((target("avx2,f16c"))) size_t fromWireVec(const uint16_t* src, float* dst, size_t n, DType wire,
+                                                        float scale) {
+  size_t i = 0;
+  const __m256 k = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(fromWire8(load8(src + i), wire), k));
+  return i;
+}
+__attribute__((target("avx2,f16c"))) size_t addWireVec(uint16_t* out, const uint16_t* a, const uint16_t* b,
+                                                       size_t n, float scale, DType wire) {
+  size_t i = 0;
+  const __m256 k = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 sum = _mm256_add_ps(fromWire8(load8(a + i), wire), fromWire8(load8(b + i), wire));
+    store8(out + i, toWire8(_mm256_mul_ps(sum, k), wire));
+  }
+  return i;
+}
+bool hasAvx2F16c() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return yes;
 }
+#else
+size_t toWireVec(const float*, uint16_t*, size_t, DType) { return 0; }
+size_t fromWireVec(const uint16_t*, float*, size_t, DType, float) { return 0; }
+size_t addWireVec(uint16_t*, const uint16_t*, const uint16_t*, size_t, float, DType) { return 0; }
+bool hasAvx2F16c() { return false; }
 #endif
 
-// out = wire((float(a) + float(b)) * scale), element-wise over a 16-bit wire type.
-template <uint16_t (*To)(float), float (*From)(uint16_t)>
-void addWire(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, float scale) {
-  for (size_t i = 0; i < n; ++i) out[i] = To((From(a[i]) + From(b[i])) * scale);
+// out = wire((float(a) + float(b)) * scale), element-wise over a 16-bit wire type (out may be a).
+void addWire(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, float scale, DType wire) {
+  size_t i = hasAvx2F16c() ? addWireVec(out, a, b, n, scale, wire) : 0;
+  if (wire == DType::kFloat16)
+    for (; i < n; ++i) out[i] = toFloat16((fromFloat16(a[i]) + fromFloat16(b[i])) * scale);
+  else
+    for (; i < n; ++i) out[i] = toBFloat16((fromBFloat16(a[i]) + fromBFloat16(b[i])) * scale);
 }
 
 // out = (a + b) * scale over `bytes` of `dtype`; out may be a (not b).
@@ -153,13 +188,9 @@ void addInto(DType dtype, uint8_t* out, const uint8_t* a, const uint8_t* b, size
       return addScaled(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(a),
                        reinterpret_cast<const double*>(b), bytes / 8, scale);
     case DType::kFloat16:
-      return addWire<toFloat16, fromFloat16>(
-          reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(a),
-          reinterpret_cast<const uint16_t*>(b), bytes / 2, static_cast<float>(scale));
     case DType::kBFloat16:
-      return addWire<toBFloat16, fromBFloat16>(
-          reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(a),
-          reinterpret_cast<const uint16_t*>(b), bytes / 2, static_cast<float>(scale));
+      return addWire(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(a),
+                     reinterpret_cast<const uint16_t*>(b), bytes / 2, static_cast<float>(scale), dtype);
   }
 }
 
@@ -190,28 +221,17 @@ const char* dtypeName(DType dtype) {
 }
 
 void castToWire(const float* src, uint16_t* dst, size_t n, DType wire) {
-  if (wire == DType::kBFloat16) {
-    for (size_t i = 0; i < n; ++i) dst[i] = toBFloat16(src[i]);
-    return;
-  }
-  if (wire != DType::kFloat16)
+  if (wire != DType::kFloat16 && wire != DType::kBFloat16)
     throw EngineError(strCat("cannot cast float32 to ", dtypeName(wire), " for the wire"));
-#if defined(__x86_64__)
-  if (hasF16c()) return toFloat16F16c(src, dst, n);
-#endif
-  for (size_t i = 0; i < n; ++i) dst[i] = toFloat16(src[i]);
+  size_t i = hasAvx2F16c() ? toWireVec(src, dst, n, wire) : 0;
+  for (; i < n; ++i) dst[i] = wire == DType::kFloat16 ? toFloat16(src[i]) : toBFloat16(src[i]);
 }
 
 void castFromWire(const uint16_t* src, float* dst, size_t n, DType wire, float scale) {
-  if (wire == DType::kBFloat16) {
-    for (size_t i = 0; i < n; ++i) dst[i] = fromBFloat16(src[i]) * scale;
-    return;
-  }
-  if (wire != DType::kFloat16) throw EngineError(strCat("cannot cast ", dtypeName(wire), " from the wire"));
-#if defined(__x86_64__)
-  if (hasF16c()) return fromFloat16F16c(src, dst, n, scale);
-#endif
-  for (size_t i = 0; i < n; ++i) dst[i] = fromFloat16(src[i]) * scale;
+  if (wire != DType::kFloat16 && wire != DType::kBFloat16)
+    throw EngineError(strCat("cannot cast ", dtypeName(wire), " from the wire"));
+  size_t i = hasAvx2F16c() ? fromWireVec(src, dst, n, wire, scale) : 0;
+  for (; i < n; ++i) dst[i] = (wire == DType::kFloat16 ? fromFloat16(src[i]) : fromBFloat16(src[i])) * scale;
 }
 
 uint8_t* WireScratch::get(size_t bytes) {
