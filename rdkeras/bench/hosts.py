@@ -1,13 +1,15 @@
-"""Across hosts: the flat ring against the hierarchical allreduce, 2 emulated hosts x 2 workers.
+"""Across hosts: the flat ring, ``auto`` (hierarchical) and ``auto`` with bf16 gradients, 2 emulated hosts x 2 workers.
 
 Two network namespaces on a veth pair stand for two hosts (``rdkeras.testing.netns``; root and iproute2),
 the link shaped to ``--rate`` (a ``tc tbf`` limit on each end) and then unshaped. On each, side by side in
 one run: one allreduce of ``--mb`` MB of float32 gradients (the median of ``--reps``), and a data-parallel
 training step of a model with that many gradient bytes (Dense 2048 -> 4096 -> 2048 by default), with
-``algorithm="ring"`` and ``algorithm="hierarchical"``. The transport is what ``auto`` picks there: shm
-inside a host, tcp between (``shm+tcp``). The flat ring sends 2(N-1)/N of the bytes over every link, so
-1.5x the gradient each way between the hosts at 2 x 2; the hierarchical one sends each host's sum once
-(1.0x): the bound on its speed-up over a saturated link is 1.5x.
+``algorithm="ring"``, ``algorithm="auto"`` (hierarchical here), ``auto`` with ``compression="bf16"``, and the
+baselines' flat rings (RPC over tcp, gRPC); then the same training in one process, whose weights every float32
+run must equal. rdkeras's transport is what ``auto`` picks there: shm inside a host, tcp between (``shm+tcp``).
+``python -m rdkeras.bench paper`` runs it as its "hosts" figure. The flat ring sends 2(N-1)/N of the bytes over
+every link, so 1.5x the gradient each way between the hosts at 2 x 2; the hierarchical one sends each host's
+sum once (1.0x), in bf16 half that (0.5x): the bounds on their speed-ups over a saturated link are 1.5x and 3x.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from typing import Any
 
 import numpy as np
 
-ALGORITHMS = ("ring", "hierarchical")
+# (label, algorithm, compression, transport; None: auto), the flat ring first: the others' speed-ups are over it.
+CONFIGS = (
+    ("flat ring", "ring", None, None),
+    ("auto", "auto", None, None),
+    ("auto + bf16", "auto", "bf16", None),
+    ("RPC over tcp", "ring", None, "rpc+tcp"),
+    ("gRPC", "ring", None, "grpc"),
+)
+BASELINES = ("RPC over tcp", "gRPC")
+BOUNDS = {"auto": 1.5, "auto + bf16": 3.0}  # over the flat ring at a saturated link, 2 hosts x 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,30 +45,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--overlap-bytes", type=int, default=None, help="the step's gradient buckets (0: one exchange after backprop)"
     )
     p.add_argument("--rates", default=None, help="comma-separated links to measure (default: --rate, then unshaped)")
+    p.add_argument("--no-baselines", action="store_true", help="rdkeras only (no RPC and gRPC rings)")
     p.add_argument("--out", default="bench-results", help="folder for hosts.json")
     p.add_argument("--timeout", type=float, default=900)
 
 
-def rank_main(algorithm: str, nbytes: int, reps: int, fit: bool, overlap_bytes: int | None = None) -> dict:
+def rank_main(
+    algorithm: str,
+    nbytes: int,
+    reps: int,
+    fit: bool,
+    overlap_bytes: int | None = None,
+    compression: str | None = None,
+    allreduce: bool = True,
+) -> dict:
     """In each worker: seconds per allreduce (and per training step); rank 0 returns them."""
     from rdkeras import cluster, options
 
     options.quiet_tensorflow_logs(level=3)
     rank = cluster.resolve().rank
-    out: dict[str, Any] = {"allreduce": _allreduce_seconds(algorithm, nbytes, reps)}
+    out: dict[str, Any] = {}
+    if allreduce:
+        out["allreduce"] = _allreduce_seconds(algorithm, nbytes, reps, compression)
     if fit:
-        out.update(_step_seconds(algorithm, nbytes, reps, overlap_bytes))
+        out.update(_step_seconds(algorithm, nbytes, reps, overlap_bytes, compression))
     return out if rank == 0 else {}
 
 
-def _allreduce_seconds(algorithm: str, nbytes: int, reps: int) -> list[float]:
+def _allreduce_seconds(algorithm: str, nbytes: int, reps: int, compression: str | None) -> list[float]:
     import rdkeras
     from rdkeras.parallel.collectives import Collectives
 
     with rdkeras.Engine() as engine:
-        collectives = Collectives(engine, 64 << 20, algorithm=algorithm)
+        collectives = Collectives(engine, 64 << 20, algorithm=algorithm, compression=compression)
         grads = np.full(nbytes // 4, 1.0 + engine.rank, np.float32)
-        (first,) = collectives.allreduce([grads], average=True)  # warm-up: rings set up, pages touched
+        # Warm-up (groups set up, pages touched); the sum (2.5) is exact in bf16 too.
+        (first,) = collectives.allreduce([grads], average=True, compress=True)
         expected = np.float32(sum(1.0 + r for r in range(engine.world_size)) / engine.world_size)
         if not np.all(first == expected):
             raise AssertionError(f"{algorithm}: the allreduce gave {first[:4]}..., not {expected}")
@@ -65,13 +88,15 @@ def _allreduce_seconds(algorithm: str, nbytes: int, reps: int) -> list[float]:
         for _ in range(reps):
             engine.barrier()
             started = time.perf_counter()
-            collectives.allreduce([grads], average=True)
+            collectives.allreduce([grads], average=True, compress=True)
             times.append(time.perf_counter() - started)
         engine.barrier()
     return times
 
 
-def _step_seconds(algorithm: str, nbytes: int, reps: int, overlap_bytes: int | None) -> dict[str, Any]:
+def _step_seconds(
+    algorithm: str, nbytes: int, reps: int, overlap_bytes: int | None, compression: str | None
+) -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
@@ -83,12 +108,12 @@ def _step_seconds(algorithm: str, nbytes: int, reps: int, overlap_bytes: int | N
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     width = 2048
     hidden = max(1, int(nbytes / 4 / (2 * width)))  # two width x hidden kernels hold the gradient bytes
-    strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes)
+    strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes, compression=compression)
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(hidden), keras.layers.Dense(width)])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
-    batch = 8 * strategy.num_workers
+    batch = 32  # the global batch, whatever the number of workers (one process too)
     x = np.random.default_rng(0).standard_normal((batch * (reps + 1), width)).astype(np.float32)
     times: list[float] = []
 
@@ -101,55 +126,110 @@ def _step_seconds(algorithm: str, nbytes: int, reps: int, overlap_bytes: int | N
 
     model.fit(x, x, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     plan = strategy.plan
-    digest = float(sum(np.abs(w).sum() for w in model.get_weights()))
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
     strategy.close()
-    return {"step": times[1:], "plan": plan.algorithm if plan else None, "weights": digest}
+    # A strided sample of the weights: enough to compare runs, small enough for JSON.
+    return {"step": times[1:], "plan": plan.algorithm if plan else None, "weights": weights[::997].tolist()}
 
 
-def run(args: argparse.Namespace) -> int:
-    from rdkeras.bench import run_ranks_on_hosts
+def measure(
+    rates: list[str | None],
+    mb: float,
+    reps: int,
+    *,
+    fit: bool = True,
+    overlap_bytes: int | None = None,
+    baselines: bool = True,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Every configuration on each link (None: unshaped), then one process: {"rows": link -> label -> rank 0's
+    figures, "one_process": ..., "mb", "reps"}; {"skipped": why} where namespaces cannot be made, {"error": ...}
+    where a run failed."""
+    from rdkeras.bench import run_ranks, run_ranks_on_hosts
     from rdkeras.testing import netns
 
     why = netns.why_not()
     if why is not None:
-        print(f"bench hosts: two network namespaces are needed ({why})")
-        return 2
-    nbytes = int(args.mb * (1 << 20))
+        return {"skipped": f"two network namespaces are needed ({why})"}
+    nbytes = int(mb * (1 << 20))
     rows: dict[str, dict[str, Any]] = {}
-    rates = [r or None for r in args.rates.split(",")] if args.rates else [args.rate, None]
     for rate in rates:
         link = rate or "unshaped"
         with netns.hosts(2, rate=rate) as hosts:
-            for algorithm in ALGORITHMS:
-                kwargs = {"algorithm": algorithm, "nbytes": nbytes, "reps": args.reps, "fit": not args.no_fit,
-                          "overlap_bytes": args.overlap_bytes}  # fmt: skip
+            for label, algorithm, compression, transport in CONFIGS:
+                if label in BASELINES and not baselines:
+                    continue
+                kwargs = {"algorithm": algorithm, "nbytes": nbytes, "reps": reps, "fit": fit,
+                          "overlap_bytes": overlap_bytes, "compression": compression}  # fmt: skip
+                env = {"RDKERAS_TRANSPORT": transport} if transport else None
                 ranks = run_ranks_on_hosts(
-                    "hosts", f"{algorithm} at {link}", "rdkeras.bench.hosts:rank_main", 4, kwargs, hosts,
-                    timeout=args.timeout,
+                    "hosts", f"{label} at {link}", "rdkeras.bench.hosts:rank_main", 4, kwargs, hosts, env=env,
+                    timeout=timeout,
                 )  # fmt: skip
                 if ranks is None:
-                    return 1
-                rows.setdefault(link, {})[algorithm] = ranks[0].value
-    _report(rows, args)
+                    return {"error": f"{label} at {link} failed (its output is printed above)"}
+                rows.setdefault(link, {})[label] = ranks[0].value
+    one = None
+    if fit:  # the same training in one process: what every float32 run must equal
+        kwargs = {"algorithm": "auto", "nbytes": nbytes, "reps": reps, "fit": True, "allreduce": False}
+        ranks = run_ranks("hosts", "one process", "rdkeras.bench.hosts:rank_main", 1, kwargs, timeout=timeout)
+        if ranks is None:
+            return {"error": "the one-process run failed (its output is printed above)"}
+        one = ranks[0].value
+    return {"rows": rows, "one_process": one, "mb": mb, "reps": reps}
+
+
+def summarize(measured: dict[str, Any]) -> dict[str, Any]:
+    """Per link and part ("allreduce", "step"): each configuration's median seconds and speed-up over the flat
+    ring; per link and configuration: the largest weight difference from one process."""
+    summary: dict[str, Any] = {}
+    one = measured.get("one_process")
+    for link, by in measured.get("rows", {}).items():
+        labels = [c[0] for c in CONFIGS if c[0] in by]
+        for what in ("allreduce", "step"):
+            if what not in by[labels[0]]:
+                continue
+            seconds = {label: statistics.median(by[label][what]) for label in labels}
+            speedup = {label: seconds[labels[0]] / seconds[label] for label in labels}
+            summary[f"{link}/{what}"] = {"seconds": seconds, "speedup": speedup}
+        if one is not None:
+            reference = np.asarray(one["weights"])
+            summary[f"{link}/weights"] = {
+                label: float(np.max(np.abs(np.asarray(by[label]["weights"]) - reference)))
+                for label in labels
+                if "weights" in by[label]
+            }
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = [r or None for r in args.rates.split(",")] if args.rates else [args.rate, None]
+    measured = measure(
+        rates, args.mb, args.reps, fit=not args.no_fit, overlap_bytes=args.overlap_bytes,
+        baselines=not args.no_baselines, timeout=args.timeout,
+    )  # fmt: skip
+    if "skipped" in measured or "error" in measured:
+        print(f"bench hosts: {measured.get('skipped') or measured.get('error')}")
+        return 2 if "skipped" in measured else 1
+    _report(measured, args)
     return 0
 
 
-def _report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
+    summary = summarize(measured)
     print(f"\n2 hosts x 2 workers (network namespaces), {args.mb:g} MB of float32 gradients; median of {args.reps}")
-    print(f"{'link':>10} {'what':>10} {'ring s':>8} {'hier. s':>8} {'speed-up':>9}")
-    summary: dict[str, Any] = {}
-    for link, by in rows.items():
+    for link in measured["rows"]:
         for what in ("allreduce", "step"):
-            if what not in by["ring"]:
+            part = summary.get(f"{link}/{what}")
+            if not part:
                 continue
-            ring, hier = (statistics.median(by[a][what]) for a in ALGORITHMS)
-            summary[f"{link}/{what}"] = {"ring_s": ring, "hierarchical_s": hier, "speedup": ring / hier}
-            print(f"{link:>10} {what:>10} {ring:8.3f} {hier:8.3f} {ring / hier:8.2f}x")
-        if "weights" in by["ring"]:
-            same = abs(by["ring"]["weights"] - by["hierarchical"]["weights"]) <= 1e-5 * abs(by["ring"]["weights"])
-            summary[f"{link}/same_weights"] = same
-            print(f"{link:>10} the two algorithms' weights agree within 1e-5: {same}")
+            print(f"\n{link}, {what}: seconds (speed-up over the flat ring; bound)")
+            for label, sec in part["seconds"].items():
+                bound = f"; bound {BOUNDS[label]:g}x" if label in BOUNDS else ""
+                print(f"  {label:<14} {sec:8.3f} s ({part['speedup'][label]:.2f}x{bound})")
+        for label, diff in summary.get(f"{link}/weights", {}).items():
+            print(f"  {label}: weights differ from one process's by at most {diff:.1e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hosts.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    (out / "hosts.json").write_text(json.dumps({**measured, "summary": summary}, indent=1))
     print(f"raw figures in {out / 'hosts.json'}")

@@ -20,6 +20,7 @@ LABEL = {
     "rpc+shm": "RPC over shm",
     "rpc+tcp": "RPC over tcp",
     "none": "Local (1 process)",
+    "shm+bf16": "rdkeras shm, bf16 gradients",
 }
 
 # What the transports timed of a step besides compute, as a run (and the scale model's validation) records it.

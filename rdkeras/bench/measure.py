@@ -253,20 +253,22 @@ def convergence(preset: dict, args: Any, workers: int) -> dict[str, Any]:
                 out["skipped"][task] = f"Shakespeare unavailable: {e}"
                 continue
         curves = {}
-        for t in ("shm", "grpc"):
-            label = f"convergence: {task}, {workers} workers, {t}"
+        # rdkeras, rdkeras with bf16 gradients (the same steps: how many more it needs to the target), gRPC.
+        for key, t, compression in (("shm", "shm", None), ("shm+bf16", "shm", "bf16"), ("grpc", "grpc", None)):
+            label = f"convergence: {task}, {workers} workers, {key}"
             print(f"[paper] {label} ...", flush=True)
             ranks = run_ranks(
                 "paper",
                 label,
                 "rdkeras.bench.workloads:convergence_rank",
                 workers,
-                {"task": task, "steps": steps, "batch": 32, "distributed": True, "inter_op": 2},
+                {"task": task, "steps": steps, "batch": 32, "distributed": True, "inter_op": 2,
+                 "compression": compression},
                 env={"RDKERAS_TRANSPORT": t},
                 timeout=args.timeout,
-            )
+            )  # fmt: skip
             if ranks is not None:
-                curves[t] = ranks[0].value
+                curves[key] = ranks[0].value
         out["tasks"][task] = curves
     return out
 
@@ -275,6 +277,13 @@ def overlap(preset: dict, args: Any) -> dict[str, Any]:
     from rdkeras.bench.overlap import measure
 
     return measure(preset["overlap_steps"], args.rate, args.delay, args.timeout, preset["overlap_width"])
+
+
+def hosts(preset: dict, args: Any) -> dict[str, Any]:
+    from rdkeras.bench import hosts as across
+
+    h = preset["hosts"]
+    return across.measure(h["rates"], h["mb"], h["reps"], timeout=args.timeout)
 
 
 def emulated(preset: dict, args: Any, names: list[str], rate: str | None) -> dict[str, Any]:

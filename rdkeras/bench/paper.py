@@ -49,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_workers": [1, 2],
         "overlap_steps": 4,
         "overlap_width": 256,
+        "hosts": {"mb": 4, "reps": 2, "rates": [None]},
         "settle_s": 5,  # the longest wait for idle CPUs before a figure
     },
     "quick": {
@@ -67,6 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_workers": [1, 2, 4],
         "overlap_steps": 6,
         "overlap_width": 512,  # a quarter of the full run's bytes and compute: steps of ~0.4 s
+        "hosts": {"mb": 16, "reps": 3, "rates": ["1gbit", None]},
         "settle_s": 30,
     },
     "full": {
@@ -89,10 +91,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scalability_workers": [1, 2, 4, 8],
         "overlap_steps": 10,
         "overlap_width": 1024,
+        "hosts": {"mb": 64, "reps": 5, "rates": ["1gbit", None]},
         "settle_s": 60,
     },
 }
-FIGURES = ("sendrecv", "throughput", "convergence", "scalability", "overlap")
+FIGURES = ("sendrecv", "throughput", "convergence", "scalability", "overlap", "hosts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,6 +209,7 @@ def _measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         ("convergence", lambda: measure.convergence(preset, args, workers)),
         # Before the scalability figure: its 8-worker runs leave a loaded machine behind.
         ("overlap", lambda: measure.overlap(preset, args)),
+        ("hosts", lambda: measure.hosts(preset, args)),
         ("scalability", lambda: measure.scalability(preset, args, results.get("throughput"))),
     ]
     for part, take in steps:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rdkeras.bench.figures import convergence, overlap, scalability, scale_model, sendrecv, throughput
+from rdkeras.bench.figures import convergence, hosts, overlap, scalability, scale_model, sendrecv, throughput
 from rdkeras.bench.figures.common import Target
 
 # The report's sections in order: each renders itself (and its PNG) where results.json has its figure.
@@ -18,6 +18,7 @@ SECTIONS = (
     convergence.render,
     scalability.render,
     overlap.render,
+    hosts.render,
     throughput.render_emulated,
     scale_model.render,
 )

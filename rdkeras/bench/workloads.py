@@ -292,13 +292,20 @@ def _compute_seconds(runs: list[dict[str, Any]], warmup: int, steps: int) -> dic
 
 
 def convergence_rank(
-    task: str, steps: int, batch: int, distributed: bool, limit: int | None = None, inter_op: int = 1
+    task: str,
+    steps: int,
+    batch: int,
+    distributed: bool,
+    limit: int | None = None,
+    inter_op: int = 1,
+    compression: str | None = None,
 ) -> dict:
     """Trains a real-data recipe's model for `steps` steps and returns (seconds, loss) after every step.
 
     task "fashion_mnist_cnn": the 2-conv CNN on Fashion-MNIST (the CIFAR stand-in), loss;
     task "lstm_lm": the character LSTM on Shakespeare (the Seq2Seq stand-in), perplexity = exp(loss).
     `batch` is per worker. Every worker sees the same data in the same order as one process would.
+    `compression`: the gradients travel so everywhere (these runs share one host).
     """
     options.quiet_tensorflow_logs(level=3)
     rank = cluster.resolve().rank
@@ -309,7 +316,11 @@ def convergence_rank(
     from rdkeras import data as datasets
 
     # The exchange after backprop, for every transport alike.
-    strategy = rdkeras.RDMAStrategy(overlap_bytes=0) if distributed else None
+    strategy = (
+        rdkeras.RDMAStrategy(overlap_bytes=0, compression=compression, compress_within_hosts=bool(compression))
+        if distributed
+        else None
+    )
     workers = strategy.num_workers if strategy else 1
     global_batch = batch * workers
     if task == "fashion_mnist_cnn":

@@ -97,14 +97,19 @@ def test_every_figure_in_a_tiny_run(tmp_path):
         assert _png(tmp_path / f"{figure}.png"), figure
     if os.path.isdir(FASHION_MNIST):
         curves = results["convergence"]["tasks"]["fashion_mnist_cnn"]
-        assert set(curves) == {"shm", "grpc"} and all(len(c["curve"]) == 6 for c in curves.values())
+        assert set(curves) == {"shm", "shm+bf16", "grpc"} and all(len(c["curve"]) == 6 for c in curves.values())
         assert curves["shm"]["curve"][-1][1] == pytest.approx(curves["grpc"]["curve"][-1][1], rel=1e-3)  # same math
+        assert curves["shm+bf16"]["curve"] != curves["shm"]["curve"]  # bf16 on the wire: other (close) losses
         assert _png(tmp_path / "convergence.png")
     if netns.why_not() is None:
         ov = results["overlap"]
         assert ov["rate"].endswith("mbit") and ov["buckets"] > 1
         assert ov["allreduce_breakdown"]["comm_work_s"] > 0
         assert _png(tmp_path / "overlap.png")
+        hosts = results["hosts"]["rows"]["unshaped"]
+        assert set(hosts) == {"flat ring", "auto", "auto + bf16", "RPC over tcp", "gRPC"}
+        assert hosts["auto"]["plan"][0] == "hierarchical" and hosts["flat ring"]["plan"][0] == "ring"
+        assert _png(tmp_path / "hosts.png") and "## Across hosts" in (tmp_path / "report.md").read_text()
     sm = results["scale_model"]
     assert {(v["model"], v["transport"]) for v in sm["validation"]} >= {("fcn5", "shm"), ("fcn5", "grpc")}
     assert [p["model"] for p in sm["projections"]] == ["fcn5", "fcn5"]

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rdkeras.bench.figures.common import Section, fmt_x, load_note, pyplot, save_png, section
+from rdkeras.bench.figures.common import Section, Target, fmt_x, load_note, pyplot, save_png, section
 from rdkeras.bench.labels import LABEL, SEED
 
 
@@ -32,6 +32,36 @@ def time_to_target(curves: dict[str, list[tuple[float, float]]]) -> tuple[float 
         return None, {}
     target = max(s[-1][1] for s in smooth.values())
     return target, {t: next(time for time, v in s if v <= target) for t, s in smooth.items()}
+
+
+def steps_to_target(curves: dict[str, list[tuple[float, float]]]) -> dict[str, int]:
+    """The step (1-based) at which each run first reached :func:`time_to_target`'s target."""
+    target, _ = time_to_target(curves)
+    if target is None:
+        return {}
+    smooth = {t: _batch_losses(c) for t, c in curves.items() if c}
+    return {t: next(k for k, (_, v) in enumerate(s, start=1) if v <= target) for t, s in smooth.items()}
+
+
+def compression_lines(cv: dict) -> tuple[list[str], list[Target]]:
+    """The steps float32 and bf16 gradients took to the common target, per task, and the target (bf16 within 5%
+    more steps than float32)."""
+    lines = [
+        "| task | steps to target, float32 | steps to target, bf16 gradients | bf16 / float32 |",
+        "|---|---|---|---|",
+    ]
+    targets = []
+    for task, runs in cv.get("tasks", {}).items():
+        if "shm" not in runs or "shm+bf16" not in runs:
+            continue
+        steps = steps_to_target({t: r["curve"] for t, r in runs.items()})
+        ratio = steps["shm+bf16"] / steps["shm"]
+        lines.append(f"| {task} | {steps['shm']} | {steps['shm+bf16']} | {ratio:.3f} |")
+        why = [f"the bf16 run needed {steps['shm+bf16'] - steps['shm']} more steps to the target loss"]
+        targets.append(
+            Target(f"{task}: bf16 gradients reach the target within 5% more steps", ratio <= 1.05, f"{ratio:.3f}", why)
+        )
+    return (lines if targets else []), targets
 
 
 def table(cv: dict) -> tuple[list[str], dict[str, Any]]:
@@ -69,17 +99,13 @@ def plot(cv: dict, path: Path) -> None:
     for ax, task in zip(axes[0], tasks, strict=False):
         lm = task == "lstm_lm"
         runs = cv["tasks"][task]
-        for t, color in (("shm", "tab:blue"), ("grpc", "tab:red")):
+        names = {"shm": "rdkeras (shm)", "shm+bf16": "rdkeras (shm), bf16 gradients", "grpc": "gRPC.TCP"}
+        for t, color in (("shm", "tab:blue"), ("shm+bf16", "tab:cyan"), ("grpc", "tab:red")):
             if t in runs:
                 pts = _batch_losses(runs[t]["curve"])
-                ax.plot(
-                    [p[0] for p in pts],
-                    [math.exp(p[1]) if lm else p[1] for p in pts],
-                    color=color,
-                    label=f"{'rdkeras (shm)' if t == 'shm' else 'gRPC.TCP'}",
-                )
+                ax.plot([p[0] for p in pts], [math.exp(p[1]) if lm else p[1] for p in pts], color=color, label=names[t])
         target, times = time_to_target({t: r["curve"] for t, r in runs.items()})
-        if target is not None and len(times) == 2:
+        if target is not None and "shm" in times and "grpc" in times:
             ax.axhline(math.exp(target) if lm else target, color="0.5", lw=0.8, ls=":")
             ax.set_title(
                 f"{task}: {times['grpc'] / times['shm']:.2f}× faster to the same {'perplexity' if lm else 'loss'}",
@@ -100,6 +126,15 @@ def render(results: dict, out: Path) -> Section:
     if not cv:
         return [], []
     lines, _ = table(cv)
+    bf16, targets = compression_lines(cv)
+    if bf16:
+        lines += [
+            "",
+            'The same runs with `compression="bf16"` (everywhere: one host): the gradients summed on a bfloat16 '
+            "wire change the losses, so the steps to the common target may differ.",
+            "",
+            *bf16,
+        ]
     if cv.get("tasks"):
         plot(cv, out / "convergence.png")
     intro = (
@@ -107,4 +142,4 @@ def render(results: dict, out: Path) -> Section:
         "Adam; the same steps on the same data in both runs (so the same losses), so the speed-up is "
         "the time per step. " + load_note(results, "convergence")
     )
-    return section("Convergence", intro, lines, "convergence.png"), []
+    return section("Convergence", intro, lines, "convergence.png"), targets
