@@ -23,7 +23,7 @@ from typing import Any
 from rdkeras import cluster as cluster_lib
 from rdkeras import fitting, keras_internals, options
 from rdkeras.engine import Engine
-from rdkeras.parallel import check_settings
+from rdkeras.parallel import check_settings, is_auto
 from rdkeras.parallel.base import Parallelism
 
 
@@ -44,9 +44,12 @@ class RDMAStrategy:
         rendezvous_timeout: seconds the workers wait for each other at start-up; the error names the ones
             that never arrived (default 120; also ``RDKERAS_RENDEZVOUS_TIMEOUT``).
         placement: model/hybrid: layer-name glob -> pipeline stage, e.g. ``{"conv*": 0, "fc*": 1}``;
-            unplaced layers follow their producer.
+            unplaced layers follow their producer. None or "auto": the layers are cut into `stages`
+            contiguous stages balanced by each layer's forward+backward time, measured on a dry run when
+            the model is attached (the cut, the stages' costs and the expected speed-up are in :attr:`plan`).
         micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
-        stages: hybrid: workers per pipeline (default: the number of stages `placement` names).
+        stages: model/hybrid: workers per pipeline (default: the number of stages `placement` names; for
+            model parallelism, all workers). Required without a placement.
         global_batch: ``batch_size`` (and a dataset's batches) are the global batch, split over the
             data-parallel replicas, as in tf.distribute and keras.distribution (default). False:
             Horovod's convention, ``batch_size`` per replica.
@@ -74,7 +77,7 @@ class RDMAStrategy:
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
         rendezvous_timeout: float | None = None,
-        placement: dict[str, int] | None = None,
+        placement: dict[str, int] | str | None = None,
         micro_batches: int = 1,
         stages: int | None = None,
         global_batch: bool = True,
@@ -84,11 +87,11 @@ class RDMAStrategy:
         compression: str | None = None,
         compress_within_hosts: bool = False,
     ):
-        if placement is not None:
+        if placement is not None and not isinstance(placement, str):
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
         settings = options.from_env()
         mode = mode or settings.data_mode
-        check_settings(parallelism, mode, placement, micro_batches)  # before any rank waits on another
+        check_settings(parallelism, mode, placement, micro_batches, stages=stages)  # before any rank waits
         from rdkeras.parallel.collectives import ALGORITHMS, COMPRESSIONS
 
         if algorithm not in ALGORITHMS:
@@ -99,7 +102,7 @@ class RDMAStrategy:
         c = cluster_lib.resolve() if cluster is None else cluster
         cluster_lib.export_local_rank(c)
         self.cluster = c
-        check_settings(parallelism, mode, placement, micro_batches, c.world_size)
+        check_settings(parallelism, mode, placement, micro_batches, c.world_size, stages)
         self.engine = Engine(
             c.rank,
             c.world_size,
@@ -129,15 +132,18 @@ class RDMAStrategy:
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
 
-                assert placement is not None  # (check_settings)
                 if overlap_bytes is not None:
                     raise ValueError("overlap_bytes needs parallelism='data'")
                 if algorithm != "auto" or compression is not None:
                     raise ValueError("algorithm and compression need parallelism='data'")
-                if parallelism == "hybrid":
+                if is_auto(placement):
+                    placement = None  # ModelParallel measures the layers and cuts them when the model arrives
+                elif parallelism == "hybrid":
+                    assert isinstance(placement, dict)  # (check_settings)
                     stages = stages or (max(placement.values()) + 1)
                 elif stages not in (None, c.world_size):
                     raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
+                assert not isinstance(placement, str)  # ("auto" became None above)
                 self._parallel = ModelParallel(
                     self.engine, placement, stages, micro_batches, bucket_bytes, global_batch
                 )

@@ -88,6 +88,7 @@ class Plan:
     batch_size: int | None
     micro_batches: int = 1
     replicas: int = 1  # hybrid: copies of this pipeline, data-parallel among them
+    partition: Any = None  # the automatic cut (rdkeras.parallel.partition.Partition) that made layer_stage
 
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
@@ -102,6 +103,8 @@ class Plan:
             + " -> ".join(str(s) for s in self.stage_order)
             + f"; loss on stage {self.loss_stage}"
         ]
+        if self.partition is not None:
+            lines.append(self.partition.text(self.micro_batches))
         for s in self.stage_order:
             names = self.layers_of(s)
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"

@@ -7,14 +7,21 @@ from typing import Any
 
 PARALLELISMS = ("data", "model", "hybrid")
 MODES = ("allreduce", "ps")  # the data-parallel gradient exchange
+AUTO = "auto"  # placement: cut the layers into balanced stages from measured costs
+
+
+def is_auto(placement: Mapping[str, Any] | str | None) -> bool:
+    """Whether `placement` asks for the automatic, cost-balanced cut (None, {} or "auto")."""
+    return not placement or placement == AUTO
 
 
 def check_settings(
     parallelism: str,
     mode: str | None = "allreduce",
-    placement: Mapping[str, Any] | None = None,
+    placement: Mapping[str, Any] | str | None = None,
     micro_batches: Any = 1,
     workers: int | None = None,
+    stages: Any = None,
 ) -> None:
     """Raises ValueError, saying what to change, for settings no model can run with. The one check
     RDMAStrategy and the training app's config share (the analyzer checks a placement against a model)."""
@@ -26,13 +33,33 @@ def check_settings(
         if placement:
             raise ValueError("a placement is for parallelism model or hybrid; data parallelism places nothing")
         return
-    if not placement:
-        raise ValueError(
-            f"parallelism={parallelism} needs a placement: layer-name globs -> pipeline stages, "
-            "e.g. {'block*': 0, 'fc*': 1}"
-        )
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
+    if isinstance(placement, str) and placement != AUTO:
+        raise ValueError(
+            f"placement must be layer-name globs -> pipeline stages (e.g. {{'block*': 0, 'fc*': 1}}) or "
+            f"{AUTO!r}; got {placement!r}"
+        )
+    if is_auto(placement):
+        # The cut is chosen from measured layer costs when the model is attached; it needs a stage count.
+        if stages is None:
+            count = "the number of workers" if parallelism == "model" else "workers per pipeline"
+            raise ValueError(
+                f"parallelism={parallelism} needs a placement (layer-name globs -> pipeline stages, e.g. "
+                f"{{'block*': 0, 'fc*': 1}}) or stages=N ({count}) to cut the model into N stages balanced "
+                "by measured layer costs (placement=None or 'auto')"
+            )
+        if workers is not None and (stages != workers if parallelism == "model" else workers % stages):
+            fit = (
+                "model parallelism runs one pipeline over all of them"
+                if parallelism == "model"
+                else f"hybrid runs replicas of a {stages}-stage pipeline: use a multiple of {stages} workers"
+            )
+            raise ValueError(f"stages={stages} does not fit {workers} workers: {fit}")
+        return
+    assert isinstance(placement, Mapping)
     for pattern, stage in placement.items():
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
             raise ValueError(f"placement[{pattern!r}] must be a stage index >= 0, got {stage!r}")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import fitting, keras_internals
+from rdkeras import fitting, keras_internals, transports
 from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.graph import Plan, analyze, assign_layers
@@ -30,6 +30,7 @@ from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.feeds import data_specs
+from rdkeras.parallel.partition import Partition, balanced_cut
 from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
 
@@ -39,7 +40,9 @@ class ModelParallel(Parallelism):
 
     Args:
         engine: The job's engine.
-        placement: layer-name glob -> stage index (0..stages-1).
+        placement: layer-name glob -> stage index (0..stages-1); None: cut the model into `stages` stages
+            balanced by its layers' costs, measured on a dry run when it is attached
+            (:mod:`rdkeras.parallel.partition`).
         stages: workers per pipeline (K); the job runs world_size / K replicas (default: all workers).
         micro_batches: M; each batch is split into M equal micro-batches (GPipe schedule).
         bucket_bytes: Bytes the ring moves per pass.
@@ -50,7 +53,7 @@ class ModelParallel(Parallelism):
     def __init__(
         self,
         engine: Engine,
-        placement: dict[str, int],
+        placement: dict[str, int] | None,
         stages: int | None = None,
         micro_batches: int = 1,
         bucket_bytes: int = 64 << 20,
@@ -60,7 +63,9 @@ class ModelParallel(Parallelism):
         k = stages or n
         if k < 1 or n % k:  # (RDMAStrategy checked the placement itself: rdkeras.parallel.check_settings)
             raise ValueError(f"{n} workers cannot run replicas of a {k}-stage pipeline: world size must be a multiple")
-        self.engine, self.placement, self.stages = engine, dict(placement), k
+        self.engine, self.stages = engine, k
+        self.placement: dict[str, int] = dict(placement or {})
+        self.partition: Partition | None = None  # the automatic cut, when there was no placement
         self.micro_batches = int(micro_batches)
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
@@ -98,12 +103,40 @@ class ModelParallel(Parallelism):
             return model
         if self._model is not None:
             raise ValueError("a model-parallel RDMAStrategy distributes one model; create another strategy")
+        if not self.placement:
+            self.partition = self._balanced_cut(model)
+            self.placement = self.partition.stage_of()
         self._layer_stage = assign_layers(model, self.placement, self.stages)
         # Cycles and the like are found now, with no data yet.
         self.loss_stage = analyze(model, self.placement, self.stages).loss_stage
         self._model = model
         fitting.distribute_model(model, self)
         return model
+
+    def _balanced_cut(self, model: Any) -> Partition:
+        """The cost-balanced cut of `model`. Every worker times the layers (the same dry run everywhere, so
+        nothing it creates differs between workers) and all take rank 0's times, so they choose the same cut;
+        a transfer is priced at the transport's cost per byte."""
+        from rdkeras.graph import costs
+
+        names, cut_bytes, _ = costs.layer_order(model)
+        seconds = [float("nan")] * len(names)
+        failure: Exception | None = None
+        try:
+            seconds = costs.measure(model).seconds
+        except Exception as e:  # the others still take part in the broadcast, and fail with it
+            failure = e
+        if self.num_workers > 1:
+            (shared,) = self.collectives.broadcast([np.asarray(seconds, np.float64)], root=0)
+            seconds = [float(v) for v in shared]
+        if failure is not None:
+            raise failure
+        if any(np.isnan(seconds)):
+            raise RuntimeError(f"worker 0 could not time the layers of {model.name!r} for the automatic placement")
+        try:
+            return balanced_cut(names, seconds, cut_bytes, self.stages, transports.get(self.engine.transport).costs[1])
+        except ValueError as e:
+            raise ValueError(f"model {model.name!r}: {e}") from None
 
     @property
     def models(self) -> list[Any]:
@@ -128,6 +161,7 @@ class ModelParallel(Parallelism):
         if pipeline is None:
             plan = analyze(model, self.placement, self.stages, rows, micro, label_specs, weight_specs)
             plan.replicas = self.replicas
+            plan.partition = self.partition
             self._serial += 1
             pipeline = Pipeline(self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial)
             self._pipelines[key] = pipeline

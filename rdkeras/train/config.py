@@ -10,7 +10,7 @@ from rdkeras import cluster
 from rdkeras._log import logger
 from rdkeras.engine import TRANSPORTS
 from rdkeras.options import keras_backend
-from rdkeras.parallel import check_settings
+from rdkeras.parallel import check_settings, is_auto
 
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
@@ -171,9 +171,10 @@ def validate(cfg: Any) -> None:
         check_settings(
             parallel.parallelism,
             parallel.get("mode"),
-            dict(parallel.placement) if parallel.get("placement") else None,
+            _placement(parallel.get("placement")),
             parallel.get("micro_batches", 1),
             cfg.cluster.num_workers if kind == "local" and not cluster.in_job() else None,
+            parallel.get("stages"),
         )
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
@@ -187,7 +188,7 @@ def validate(cfg: Any) -> None:
             raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
     if kind == "local" and parallel.parallelism != "model" and not cluster.in_job():  # (in a job, its size counts)
         replicas = cfg.cluster.num_workers
-        if parallel.parallelism == "hybrid" and parallel.placement:
+        if parallel.parallelism == "hybrid" and (parallel.get("stages") or not is_auto(parallel.placement)):
             replicas //= max(1, parallel.get("stages") or max(parallel.placement.values()) + 1)
         if replicas > 1 and trainer.batch_size % replicas:
             raise ConfigError(
@@ -209,6 +210,11 @@ def _check_objective(trainer: Any) -> None:
         raise ConfigError(
             f"trainer.objective={objective!r} is not among the logs this run writes; choose one of: {choices}"
         )
+
+
+def _placement(placement: Any) -> Any:
+    """A config's placement for check_settings: "auto" stays a string, a mapping becomes a dict."""
+    return placement if not placement or isinstance(placement, str) else dict(placement)
 
 
 def check_placement(placement: dict, model: Any) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras import cluster, options
+from rdkeras.parallel import is_auto
 from rdkeras.train.config import ConfigError, check_placement
 
 
@@ -37,7 +38,11 @@ def make_strategy(cfg: Any) -> Any:
             if parallel.get(key) is not None:
                 kwargs[key] = parallel[key]
     if parallel.parallelism in ("model", "hybrid"):
-        kwargs.update(placement=dict(parallel.placement), micro_batches=parallel.micro_batches)
+        placement = parallel.get("placement")  # None or "auto": the strategy cuts the model itself
+        kwargs.update(
+            placement=placement if placement is None or isinstance(placement, str) else dict(placement),
+            micro_batches=parallel.micro_batches,
+        )
     if parallel.get("stages") is not None:
         kwargs.update(stages=parallel.stages)
     accepted = inspect.signature(rdkeras.RDMAStrategy).parameters
@@ -206,7 +211,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
     started = time.perf_counter()
     data = load_data(cfg)
-    if cfg.parallel.parallelism in ("model", "hybrid"):
+    if cfg.parallel.parallelism in ("model", "hybrid") and not is_auto(cfg.parallel.get("placement")):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
     strategy = make_strategy(cfg)

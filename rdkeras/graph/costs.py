@@ -1,0 +1,142 @@
+"""What the automatic pipeline cut needs to know about a Keras model: its layers in order, each one's
+measured forward+backward time, and the bytes a cut between two of them would send.
+
+The layers are timed one at a time, eagerly, on one synthetic batch (a dry run: no user data is
+needed at compile time): each layer becomes a small ``keras.Model`` over its own input tensors, as
+the rewriter builds stages, fed with the values the whole model computes for that batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
+
+DRY_RUN_ROWS = 32  # the dry run's batch (compute and bytes both scale with it, so the balance barely does)
+UNKNOWN_DIM = 16  # a dimension only known at run time (a sequence length), for the dry run
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """The inputs of :func:`rdkeras.parallel.partition.balanced_cut` for one model."""
+
+    names: list[str]  # layers in a topological order (each once, at its first call)
+    seconds: list[float]  # per layer: median forward+backward seconds
+    cut_bytes: list[int | None]  # per gap: bytes crossing a cut there each step (None: no cut may go there)
+    rows: int
+
+
+def _shape(shape: tuple, rows: int) -> tuple[int, ...]:
+    return tuple(rows if i == 0 else UNKNOWN_DIM if d is None else int(d) for i, d in enumerate(shape))
+
+
+def _nbytes(tensor: Any, rows: int) -> int:
+    dtype = np.dtype(str(tensor.dtype)) if str(tensor.dtype) != "bfloat16" else np.dtype(np.float16)
+    n = int(np.prod(_shape(tuple(tensor.shape), rows), dtype=np.int64)) * dtype.itemsize
+    return 2 * n if dtype.kind == "f" else n  # a float activation's gradient comes back as large
+
+
+def layer_order(model: Any) -> tuple[list[str], list[int | None], Any]:
+    """(layer names in order, bytes per gap -- None inside a layer used on both sides --, the graph)
+    for `rows` = :data:`DRY_RUN_ROWS`."""
+    return _order(model, DRY_RUN_ROWS)
+
+
+def _order(model: Any, rows: int) -> tuple[list[str], list[int | None], Any]:
+    graph = functional_of(model)
+    nodes = [n for n in nodes_in_order(graph) if not n.is_input]
+    names: list[str] = []
+    for n in nodes:
+        if n.operation.name not in names:
+            names.append(n.operation.name)
+    pos = {name: i for i, name in enumerate(names)}
+    count = len(names)
+    # A tensor is "made" at its producer's position (-1: a model input) and "used" up to its last
+    # consumer's (count: a model output, which travels to the loss stage, the last).
+    made: dict[int, tuple[int, Any]] = {}
+    used: dict[int, int] = {}
+    blocked = [False] * (count + 1)  # blocked[i]: no cut between names[i - 1] and names[i]
+    for t in graph.inputs:
+        made[id(t)] = (-1, t)
+    for n in nodes:
+        here = pos[n.operation.name]
+        for t in n.output_tensors:
+            made.setdefault(id(t), (here, t))
+        for t in n.input_tensors:
+            op = producer_of(t)[0]
+            src = pos.get(op.name, -1)
+            used[id(t)] = max(used.get(id(t), -1), here)
+            # A shared layer placed before its producer: both must share a stage.
+            for i in range(here + 1, src + 1):
+                blocked[i] = True
+    for t in graph.outputs:
+        used[id(t)] = count
+    crossing = [0] * (count + 1)
+    for tid, (src, t) in made.items():
+        last = used.get(tid, src)
+        for i in range(max(src + 1, 1), min(last, count - 1) + 1):
+            crossing[i] += _nbytes(t, rows)
+    cut_bytes: list[int | None] = [None if blocked[i] else crossing[i] for i in range(1, count)]
+    return names, cut_bytes, graph
+
+
+def measure(model: Any, rows: int = DRY_RUN_ROWS, repeats: int = 5) -> LayerCosts:
+    """Times every layer's forward and backward (median of `repeats`, after one warm-up) on a synthetic batch."""
+    names, cut_bytes, graph = _order(model, rows)
+    # The dry run must leave the model as it found it (BatchNormalization statistics, dropout seeds).
+    saved = [(v, np.array(v.numpy())) for v in model.variables]
+    try:
+        return LayerCosts(names, _time_layers(graph, names, rows, repeats), cut_bytes, rows)
+    finally:
+        for v, value in saved:
+            v.assign(value)
+
+
+def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[float]:
+    import keras
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    inputs = []
+    for t in graph.inputs:
+        shape, dtype = _shape(tuple(t.shape), rows), np.dtype(str(t.dtype))
+        inputs.append(
+            rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)  # valid ids
+        )
+    nodes = [n for n in nodes_in_order(graph) if not n.is_input]
+    # Every intermediate value of the batch, from one forward pass of the whole model.
+    inner = [t for n in nodes for t in n.output_tensors]
+    values = keras.Model(graph.inputs, inner, name="rdkeras_dry_run")(inputs)
+    value_of = {id(t): v for t, v in zip(inner, values, strict=True)}
+    value_of.update({id(t): tf.constant(v) for t, v in zip(graph.inputs, inputs, strict=True)})
+    seconds = []
+    for i, name in enumerate(names):
+        mine = [n for n in nodes if n.operation.name == name]
+        ins: list[Any] = []
+        for n in mine:
+            ins.extend(t for t in n.input_tensors if all(t is not u for u in ins))
+        outs = [t for n in mine for t in n.output_tensors]
+        sub = keras.Model(ins, outs, name=f"rdkeras_dry_run_{i}")
+        feed = [value_of[id(t)] for t in ins]
+        weights = list(mine[0].operation.trainable_variables)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            with tf.GradientTape() as tape:
+                tape.watch([f for f in feed if f.dtype.is_floating])
+                out = sub(feed[0] if len(feed) == 1 else feed, training=True)
+                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
+            sources = [f for f in feed if f.dtype.is_floating] + weights
+            if sources:
+                grads = tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                _ = [g.numpy() for g in grads if g is not None]  # wait for the device
+            else:
+                _ = total.numpy()
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times[1:]))
+    return seconds
