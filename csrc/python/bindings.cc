@@ -152,6 +152,17 @@ std::optional<DType> wireType(const std::optional<std::string>& wire, DType dtyp
   return w;
 }
 
+// Fresh float32 arrays shaped as `arrays`, for sums cast back from a wire type; *outputs: their data.
+py::list freshFloat32(const std::vector<py::array>& arrays, std::vector<float*>* outputs) {
+  py::list result;
+  for (const auto& a : arrays) {
+    py::array_t<float> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+    outputs->push_back(out.mutable_data());
+    result.append(out);
+  }
+  return result;
+}
+
 // A RingAllreduce's or DoublingAllreduce's allreduce: views of its output block, or with a `wire` type fresh
 // float32 arrays cast back from the wire's sums.
 template <typename Group>
@@ -169,13 +180,8 @@ py::list groupAllreduce(const py::object& self, const std::vector<py::array>& ar
     }
     return reduceOutputs(self, arrays, r);
   }
-  py::list result;
   std::vector<float*> outputs;
-  for (const auto& a : arrays) {
-    py::array_t<float> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
-    outputs.push_back(out.mutable_data());
-    result.append(out);
-  }
+  py::list result = freshFloat32(arrays, &outputs);
   const float scale = average ? 1.0f / static_cast<float>(group.size()) : 1.0f;
   {
     py::gil_scoped_release nogil;
@@ -471,13 +477,8 @@ PYBIND11_MODULE(_engine, m) {
             std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), arrays, &dtype);
             const std::optional<DType> narrow = wireType(wire, dtype);
             if (narrow && within) {  // the wire type inside each host too: fresh float32 arrays cast back
-              py::list result;
               std::vector<float*> outputs;
-              for (const auto& a : arrays) {
-                py::array_t<float> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
-                outputs.push_back(out.mutable_data());
-                result.append(out);
-              }
+              py::list result = freshFloat32(arrays, &outputs);
               const float scale = average ? 1.0f / static_cast<float>(world) : 1.0f;
               py::gil_scoped_release nogil;
               guarded(*ring.engine(), -1, [&] {

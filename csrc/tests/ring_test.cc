@@ -102,6 +102,43 @@ double contribution(int r, size_t i, size_t j, int call) {
   return static_cast<double>((r + 1) * static_cast<int>((j * 7 + i + call) % 13) - 6);
 }
 
+// Rank r's inputs of call `call`: one tensor of contribution()s per count; *data keeps them alive.
+template <typename T>
+std::vector<ConstSpan> callInputs(int r, int call, const std::vector<size_t>& counts,
+                                  std::vector<std::vector<T>>* data) {
+  data->assign(counts.size(), {});
+  std::vector<ConstSpan> inputs;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    for (size_t j = 0; j < counts[i]; ++j) (*data)[i].push_back(static_cast<T>(contribution(r, i, j, call)));
+    inputs.push_back({(*data)[i].data(), counts[i] * sizeof(T)});
+  }
+  return inputs;
+}
+
+// Adds to *wrong a line for each tensor of `result` that is not the sum (mean) of `members`' contributions.
+template <typename T>
+void checkSums(const AllreduceResult& result, const std::vector<size_t>& counts,
+               const std::vector<int>& members, int call, bool average, std::vector<std::string>* wrong) {
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const T* got = reinterpret_cast<const T*>(result.out + result.offsets[i]);
+    for (size_t j = 0; j < counts[i]; ++j) {
+      double want = 0;
+      for (int m : members) want += contribution(m, i, j, call);
+      if (average) want /= static_cast<double>(members.size());
+      if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
+        wrong->push_back(strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
+        break;  // one line per tensor
+      }
+    }
+  }
+}
+
+std::vector<int> allOf(int world) {
+  std::vector<int> members;
+  for (int r = 0; r < world; ++r) members.push_back(r);
+  return members;
+}
+
 struct RingCase {
   int world;
   std::vector<int> members;  // in ring order; empty: every rank
@@ -134,26 +171,9 @@ void checkRing(const RingCase& c, const std::string& transport) {
     if (!rings[r]) return;  // not a member
     for (int call = 0; call < 3; ++call) {
       const bool average = call == 1;
-      std::vector<std::vector<T>> data(counts.size());
-      std::vector<ConstSpan> inputs;
-      for (size_t i = 0; i < counts.size(); ++i) {
-        for (size_t j = 0; j < counts[i]; ++j) data[i].push_back(static_cast<T>(contribution(r, i, j, call)));
-        inputs.push_back({data[i].data(), counts[i] * sizeof(T)});
-      }
-      const RingAllreduce::Result result = rings[r]->run(inputs, c.dtype, average);
-      for (size_t i = 0; i < counts.size(); ++i) {
-        const T* got = reinterpret_cast<const T*>(result.out + result.offsets[i]);
-        for (size_t j = 0; j < counts[i]; ++j) {
-          double want = 0;
-          for (int m : members) want += contribution(m, i, j, call);
-          if (average) want /= n;
-          if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
-            wrong[r].push_back(
-                strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
-            break;  // one line per tensor
-          }
-        }
-      }
+      std::vector<std::vector<T>> data;
+      const std::vector<ConstSpan> inputs = callInputs(r, call, counts, &data);
+      checkSums<T>(rings[r]->run(inputs, c.dtype, average), counts, members, call, average, &wrong[r]);
     }
   });
   rings.clear();  // before the engines: each waits for its right member's last ack
@@ -226,28 +246,11 @@ TEST_CASE("hierarchicalAllreduce sums exactly on every rank: hosts x workers, pa
       onEveryRank(world, [&](int r) {
         for (int call = 0; call < 3; ++call) {
           const bool average = call == 1;
-          std::vector<std::vector<float>> data(counts.size());
-          std::vector<ConstSpan> inputs;
-          for (size_t i = 0; i < counts.size(); ++i) {
-            for (size_t j = 0; j < counts[i]; ++j)
-              data[i].push_back(static_cast<float>(contribution(r, i, j, call)));
-            inputs.push_back({data[i].data(), counts[i] * sizeof(float)});
-          }
+          std::vector<std::vector<float>> data;
+          const std::vector<ConstSpan> inputs = callInputs(r, call, counts, &data);
           const RingAllreduce::Result result = hierarchicalAllreduce(
               *inside[r], *across[r], inputs, DType::kFloat32, average, world, DType::kFloat32);
-          for (size_t i = 0; i < counts.size(); ++i) {
-            const float* got = reinterpret_cast<const float*>(result.out + result.offsets[i]);
-            for (size_t j = 0; j < counts[i]; ++j) {
-              double want = 0;
-              for (int m = 0; m < world; ++m) want += contribution(m, i, j, call);
-              if (average) want /= world;
-              if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
-                wrong[r].push_back(
-                    strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
-                break;
-              }
-            }
-          }
+          checkSums<float>(result, counts, allOf(world), call, average, &wrong[r]);
         }
       });
       inside.clear();
@@ -283,28 +286,12 @@ TEST_CASE("DoublingAllreduce sums exactly on every rank, powers of two or not, c
     onEveryRank(world, [&](int r) {
       for (int call = 0; call < 5; ++call) {
         const bool average = call % 2 == 1;
-        std::vector<std::vector<float>> data(counts.size());
-        std::vector<ConstSpan> inputs;
-        for (size_t i = 0; i < counts.size(); ++i) {
-          for (size_t j = 0; j < counts[i]; ++j)
-            data[i].push_back(static_cast<float>(contribution(r, i, j, call)));
-          inputs.push_back({data[i].data(), counts[i] * sizeof(float)});
-        }
+        std::vector<std::vector<float>> data;
+        const std::vector<ConstSpan> inputs = callInputs(r, call, counts, &data);
         const AllreduceResult result = groups[r]->run(inputs, DType::kFloat32, average);
-        for (size_t i = 0; i < counts.size(); ++i) {
-          const float* got = reinterpret_cast<const float*>(result.out + result.offsets[i]);
-          if (call == 1 && i == 4) first[r].assign(got, got + counts[i]);
-          for (size_t j = 0; j < counts[i]; ++j) {
-            double want = 0;
-            for (int m = 0; m < world; ++m) want += contribution(m, i, j, call);
-            if (average) want /= world;
-            if (std::fabs(static_cast<double>(got[j]) - want) > 1e-6 * (1 + std::fabs(want))) {
-              wrong[r].push_back(
-                  strCat("call ", call, " tensor ", i, " element ", j, ": ", got[j], " != ", want));
-              break;
-            }
-          }
-        }
+        const float* kept = reinterpret_cast<const float*>(result.out + result.offsets[4]);
+        if (call == 1) first[r].assign(kept, kept + counts[4]);
+        checkSums<float>(result, counts, allOf(world), call, average, &wrong[r]);
       }
     });
     groups.clear();  // before the engines: each waits for its partners' last acks

@@ -55,9 +55,8 @@ def test_auto_chooses_by_where_the_workers_run():
     assert [r.value["algorithm"] for r in results] == ["ring", "ring"]
 
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["a-shard-owner-of-host-a", "a-member-of-host-b"])
-def test_a_rank_killed_mid_allreduce_is_named_by_every_other(victim):
-    results = run_ranks("hierarchical_with_a_death", 4, check=False, timeout=120, victim=victim)
+def assert_every_other_names(results, victim: int) -> None:
+    """`victim` was SIGKILLed mid-collective: every other rank failed within 10 s with a PeerError naming it."""
     assert results[victim].returncode == -9
     for r in results:
         if r.rank == victim:
@@ -66,6 +65,11 @@ def test_a_rank_killed_mid_allreduce_is_named_by_every_other(victim):
         kind, message, rank = r.value["error"]
         assert kind == "PeerError" and rank == victim and f"rank {victim}" in message, (r.rank, message)
         assert r.value["seconds"] < 10, (r.rank, r.value)
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["a-shard-owner-of-host-a", "a-member-of-host-b"])
+def test_a_rank_killed_mid_allreduce_is_named_by_every_other(victim):
+    assert_every_other_names(run_ranks("hierarchical_with_a_death", 4, check=False, timeout=120, victim=victim), victim)
 
 
 def test_the_plan_says_which_allreduce_and_why():
