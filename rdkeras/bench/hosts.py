@@ -65,16 +65,28 @@ def rank_main(
     options.quiet_tensorflow_logs(level=3)
     rank = cluster.resolve().rank
     out: dict[str, Any] = {}
+    if fit:  # before TensorFlow starts: the cores shared by this host's workers
+        import tensorflow as tf
+
+        threads = max(1, (os.cpu_count() or 1) // cluster.resolve().local_world_size)
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
     if allreduce:
-        out["allreduce"] = _allreduce_seconds(algorithm, nbytes, reps, compression)
+        out.update(_engine_seconds(algorithm, nbytes, reps, compression, compute=fit))
     if fit:
         out.update(_step_seconds(algorithm, nbytes, reps, overlap_bytes, compression))
     return out if rank == 0 else {}
 
 
-def _allreduce_seconds(algorithm: str, nbytes: int, reps: int, compression: str | None) -> list[float]:
+def _engine_seconds(
+    algorithm: str, nbytes: int, reps: int, compression: str | None, compute: bool
+) -> dict[str, list[float]]:
+    """Seconds per allreduce; with `compute`, then seconds per step of the same model trained undistributed on
+    this worker's share of the batch, every worker at once (what a step costs beyond its exchange)."""
     import rdkeras
     from rdkeras.parallel.collectives import Collectives
+
+    out: dict[str, list[float]] = {}
 
     with rdkeras.Engine() as engine:
         collectives = Collectives(engine, 64 << 20, algorithm=algorithm, compression=compression)
@@ -90,31 +102,32 @@ def _allreduce_seconds(algorithm: str, nbytes: int, reps: int, compression: str 
             started = time.perf_counter()
             collectives.allreduce([grads], average=True, compress=True)
             times.append(time.perf_counter() - started)
+        out["allreduce"] = times
+        if compute:
+            model, x = _model_and_data(nbytes, reps, 32 // engine.world_size)
+            engine.barrier()  # every worker computing at once, as in a distributed step
+            out["compute"] = _fit_seconds(model, x, 32 // engine.world_size)
         engine.barrier()
-    return times
+    return out
 
 
-def _step_seconds(
-    algorithm: str, nbytes: int, reps: int, overlap_bytes: int | None, compression: str | None
-) -> dict[str, Any]:
+def _model_and_data(nbytes: int, reps: int, batch: int) -> tuple[Any, np.ndarray]:
+    """The Dense width -> hidden -> width model whose two kernels hold `nbytes` of gradients, compiled, and
+    reps + 1 batches of inputs."""
     import keras
-    import tensorflow as tf
 
-    import rdkeras
-    from rdkeras import cluster
-
-    threads = max(1, (os.cpu_count() or 1) // cluster.resolve().local_world_size)
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
     width = 2048
     hidden = max(1, int(nbytes / 4 / (2 * width)))  # two width x hidden kernels hold the gradient bytes
-    strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes, compression=compression)
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(hidden), keras.layers.Dense(width)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
-    batch = 32  # the global batch, whatever the number of workers (one process too)
-    x = np.random.default_rng(0).standard_normal((batch * (reps + 1), width)).astype(np.float32)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(hidden), keras.layers.Dense(width)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+    return model, np.random.default_rng(0).standard_normal((batch * (reps + 1), width)).astype(np.float32)
+
+
+def _fit_seconds(model: Any, x: np.ndarray, batch: int) -> list[float]:
+    """Seconds per training step of one epoch of `x` (the first step, tracing, left out)."""
+    import keras
+
     times: list[float] = []
 
     class Timer(keras.callbacks.Callback):
@@ -125,11 +138,23 @@ def _step_seconds(
             times.append(time.perf_counter() - self.began)
 
     model.fit(x, x, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    return times[1:]
+
+
+def _step_seconds(
+    algorithm: str, nbytes: int, reps: int, overlap_bytes: int | None, compression: str | None
+) -> dict[str, Any]:
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes, compression=compression)
+    with strategy.scope():
+        model, x = _model_and_data(nbytes, reps, 32)  # the global batch, whatever the number of workers
+    times = _fit_seconds(model, x, 32)
     plan = strategy.plan
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     strategy.close()
     # A strided sample of the weights: enough to compare runs, small enough for JSON.
-    return {"step": times[1:], "plan": plan.algorithm if plan else None, "weights": weights[::997].tolist()}
+    return {"step": times, "plan": plan.algorithm if plan else None, "weights": weights[::997].tolist()}
 
 
 def measure(
@@ -192,6 +217,15 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
             seconds = {label: statistics.median(by[label][what]) for label in labels}
             speedup = {label: seconds[labels[0]] / seconds[label] for label in labels}
             summary[f"{link}/{what}"] = {"seconds": seconds, "speedup": speedup}
+        if all("compute" in by[label] and "step" in by[label] for label in labels):
+            # Where each step goes: its allreduce, the same model's compute alone (every worker at once), and
+            # what is left beyond the larger of the two (the exchange not hidden, hops, the update's wait).
+            parts = {}
+            for label in labels:
+                step, exchange, compute = (statistics.median(by[label][k]) for k in ("step", "allreduce", "compute"))
+                parts[label] = {"step": step, "allreduce": exchange, "compute": compute,
+                                "beyond_sum": step - exchange - compute}  # fmt: skip
+            summary[f"{link}/parts"] = parts
         if one is not None:
             reference = np.asarray(one["weights"])
             summary[f"{link}/weights"] = {
@@ -227,6 +261,14 @@ def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
             for label, sec in part["seconds"].items():
                 bound = f"; bound {BOUNDS[label]:g}x" if label in BOUNDS else ""
                 print(f"  {label:<14} {sec:8.3f} s ({part['speedup'][label]:.2f}x{bound})")
+        parts = summary.get(f"{link}/parts")
+        if parts:
+            print(f"\n{link}, where a step goes: step = allreduce + compute alone (4 workers at once) + the rest")
+            for label, p in parts.items():
+                print(
+                    f"  {label:<14} {p['step']:.3f} s = {p['allreduce']:.3f} + {p['compute']:.3f} "
+                    f"{'+' if p['beyond_sum'] >= 0 else '-'} {abs(p['beyond_sum']):.3f}"
+                )
         for label, diff in summary.get(f"{link}/weights", {}).items():
             print(f"  {label}: weights differ from one process's by at most {diff:.1e}")
     out = Path(args.out)
