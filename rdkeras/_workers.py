@@ -136,8 +136,12 @@ def run_workers(
     forward: bool = False,
     verbose: bool = False,
     log_dir: str | Path | None = None,
+    watch: Any = None,
 ) -> list[RankResult]:
     """Runs one process per command; returns when all ended, one failed, or the timeout passed.
+
+    `watch` (an elastic job's :class:`rdkeras.elastic.ElasticAgent`) hears of every exit (``exited(rank,
+    returncode)``); a worker that fails then ends the job only once `watch.error` says the others cannot go on.
 
     With `forward`, output is written to this process's stdout as it comes, each line
     prefixed by the rank (see :class:`_Terminal`). With `log_dir`, each rank's output
@@ -182,6 +186,8 @@ def run_workers(
         for i, p in enumerate(procs):
             if p.poll() is not None and results[i].ended_at == float("inf"):
                 results[i].ended_at = now
+                if watch is not None:
+                    watch.exited(ranks[i], p.returncode)
 
     try:
         for cmd, env in zip(commands, envs, strict=True):
@@ -202,7 +208,10 @@ def run_workers(
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             note_exits()
-            failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
+            if watch is not None:
+                failed = watch.error is not None
+            else:
+                failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
             if failed or (deadline is not None and time.monotonic() > deadline):
                 if failed:  # let the others notice the failure and report it themselves
                     end = time.monotonic() + FAILURE_GRACE_S

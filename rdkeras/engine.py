@@ -86,6 +86,8 @@ class Engine:
         options: Transport settings (default: from ``RDKERAS_IB_DEVICE``, ``RDKERAS_IB_PORT``,
             ``RDKERAS_IB_GID_INDEX``, ``RDKERAS_NT_THRESHOLD``; see TransportOptions).
         settings: The ``RDKERAS_*`` settings, if the caller read them already (:mod:`rdkeras.options`).
+        store: A client of the job's store, connected already as this rank (an elastic group re-forming:
+            :mod:`rdkeras.elastic`); the engine closes it with itself, but not when the engine fails to start.
 
     The rendezvous store is hosted by rank 0, or by a launcher where ``RDKERAS_STORE=launcher``
     (the launcher then reports workers that die, so a death during start-up is named at once).
@@ -110,6 +112,7 @@ class Engine:
         arena_bytes: int | None = None,
         options: TransportOptions | None = None,
         settings: options_lib.Options | None = None,
+        store: Store | None = None,
     ):
         settings = options_lib.from_env() if settings is None else settings
         self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
@@ -145,7 +148,9 @@ class Engine:
         self._stop_watching: Any = lambda: None
         # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
         hosted_by = settings.store
-        self.store = Store(
+        self._token = token_bytes  # (an elastic group's next engine proves the same token)
+        self.store_address = master_addr
+        self.store = store or Store(
             self.rank,
             self.world_size,
             master_addr,
@@ -182,7 +187,8 @@ class Engine:
         except BaseException as e:
             if isinstance(e, PeerError) and e.rank is not None:
                 self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
-            self.store.close()
+            if store is None:
+                self.store.close()
             raise
         _OPEN.add(self)
 
@@ -437,6 +443,19 @@ class Engine:
         finally:
             self.backend.close()
             self.store.close()
+
+    def abandon(self) -> Store:
+        """Leaves a group that lost a member (an elastic job re-forming, :mod:`rdkeras.elastic`): the transport
+        is closed and its memory freed at once -- nobody is waited for, nothing is reported -- and the store
+        client is handed to the caller, still connected, to agree on the next group."""
+        if self._closed:
+            raise EngineError("abandon: the engine is closed")
+        self._closed = True
+        _OPEN.discard(self)
+        self._stop_watching()
+        self.backend.begin_close()
+        self.backend.close()
+        return self.store
 
     def __enter__(self) -> Engine:
         return self

@@ -19,6 +19,7 @@ the kernel's parent-death signal.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -127,12 +128,14 @@ def job_envs(
     *,
     only_ranks: Sequence[int] | None = None,
     verbose: bool = False,
+    token: str | None = None,
 ) -> tuple[list[int], list[dict]]:
     """The ranks this node starts and their environments (one port and token for the job)."""
     port = job.master_port or free_port()
     # One node: a fresh secret per job. Several: every node's launcher must agree without talking,
     # so each worker resolves the token itself (rdkeras.jobtoken), unless the user set one.
-    token = secrets.token_hex(16) if job.nnodes == 1 else None
+    if token is None and job.nnodes == 1:
+        token = secrets.token_hex(16)
     ranks = list(job.ranks if only_ranks is None else only_ranks)
     envs = []
     for rank in ranks:
@@ -168,19 +171,67 @@ def run_local(
     forward: bool = False,
     verbose: bool = False,
     log_dir: str | Path | None = None,
+    elastic: ElasticSettings | None = None,
 ) -> list[RankResult]:
-    """The one local-launch sequence: this node's ranks of `job`, each running `command`."""
-    ranks, envs = job_envs(job, env, per_rank_env, only_ranks=only_ranks, verbose=verbose)
-    return run_workers(
-        [list(command)] * len(ranks),
-        envs,
-        ranks=ranks,
-        timeout=timeout,
-        stop_on_failure=stop_on_failure,
-        forward=forward,
-        verbose=verbose,
-        log_dir=log_dir,
-    )
+    """The one local-launch sequence: this node's ranks of `job`, each running `command`. With `elastic`, the
+    launcher hosts the store and re-forms the group when workers are lost (:mod:`rdkeras.elastic`); what
+    happened is in `elastic.changes` and `elastic.error` afterwards."""
+    if elastic is None:
+        ranks, envs = job_envs(job, env, per_rank_env, only_ranks=only_ranks, verbose=verbose)
+        return run_workers(
+            [list(command)] * len(ranks),
+            envs,
+            ranks=ranks,
+            timeout=timeout,
+            stop_on_failure=stop_on_failure,
+            forward=forward,
+            verbose=verbose,
+            log_dir=log_dir,
+        )
+    from rdkeras.elastic import ElasticAgent
+
+    if job.nnodes > 1:
+        raise ValueError("--min-workers runs on one node for now (--nnodes 1)")
+    job = dataclasses.replace(job, master_port=job.master_port or free_port())
+    token = secrets.token_hex(16)
+    more = {**(env or {}), "RDKERAS_STORE": "launcher", "RDKERAS_MIN_WORKERS": str(elastic.min_workers)}
+    ranks, envs = job_envs(job, more, per_rank_env, only_ranks=only_ranks, verbose=verbose, token=token)
+    agent = ElasticAgent("" if job.master_addr in ("0.0.0.0", "") else job.master_addr, int(job.master_port or 0),
+                         token.encode(), job.world_size, elastic.min_workers, elastic.reform_timeout)  # fmt: skip
+    try:
+        return run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
+                           verbose=verbose, log_dir=log_dir, watch=agent)  # fmt: skip
+    finally:
+        agent.close()
+        elastic.changes, elastic.error = list(agent.changes), agent.error
+
+
+@dataclass
+class ElasticSettings:
+    """An elastic launch: the fewest workers the job goes on with, and (afterwards) what happened."""
+
+    min_workers: int
+    reform_timeout: float = 30.0
+    changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
+    error: str | None = None
+
+    def lost(self) -> set[int]:
+        """The workers (ids: their first ranks) the job went on without."""
+        return {w for change in self.changes for w in change.lost}
+
+
+def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tuple[int, list[str]]:
+    """(exit status, lines to print) of an elastic launch: 0 when the group went on after every loss and every
+    worker left at the end exited 0."""
+    lines = [f"elastic: {change.line()}" for change in elastic.changes]
+    lost = elastic.lost()
+    kept = [r for r in results if r.rank not in lost]
+    if elastic.error is not None:
+        return 1, [*lines, f"elastic: the job ended: {elastic.error}"]
+    bad = next((r for r in kept if r.returncode != 0), None)
+    if bad is not None:
+        return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad, kept)]
+    return 0, lines
 
 
 def call_command(target: str, kwargs: dict | None = None) -> list[str]:
@@ -300,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", help="sets RDKERAS_TRANSPORT for every worker (auto, shm, tcp, shm+tcp, verbs, grpc, rpc+...)"
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped")
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        help="elastic: when workers die, the others (at least this many) go on inside the same fit (data parallelism)",
+    )
     parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")
     parser.add_argument("script", help="the Python script to run, or -m MODULE")
@@ -327,9 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     extra = {"RDKERAS_TRANSPORT": a.transport} if a.transport else {}
+    elastic = None
+    if a.min_workers is not None:
+        if not 1 <= a.min_workers <= job.world_size:
+            parser.error(f"--min-workers must be in 1..{job.world_size} (the workers started), got {a.min_workers}")
+        if job.nnodes > 1:
+            parser.error("--min-workers runs on one node for now (--nnodes 1)")
+        elastic = ElasticSettings(a.min_workers)
     handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        results = run_local(cmd, job, env=extra, timeout=a.timeout, forward=True, verbose=a.verbose, log_dir=a.log_dir)
+        results = run_local(cmd, job, env=extra, timeout=a.timeout, forward=True, verbose=a.verbose,
+                            log_dir=a.log_dir, elastic=elastic)  # fmt: skip
     except _Stopped as e:
         print(f"rdkeras.launch: stopped by signal {e.signum}; workers killed", file=sys.stderr)
         return 128 + e.signum
@@ -339,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+    if elastic is not None:
+        status, lines = elastic_outcome(results, elastic)
+        for line in lines:
+            print(f"rdkeras.launch: {line}", file=sys.stderr)
+        return status
     bad = failed_rank(results)
     if bad is not None:
         print(f"rdkeras.launch: {_failure_message(bad, results)}", file=sys.stderr)

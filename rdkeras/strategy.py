@@ -103,7 +103,19 @@ class RDMAStrategy:
         cluster_lib.export_local_rank(c)
         self.cluster = c
         check_settings(parallelism, mode, placement, micro_batches, c.world_size, stages)
-        self.engine = Engine(
+        elastic = None
+        if settings.min_workers and c.world_size > 1:
+            if parallelism != "data":
+                raise ValueError(
+                    f"parallelism={parallelism!r} in an elastic job (launched with --min-workers): a lost stage "
+                    "cannot be replaced from the others yet; use parallelism='data', or launch without --min-workers"
+                )
+            if settings.store != "launcher":
+                raise ValueError("an elastic job needs its launcher to host the store (RDKERAS_STORE=launcher)")
+            from rdkeras.elastic import ElasticGroup
+
+            elastic = ElasticGroup(c.rank, settings.min_workers)
+        engine = Engine(
             c.rank,
             c.world_size,
             transport=transport,
@@ -120,13 +132,14 @@ class RDMAStrategy:
                 from rdkeras.parallel.data_parallel import DataParallel
 
                 self._parallel: Parallelism = DataParallel(
-                    self.engine,
+                    engine,
                     mode,
                     bucket_bytes,
                     global_batch,
                     algorithm=algorithm,
                     compression=compression,
                     compress_within_hosts=compress_within_hosts,
+                    elastic=elastic,
                 )
                 self.overlap_bytes = overlap_bytes
             else:
@@ -144,17 +157,20 @@ class RDMAStrategy:
                 elif stages not in (None, c.world_size):
                     raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
                 assert not isinstance(placement, str)  # ("auto" became None above)
-                self._parallel = ModelParallel(
-                    self.engine, placement, stages, micro_batches, bucket_bytes, global_batch
-                )
+                self._parallel = ModelParallel(engine, placement, stages, micro_batches, bucket_bytes, global_batch)
         except BaseException:
-            self.engine.close()
+            engine.close()
             raise
         self._closed = False
         if self.engine.world_size > 1:
             keras_internals.guard_fit(self._undistributed_fit)
 
     # -- where this process sits ------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of the group this worker is in (an elastic job's changes when a worker is lost)."""
+        return self._parallel.engine
 
     @property
     def num_workers(self) -> int:

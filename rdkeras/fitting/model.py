@@ -136,6 +136,11 @@ def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
     parallel.shard_fit(a)
     callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
     a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
+    if parallel.elastic is not None:  # the step takes its global batch itself, and repeats after a loss
+        from rdkeras.fitting.elastic import ElasticTrainFunction
+
+        model.train_function = ElasticTrainFunction(model, parallel)
+        model.test_function = ElasticTrainFunction(model, parallel, training=False)
     parallel.fitting = True
     try:
         with _warnings_on_the_reporter(parallel):
@@ -213,7 +218,8 @@ def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = N
 
 
 def _shared_logs(model: Any, logs: Any) -> Any:
-    return _parallel(model).share_logs(keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs))
+    parallel, local = _parallel(model), keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs)
+    return parallel.elastic_retry(model, lambda: parallel.share_logs(local))
 
 
 # -- callbacks ----------------------------------------------------------------------------
@@ -268,10 +274,10 @@ def _state_callback_class() -> type:
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self.role == "gather":
-                self.parallel.gather_state(self.model)
+                self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
 
         def on_train_end(self, logs: Any = None) -> None:
             if self.role == "gather":
-                self.parallel.gather_state(self.model)
+                self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
 
     return StateCallback

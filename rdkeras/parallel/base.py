@@ -37,6 +37,7 @@ class Parallelism(abc.ABC):
     engine: Engine
     collectives: Collectives
     sharding: Sharding
+    elastic: Any = None  # an elastic job's group (rdkeras.elastic.ElasticGroup), or None
     global_batch_size: int | None = None
     synced: bool = False
     restored: bool = False
@@ -158,6 +159,31 @@ class Parallelism(abc.ABC):
     @abc.abstractmethod
     def share_logs(self, logs: dict) -> dict:
         """Epoch and evaluation logs, identical on every worker (so callbacks decide alike)."""
+
+    # -- an elastic job (rdkeras.elastic; data parallelism only) -------------------------------------
+
+    def lost_a_worker(self, error: BaseException) -> bool:
+        """Whether `error`, raised by a step, is the loss of a worker this job can go on without."""
+        return False
+
+    def recover(self, model: Any) -> bool:
+        """Re-forms the group after a loss and gives every survivor the state of the one that applied the most
+        steps; returns whether that state includes the step in flight here (else it runs again)."""
+        raise NotImplementedError(f"{type(self).__name__} is not elastic")
+
+    def stepped(self) -> None:  # noqa: B027 (optional: only an elastic parallelism notes its steps)
+        """After every step of an elastic job."""
+
+    def elastic_retry(self, model: Any, collective: Callable[[], Any]) -> Any:
+        """Runs `collective` (an epoch end's sharing of logs or state); in an elastic job, a worker lost during it
+        makes the group re-form and run it again."""
+        while True:
+            try:
+                return collective()
+            except Exception as e:
+                if not self.lost_a_worker(e):
+                    raise
+                self.recover(model)
 
     def _share_restore(self, model: Any, restored: bool, root: int) -> bool:
         """Broadcasts from `root` whether it restored a backup, and its epoch (set here too); returns it."""

@@ -146,6 +146,14 @@ class Collectives:
         self._multi_host = False
         self.doubling_below = 0  # bytes below which "auto" sends a call by recursive doubling
 
+    def rebind(self, engine: Engine) -> None:
+        """Runs over `engine` from now on, all of its ranks members (an elastic job's next group): nothing of the
+        old engine's is kept, and the algorithm is chosen again for the new group at the next call."""
+        self.engine, self.members = engine, list(range(engine.world_size))
+        self._rings.clear()
+        self._hosts, self._chosen, self._hierarchy = None, None, None
+        self._multi_host, self.doubling_below = False, 0
+
     @property
     def algorithm(self) -> tuple[str, str]:
         """(the allreduce algorithm in use for large tensors, why); collective the first time where it depends
@@ -399,6 +407,7 @@ class BucketPipeline:
         self._expected: dict[int, int] = {}  # exchange -> the bucket that must come next
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._generation = 0  # bumped by reset(): buckets started before it are dropped
         # Per exchange call: [first start, end of the work done before the wait began, wait entered, wait left,
         # seconds of work] (perf_counter) -- how much communication backprop hid (benchmarks read it).
         self.timeline: collections.deque[list[float]] = collections.deque(maxlen=256)
@@ -429,11 +438,25 @@ class BucketPipeline:
             self._thread.start()
         # The arrays are views of TensorFlow's gradient buffers; the wait op takes the same tensors as
         # inputs, so TensorFlow keeps them alive (and unchanged) until the bucket is done.
-        self._jobs.put((exchange, bucket, arrays))
+        self._jobs.put((self._generation, exchange, bucket, arrays))
+
+    def reset(self) -> None:
+        """Forgets every bucket started so far and any error (an elastic job's group re-formed: the exchange in
+        flight is repeated from the start). Work still running on the old group fails, and is dropped."""
+        with self._done:
+            self._generation += 1
+            self._results.clear()
+            self._expected.clear()
+            self._current.clear()
+            self._error = None
+            if self._thread is not None and not self._thread.is_alive():
+                self._thread = None
 
     def _loop(self) -> None:
         while True:
-            exchange, bucket, arrays = self._jobs.get()
+            generation, exchange, bucket, arrays = self._jobs.get()
+            if generation != self._generation:
+                continue  # started before a reset
             try:
                 expected = self._expected.get(exchange, 0)
                 if bucket != expected:
@@ -451,10 +474,14 @@ class BucketPipeline:
                         marks[1] = ended
             except BaseException as e:  # reported by wait(), in the training step
                 with self._done:
+                    if generation != self._generation:
+                        continue  # the old group's work, dropped by a reset
                     self._error = e
                     self._done.notify_all()
                 return
             with self._done:
+                if generation != self._generation:
+                    continue
                 self._expected[exchange] = bucket + 1
                 self._results.setdefault(exchange, {})[bucket] = result
                 self._done.notify_all()
@@ -532,6 +559,11 @@ class GradientAllreduce:
             r.set_shape(g.shape)
             out[i] = r if r.dtype == g.dtype else tf.cast(r, g.dtype)
         return out
+
+    def reset(self) -> None:
+        """Drops the buckets in flight (an elastic job's group re-formed)."""
+        if self._pipeline is not None:
+            self._pipeline.reset()
 
     def _reduce(self, *arrays: np.ndarray) -> list[np.ndarray]:
         # The inputs are views of TensorFlow's buffers; the outputs are 64-byte

@@ -25,11 +25,12 @@ import numpy as np
 from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
+from rdkeras.errors import PeerError
 from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
-from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, split_rows
+from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
 
 
 class DataParallel(Parallelism):
@@ -61,10 +62,24 @@ class DataParallel(Parallelism):
         algorithm: str = "auto",
         compression: str | None = None,
         compress_within_hosts: bool = False,
+        elastic: Any = None,
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
         if compression and mode == "ps":
             raise ValueError(f"compression={compression!r} compresses the allreduce: use mode='allreduce'")
+        if elastic is not None and mode == "ps":
+            raise ValueError(
+                "an elastic job (launched with --min-workers) needs mode='allreduce': in parameter-server mode each "
+                "worker holds the only current copy of its shard of the optimizer state, which dies with it"
+            )
+        if elastic is not None and not global_batch:
+            raise ValueError(
+                "an elastic job (launched with --min-workers) needs global_batch=True: the same global batch is "
+                "split over whoever is left, so a loss changes nothing in what a step computes"
+            )
+        self.elastic = elastic
+        self._averages: list[GradientAllreduce] = []  # their bucket pipelines are reset when the group re-forms
+        self._shard: Any = None  # elastic: tf.Variable [rank, world] the step splits its global batch by
         self.collectives = Collectives(
             engine,
             bucket_bytes,
@@ -113,7 +128,9 @@ class DataParallel(Parallelism):
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            _average_gradients(optimizer, GradientAllreduce(self.collectives, overlap_bytes=overlap))
+            average = GradientAllreduce(self.collectives, overlap_bytes=overlap)
+            self._averages.append(average)
+            _average_gradients(optimizer, average)
         self.batch_norm.attach(model)
         fitting.distribute_model(model, self)
         self._models.append(model)
@@ -132,6 +149,7 @@ class DataParallel(Parallelism):
                 "the compiled optimizer only: use mode='allreduce'"
             )
         average = GradientAllreduce(self.collectives)
+        self._averages.append(average)
         for optimizer in extra:
             _average_gradients(optimizer, average)
             fitting.remember_own_optimizer(model, optimizer)
@@ -157,9 +175,13 @@ class DataParallel(Parallelism):
 
     def shard_fit(self, a: dict) -> None:
         self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
+        if self.elastic is not None:
+            return self._keep_global_batches(a)
         shard_fit_arguments(a, self.sharding)
 
     def shard_evaluate(self, a: dict) -> None:
+        if self.elastic is not None:
+            return None  # whole global batches: the step takes its rows (see _my_rows)
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = self.sharding.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
         )
@@ -194,6 +216,10 @@ class DataParallel(Parallelism):
             # Random draws the size of this replica's batch (a GAN's noise) become its rows of the draw one
             # process makes for the whole global batch: the same numbers, whatever the number of workers.
             step = keras_internals.original(model, "train_step")
+            if self.elastic is not None:
+                data, start, rows, total = self._my_rows(data)
+                with keras_internals.global_batch_draws(rows, total, start):
+                    return step(data)
             total = self.global_batch_size
             if total is None or not self.sharding.global_batch:
                 return step(data)
@@ -201,7 +227,85 @@ class DataParallel(Parallelism):
             with keras_internals.global_batch_draws(rows, total, start):
                 return step(data)
 
-        return {"predict_step": predict_step, "train_step": train_step}
+        overrides = {"predict_step": predict_step, "train_step": train_step}
+        if self.elastic is not None:
+
+            def test_step(model: Any, data: Any) -> Any:
+                return keras_internals.original(model, "test_step")(self._my_rows(data)[0])
+
+            overrides["test_step"] = test_step
+        return overrides
+
+    # -- an elastic job ------------------------------------------------------------------------
+
+    def _keep_global_batches(self, a: dict) -> None:
+        """Elastic: every worker iterates the whole global batches (the step takes its rows by the world of the
+        moment); arrays become a PyDataset of global batches shuffled alike everywhere."""
+        if a["validation_split"] and a["validation_data"] is None and self.sharding.shardable_arrays(a["x"]):
+            (a["x"], a["y"], a["sample_weight"]), a["validation_data"] = keras_internals.train_validation_split(
+                (a["x"], a["y"], a["sample_weight"]), a["validation_split"]
+            )
+            a["validation_split"] = 0.0
+        if a["x"] is not None and self.sharding.shardable_arrays(a["x"]):
+            (seed,) = self.collectives.broadcast([np.random.default_rng().integers(1 << 52, size=1).astype(np.float64)])
+            a["x"] = global_batches(a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32, a["shuffle"],
+                                    int(seed[0]), self.engine.world_size)  # fmt: skip
+            if a["validation_data"] is not None and a["validation_batch_size"] is None:
+                a["validation_batch_size"] = a["batch_size"] or 32
+            a["y"] = a["sample_weight"] = a["batch_size"] = None
+            a["shuffle"] = False
+
+    def _shard_variable(self) -> Any:
+        import tensorflow as tf
+
+        if self._shard is None:
+            with tf.init_scope():
+                self._shard = tf.Variable([self.engine.rank, self.engine.world_size], dtype=tf.int64,
+                                          trainable=False, name="rdkeras_shard")  # fmt: skip
+        return self._shard
+
+    def _my_rows(self, data: Any) -> tuple[Any, Any, Any, Any]:
+        """(this worker's rows of a global batch, their start, their count, the batch's rows), as tensors: the
+        split of :func:`~rdkeras.parallel.sharding.split_rows` by the rank and world of the moment."""
+        import tensorflow as tf
+
+        shard = self._shard_variable()
+        rank, world = shard[0], shard[1]
+        first = next(t for t in tf.nest.flatten(data) if t is not None)
+        total = tf.shape(first, out_type=tf.int64)[0]
+        base, extra = total // world, total % world
+        start = rank * base + tf.minimum(rank, extra)
+        rows = base + tf.cast(rank < extra, tf.int64)
+        mine = tf.nest.map_structure(lambda t: None if t is None else t[start : start + rows], data)
+        return mine, start, rows, total
+
+    def lost_a_worker(self, error: BaseException) -> bool:
+        if self.elastic is None:
+            return False
+        return self.engine.backend.failure is not None or isinstance(error, PeerError) or "PeerError" in str(error)
+
+    def recover(self, model: Any) -> bool:
+        steps = int(model.optimizer.iterations.numpy())
+        engine, group = self.elastic.reform(self.engine, steps)
+        self.engine = engine
+        self.collectives.rebind(engine)
+        self.sharding = Sharding(engine.world_size, engine.rank, True, warn=engine.rank == 0)
+        self._shard_variable().assign([engine.rank, engine.world_size])
+        for average in self._averages:
+            average.reset()
+        variables = keras_internals.state_variables(model)
+        share_variables(self.collectives, variables, [group.source] * len(variables))
+        if engine.rank == 0:
+            lost = ", ".join(map(str, group.lost))
+            logger.warning(
+                f"elastic: lost worker {lost} ({group.reason}); {engine.world_size} workers go on from step "
+                f"{group.steps} (generation {group.generation}, re-formed in {group.took_s:.2f} s)"
+            )
+        return steps < group.steps
+
+    def stepped(self) -> None:
+        if self.elastic is not None:
+            self.elastic.stepped(self.engine)
 
     @property
     def _partial_state_between_epochs(self) -> str:

@@ -247,6 +247,51 @@ class _ShardedPyDataset:
         return Sharded()
 
 
+def global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: Any, seed: int, workers: int) -> Any:
+    """Arrays as a PyDataset of whole global batches, the same on every worker (an elastic job splits each one
+    inside the step, by the world of the moment): rows reshuffled every epoch by a permutation drawn from `seed`
+    (with ``shuffle``), a last batch too small to give each of `workers` a row dropped."""
+    import keras
+
+    samples = len(keras.tree.flatten(x)[0])
+    batches, rest = divmod(samples, batch_size)
+    if rest >= workers:
+        batches += 1
+    elif rest:
+        logger.warning(f"{samples} samples: the last {rest} do not make a row for each of the {workers} workers; "
+                       f"each epoch uses {samples - rest}")  # fmt: skip
+    if batches == 0:
+        raise ValueError(f"{samples} samples cannot give each of {workers} workers a row (batch_size={batch_size})")
+
+    class GlobalBatches(keras.utils.PyDataset):
+        def __init__(self) -> None:
+            super().__init__()
+            self.epoch = 0
+            self.order = self._order()
+
+        def _order(self) -> np.ndarray:
+            if not shuffle:
+                return np.arange(samples)
+            return np.random.default_rng([seed, self.epoch]).permutation(samples)
+
+        def __len__(self) -> int:
+            return batches
+
+        def __getitem__(self, i: int) -> Any:
+            rows = self.order[i * batch_size : (i + 1) * batch_size]
+            parts = tuple(keras.tree.map_structure(lambda v: np.asarray(v)[rows], a)
+                          for a in (x, y, sample_weight) if a is not None)  # fmt: skip
+            return parts if len(parts) > 1 else parts[0]
+
+        def on_epoch_end(self) -> None:
+            self.epoch += 1
+            self.order = self._order()
+
+    if sample_weight is not None and y is None:
+        raise ValueError("sample_weight needs y")
+    return GlobalBatches()
+
+
 def shard_fit_arguments(a: dict, sharding: Sharding) -> None:
     """Gives this replica its part of fit's training and validation data, in place in `a`
     (fit's bound arguments). ``validation_split`` is applied first, to the whole arrays."""

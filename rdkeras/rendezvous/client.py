@@ -149,9 +149,15 @@ class Store:
         self._call({"op": "set", "key": key, "value": value.hex()}, timeout=min(self.timeout, 30.0))
 
     def get(
-        self, keys: Sequence[str], waiting_for: Sequence[int] | None = None, timeout: float | None = None
+        self,
+        keys: Sequence[str],
+        waiting_for: Sequence[int] | None = None,
+        timeout: float | None = None,
+        despite_failure: bool = False,
     ) -> list[bytes]:
-        """Waits until every key is set. `waiting_for[i]` names the rank expected to set keys[i]."""
+        """Waits until every key is set. `waiting_for[i]` names the rank expected to set keys[i].
+        `despite_failure`: a failure the store knows of does not end the wait (an elastic job's survivors wait
+        for the launcher's next group)."""
         timeout = self.timeout if timeout is None else timeout
         reply = self._call(
             {
@@ -159,6 +165,7 @@ class Store:
                 "keys": list(keys),
                 "timeout": timeout,
                 "from": list(waiting_for) if waiting_for is not None else None,
+                "despite_failure": despite_failure,
             },
             timeout=timeout + 30,  # the store answers by then at the latest
         )

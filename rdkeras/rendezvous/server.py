@@ -48,8 +48,9 @@ class _Conn:
 
 
 class _Waiter:
-    def __init__(self, conn: _Conn, keys: list[str], setters: dict[str, Any], deadline: float):
+    def __init__(self, conn: _Conn, keys: list[str], setters: dict[str, Any], deadline: float, despite: bool):
         self.conn, self.keys, self.setters, self.deadline = conn, keys, setters, deadline
+        self.despite_failure = despite  # an elastic job's survivors wait for the next group after a failure
 
 
 class StoreServer:
@@ -102,6 +103,34 @@ class StoreServer:
             self._fail(rank, reason, reporter)
         self._wake_w.send(b"x")
 
+    def put(self, key: str, value: bytes) -> None:
+        """Sets `key` from this process (a launcher answering its workers); waiters see it at once."""
+        with self._lock:
+            self._data[key] = value.hex()
+        self._wake_w.send(b"x")
+
+    def value(self, key: str) -> bytes | None:
+        """What `key` holds, or None."""
+        with self._lock:
+            found = self._data.get(key)
+        return None if found is None else bytes.fromhex(found)
+
+    @property
+    def failure(self) -> dict | None:
+        """The first failure recorded ({"rank", "reason", "reporter"}), or None."""
+        with self._lock:
+            return None if self._failure is None else dict(self._failure)
+
+    def connected(self) -> set[int]:
+        """The ranks connected now that did not say goodbye."""
+        with self._lock:
+            return {r for r, c in self._ranks.items() if c.sock.fileno() >= 0 and not c.said_bye}
+
+    def arrived(self) -> set[int]:
+        """The ranks that ever connected."""
+        with self._lock:
+            return set(self._arrived)
+
     def clients(self, but_failed: bool = False) -> int:
         """Ranks connected now (`but_failed`: not counting the rank the store knows failed)."""
         with self._lock:
@@ -117,13 +146,14 @@ class StoreServer:
             expected = set(range(self._world)) - {self._failure["rank"]}
             return not expected <= self._arrived
 
-    def close(self, linger: float = 0.0) -> None:
+    def close(self, linger: float = 0.0, arrivals: bool = True) -> None:
         """Stops serving, after waiting up to `linger` seconds for the ranks to hang up first
         (one still reading its last reply must not see the store vanish) -- all but a rank known to
         have failed, which may be stopped and never hang up -- and, after a failure in start-up, for
-        the ranks still on their way (see `arrival_timeout`)."""
+        the ranks still on their way (see `arrival_timeout`; not with `arrivals` False: a launcher whose workers
+        all ended)."""
         end = time.monotonic() + linger
-        while self._still_arriving():
+        while arrivals and self._still_arriving():
             time.sleep(0.02)
         with self._lock:  # no new connections: the next job on this port must not reach this store
             self._stop_listening()
@@ -251,7 +281,8 @@ class StoreServer:
         elif op == "get":
             keys = [str(k) for k in req["keys"]]
             setters = dict(zip(keys, req.get("from") or [None] * len(keys), strict=True))
-            self._waiters.append(_Waiter(conn, keys, setters, time.monotonic() + float(req["timeout"])))
+            deadline = time.monotonic() + float(req["timeout"])
+            self._waiters.append(_Waiter(conn, keys, setters, deadline, bool(req.get("despite_failure"))))
         elif op == "abort":
             self._fail(int(req["rank"]), str(req["reason"])[:500], conn.who or "?")
             self._send(conn, {"ok": True})
@@ -274,7 +305,7 @@ class StoreServer:
             left = sorted({w.setters[k] for k in missing if w.setters[k] in self._left})
             if not missing:
                 self._send(w.conn, {"ok": True, "values": [self._data[k] for k in w.keys]})
-            elif self._failure is not None:
+            elif self._failure is not None and not w.despite_failure:
                 self._send(w.conn, {"ok": False, "missing": missing, "failed": self._failure})
             elif left:
                 self._send(w.conn, {"ok": False, "missing": missing, "left": left})

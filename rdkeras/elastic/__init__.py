@@ -1,0 +1,14 @@
+"""Elastic data-parallel training: a worker lost in the middle of ``fit`` and the job goes on.
+
+``python -m rdkeras.launch -n N --min-workers M script.py``: the launcher hosts the job's
+store (:mod:`rdkeras.elastic.agent`); when a worker dies, the survivors -- at least M --
+leave the old group, the launcher publishes the next one, and they start an engine for it
+(:mod:`rdkeras.elastic.group`); inside the same ``fit`` they take the state of the survivor
+that applied the most steps, split the same global batch over the new world and repeat the
+step in flight (:mod:`rdkeras.fitting.elastic`).
+"""
+
+from rdkeras.elastic.agent import Change, ElasticAgent
+from rdkeras.elastic.group import ElasticError, ElasticGroup, NewGroup
+
+__all__ = ["Change", "ElasticAgent", "ElasticError", "ElasticGroup", "NewGroup"]

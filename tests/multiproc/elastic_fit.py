@@ -1,0 +1,75 @@
+"""An unchanged Keras script for the elastic tests: a small MLP, global batch 12, 3 epochs of 4 steps.
+
+    python -m rdkeras.launch -n 3 --min-workers 2 tests/multiproc/elastic_fit.py OUT [--kill WORKER:EPOCH:BATCH ...]
+    python tests/multiproc/elastic_fit.py OUT --one-process
+
+Each worker that ends writes its weights to OUT/weights-WORKER.npz (WORKER: its first rank); a worker
+named by --kill SIGKILLs itself at that batch (after the step, before the next begins).
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+import numpy as np
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--kill", action="append", default=[], help="WORKER:EPOCH:BATCH")
+p.add_argument("--stop", default=None, help="WORKER:EPOCH:BATCH: SIGSTOP instead")
+p.add_argument("--one-process", action="store_true")
+p.add_argument("--epochs", type=int, default=3)
+a = p.parse_args()
+
+import keras  # noqa: E402
+
+worker = int(os.environ.get("RDKERAS_RANK", "0"))
+keras.utils.set_random_seed(7)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(48, 6)).astype("float32")
+y = (x @ rng.normal(size=(6, 2))).astype("float32")
+
+
+def build() -> keras.Model:
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    return model
+
+
+class Kill(keras.callbacks.Callback):
+    def __init__(self, at: list[tuple[int, int, int]], sig: int):
+        super().__init__()
+        self.at, self.sig, self.epoch = at, sig, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (worker, self.epoch, batch) in self.at:
+            os.kill(os.getpid(), self.sig)
+
+
+def parse(spec: str) -> tuple[int, int, int]:
+    w, e, b = (int(v) for v in spec.split(":"))
+    return w, e, b
+
+
+callbacks = [Kill([parse(k) for k in a.kill], signal.SIGKILL)]
+if a.stop:
+    callbacks.append(Kill([parse(a.stop)], signal.SIGSTOP))
+if a.one_process:
+    model = build()
+    model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0)
+    np.savez(os.path.join(a.out, "weights-one.npz"), *model.get_weights())
+    sys.exit(0)
+
+import rdkeras  # noqa: E402
+
+strategy = rdkeras.RDMAStrategy()
+with strategy.scope():
+    model = build()
+model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+np.savez(os.path.join(a.out, f"weights-{worker}.npz"), *model.get_weights())
+print(f"worker {worker} ended as rank {strategy.worker_index} of {strategy.num_workers}", flush=True)
+strategy.close()

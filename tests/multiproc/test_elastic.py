@@ -1,0 +1,108 @@
+"""Elastic training: a worker lost in the middle of fit, and the survivors go on with the same global batch.
+
+Each run is ``python -m rdkeras.launch -n N --min-workers M tests/multiproc/elastic_fit.py`` -- an unchanged
+Keras script -- whose workers SIGKILL (or SIGSTOP) themselves at a given batch, so the loss lands in the middle
+of an epoch every time. The survivors' weights must be bit-identical and equal to one process's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TESTS_DIR
+
+REPO = TESTS_DIR.parent
+SCRIPT = TESTS_DIR / "multiproc" / "elastic_fit.py"
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "RDKERAS_TIMEOUT": "60"}
+
+
+def _launch(out: Path, *args: str, workers: int = 3, min_workers: int = 2, transport: str = "shm",
+            env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    launch = [sys.executable, "-m", "rdkeras.launch", "-n", str(workers), "--min-workers", str(min_workers)]
+    return subprocess.run([*launch, "--transport", transport, str(SCRIPT), str(out), *args], capture_output=True,
+                          text=True, timeout=240, env={**ENV, **(env or {})}, cwd=REPO)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[np.ndarray]:
+    out = tmp_path_factory.mktemp("one")
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--one-process"], check=True, env=ENV, timeout=120,
+                   capture_output=True)  # fmt: skip
+    return _weights(out / "weights-one.npz")
+
+
+def _weights(path: Path) -> list[np.ndarray]:
+    with np.load(path) as f:
+        return [f[k] for k in f.files]
+
+
+def _survivors(out: Path, expected: set[int]) -> list[list[np.ndarray]]:
+    found = {int(p.stem.split("-")[1]): _weights(p) for p in out.glob("weights-[0-9]*.npz")}
+    assert set(found) == expected
+    return list(found.values())
+
+
+def _shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize(
+    ("transport", "victim"),
+    [("shm", 1), ("tcp", 0)],  # over tcp the chief dies, and the gradient buckets overlap backprop
+)
+def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, victim):
+    before = _shm_files()
+    done = _launch(tmp_path, "--kill", f"{victim}:1:1", transport=transport)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    others = {0, 1, 2} - {victim}
+    weights = _survivors(tmp_path, others)
+    for a, b in zip(*weights, strict=True):
+        assert np.array_equal(a, b)  # the survivors agree bit for bit
+    for mine, reference in zip(weights[0], one_process, strict=True):
+        np.testing.assert_allclose(mine, reference, atol=1e-5)
+    # Each survivor ended in the 2-worker group, as the rank its old order gives it.
+    for new_rank, worker in enumerate(sorted(others)):
+        assert f"[{worker}] worker {worker} ended as rank {new_rank} of 2" in done.stdout
+    line = re.search(r"lost worker (\d) \(killed by signal 9\); 2 workers \((\d), (\d)\) went on from step 6; "
+                     r"its first step (\S+) s after the loss", done.stderr)  # fmt: skip
+    assert line, done.stderr[-2000:]
+    assert line.group(1) == str(victim) and {int(line.group(2)), int(line.group(3))} == others
+    assert float(line.group(4)) > 0
+    assert _shm_files() <= before
+
+
+def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
+    done = _launch(tmp_path, "--kill", "3:0:2", "--kill", "1:1:3", workers=4)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    weights = _survivors(tmp_path, {0, 2})
+    for a, b in zip(*weights, strict=True):
+        assert np.array_equal(a, b)
+    for mine, reference in zip(weights[0], one_process, strict=True):
+        np.testing.assert_allclose(mine, reference, atol=1e-5)
+    assert re.search(r"lost worker 3 .*; 3 workers \(0, 1, 2\) went on from step 3", done.stderr), done.stderr[-2000:]
+    assert re.search(r"lost worker 1 .*; 2 workers \(0, 2\) went on from step 8", done.stderr), done.stderr[-2000:]
+
+
+def test_losing_more_than_min_workers_allow_ends_the_job_naming_them(tmp_path):
+    # Two of three die at once: the second is lost while the group re-forms, and one worker is too few.
+    done = _launch(tmp_path, "--kill", "1:1:1", "--kill", "2:1:1")
+    assert done.returncode != 0
+    assert re.search(r"the job ended: lost worker 1 \(killed by signal 9\), worker 2 \(killed by signal 9\): 1 left, "
+                     r"fewer than --min-workers 2", done.stderr), done.stderr[-2000:]  # fmt: skip
+    assert not list(tmp_path.glob("weights-*"))
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_ends_the_job_naming_it(tmp_path):
+    done = _launch(tmp_path, "--stop", "1:1:1", env={"RDKERAS_HEARTBEAT_TIMEOUT": "2"})
+    assert done.returncode != 0
+    stopped = re.search(r"the job ended: worker 1 failed but is still running \(.*stalled", done.stderr)
+    assert stopped, done.stderr[-2000:]
+    assert "worker 1 ended" not in done.stdout

@@ -1,0 +1,96 @@
+"""The launcher's elastic agent deciding the next group, with bare store clients as its workers (no TensorFlow)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+
+import pytest
+
+from rdkeras.elastic.agent import NEXT, READY, ElasticAgent
+from rdkeras.launch import free_port
+from rdkeras.rendezvous import Store
+
+TOKEN = secrets.token_bytes(16)
+
+
+def _job(world: int, min_workers: int) -> tuple[ElasticAgent, list[Store]]:
+    agent = ElasticAgent("127.0.0.1", free_port(), TOKEN, world, min_workers, reform_timeout=5.0)
+    stores = [Store(r, world, "127.0.0.1", agent.store.port, TOKEN, 10.0, serve=False) for r in range(world)]
+    return agent, stores
+
+
+def _ready_and_wait(stores: dict[int, Store], steps: dict[int, int]) -> dict[int, dict]:
+    """Each survivor says it is ready with its steps and waits for the next group, as ElasticGroup does."""
+    answers: dict[int, dict] = {}
+
+    def one(rank: int) -> None:
+        store = stores[rank]
+        store.set(f"{READY}{rank}", json.dumps({"steps": steps[rank]}).encode())
+        (raw,) = store.get([NEXT], timeout=10, despite_failure=True)
+        answers[rank] = json.loads(raw)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    return answers
+
+
+def _vanish(store: Store) -> None:
+    store._sock.close()  # a process killed: no goodbye
+
+
+def test_the_survivors_form_the_next_group_and_take_the_most_advanced_state():
+    agent, stores = _job(3, 2)
+    try:
+        _vanish(stores[1])
+        answers = _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 5, 2: 6})
+        assert answers[0] == answers[2]
+        decided = answers[0]
+        assert decided["generation"] == 1 and decided["members"] == [0, 2] and decided["lost"] == [1]
+        assert decided["source"] == 1 and decided["steps"] == 6  # worker 2, new rank 1, applied one step more
+        # The next generation's store takes exactly the survivors, as ranks 0 and 1 of 2.
+        nxt = [Store(r, 2, "127.0.0.1", decided["port"], TOKEN, 10.0, serve=False) for r in range(2)]
+        nxt[0].set("x", b"1")
+        assert nxt[1].get(["x"], timeout=5) == [b"1"]
+        assert agent.members == [0, 2] and agent.generation == 1 and agent.error is None
+        for s in nxt:
+            s.close()
+    finally:
+        for s in (stores[0], stores[2]):
+            s.close()
+        agent.close()
+
+
+def test_fewer_survivors_than_min_workers_end_the_job_naming_the_lost():
+    agent, stores = _job(3, 3)
+    try:
+        agent.exited(1, -9)
+        _vanish(stores[1])
+        answers = _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 4, 2: 4})
+        assert answers[0] == answers[2] == {"error": agent.error}
+        assert "lost worker 1 (killed by signal 9): 2 left, fewer than --min-workers 3" in str(agent.error)
+    finally:
+        for s in (stores[0], stores[2]):
+            s.close()
+        agent.close()
+
+
+def test_a_failed_worker_still_connected_is_not_replaced():
+    agent, stores = _job(3, 2)
+    try:
+        stores[0].abort(1, "rank 1 stalled: no heartbeat within 2 s")  # what a survivor's engine saw
+        answers = _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 4, 2: 4})
+        assert "worker 1 failed but is still running (rank 1 stalled" in answers[0]["error"]
+    finally:
+        for s in stores:
+            s.close()
+        agent.close()
+
+
+def test_min_workers_must_fit_the_job():
+    with pytest.raises(ValueError, match=r"min_workers must be in 1\.\.2"):
+        ElasticAgent("127.0.0.1", free_port(), TOKEN, 2, 3)
