@@ -189,26 +189,38 @@ def run_workers(
                 if watch is not None:
                     watch.exited(ranks[i], p.returncode)
 
+    def start(cmd: Sequence[str], env: dict) -> None:
+        procs.append(
+            subprocess.Popen(
+                list(cmd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                bufsize=0,
+                start_new_session=True,
+                preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
+            )
+        )
+        readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
+        readers[-1].start()
+
     try:
         for cmd, env in zip(commands, envs, strict=True):
-            procs.append(
-                subprocess.Popen(
-                    list(cmd),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    bufsize=0,
-                    start_new_session=True,
-                    preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
-                )
-            )
-            readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
-            readers[-1].start()
+            start(cmd, env)
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             note_exits()
+            for worker, env in watch.take_spawns(envs[0]) if watch is not None else []:
+                ranks.append(worker)  # a replacement (an elastic job): the same command, its own id
+                results.append(RankResult(worker, None, ""))
+                chunks.append([])
+                if log_dir is not None:
+                    logs.append(open(Path(log_dir) / f"worker-{worker}.log", "wb"))
+                start(commands[0], env)
             if watch is not None:
+                if watch.finished():
+                    break  # every member is done: replacements still waiting to join are not needed
                 failed = watch.error is not None
             else:
                 failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)

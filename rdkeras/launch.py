@@ -197,7 +197,8 @@ def run_local(
     more = {**(env or {}), "RDKERAS_STORE": "launcher", "RDKERAS_MIN_WORKERS": str(elastic.min_workers)}
     ranks, envs = job_envs(job, more, per_rank_env, only_ranks=only_ranks, verbose=verbose, token=token)
     agent = ElasticAgent("" if job.master_addr in ("0.0.0.0", "") else job.master_addr, int(job.master_port or 0),
-                         token.encode(), job.world_size, elastic.min_workers, elastic.reform_timeout)  # fmt: skip
+                         token.encode(), job.world_size, elastic.min_workers, elastic.reform_timeout,
+                         max_restarts=elastic.max_restarts)  # fmt: skip
     try:
         return run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
                            verbose=verbose, log_dir=log_dir, watch=agent)  # fmt: skip
@@ -212,6 +213,7 @@ class ElasticSettings:
 
     min_workers: int
     reform_timeout: float = 30.0
+    max_restarts: int = 0  # replacements to start in all, each after a loss
     changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
     error: str | None = None
 
@@ -224,8 +226,8 @@ def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tupl
     """(exit status, lines to print) of an elastic launch: 0 when the group went on after every loss and every
     worker left at the end exited 0."""
     lines = [f"elastic: {change.line()}" for change in elastic.changes]
-    lost = elastic.lost()
-    kept = [r for r in results if r.rank not in lost]
+    final = elastic.changes[-1].members if elastic.changes else [r.rank for r in results]
+    kept = [r for r in results if r.rank in final]  # (lost workers, and replacements the job ended without)
     if elastic.error is not None:
         return 1, [*lines, f"elastic: the job ended: {elastic.error}"]
     bad = next((r for r in kept if r.returncode != 0), None)
@@ -357,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="elastic: when workers die, the others (at least this many) go on inside the same fit (data parallelism)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="elastic: start up to this many replacements in all, each joining the group at its next epoch end",
+    )
     parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")
     parser.add_argument("script", help="the Python script to run, or -m MODULE")
@@ -390,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--min-workers must be in 1..{job.world_size} (the workers started), got {a.min_workers}")
         if job.nnodes > 1:
             parser.error("--min-workers runs on one node for now (--nnodes 1)")
-        elastic = ElasticSettings(a.min_workers)
+        if a.max_restarts < 0:
+            parser.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
+        elastic = ElasticSettings(a.min_workers, max_restarts=a.max_restarts)
+    elif a.max_restarts:
+        parser.error("--max-restarts needs --min-workers (an elastic job)")
     handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         results = run_local(cmd, job, env=extra, timeout=a.timeout, forward=True, verbose=a.verbose,

@@ -17,6 +17,7 @@ variable                          setting
 ``RDKERAS_ARENA_BYTES``           registered address space each process reserves
 ``RDKERAS_STORE``                 who hosts the rendezvous store: rank0 or launcher
 ``RDKERAS_MIN_WORKERS``           an elastic job (its launcher sets it): fewest workers it goes on with
+``RDKERAS_JOIN``                  an elastic job's replacement: its worker id (it waits to be taken in)
 ``RDKERAS_DATA_MODE``             data-parallel exchange: allreduce or ps
 ``RDKERAS_JOB_TOKEN``             the job's shared secret (:mod:`rdkeras.jobtoken`)
 ``RDKERAS_JOB_TOKEN_FILE``        a file holding it
@@ -59,6 +60,7 @@ class Options:
     arena_bytes: int = DEFAULT_ARENA_BYTES
     store: str = "rank0"
     min_workers: int = 0  # > 0: an elastic job (rdkeras.elastic)
+    join: int | None = None  # an elastic job's replacement: its worker id
     data_mode: str = "allreduce"
     job_token: str | None = None
     job_token_file: str | None = None
@@ -116,6 +118,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         arena_bytes=whole("RDKERAS_ARENA_BYTES", defaults.arena_bytes),
         store=choice("RDKERAS_STORE", defaults.store, ("rank0", "launcher")),
         min_workers=whole("RDKERAS_MIN_WORKERS", defaults.min_workers),
+        join=None if text("RDKERAS_JOIN") is None else whole("RDKERAS_JOIN", 0),
         data_mode=choice("RDKERAS_DATA_MODE", defaults.data_mode, ("allreduce", "ps")),
         job_token=env.get("RDKERAS_JOB_TOKEN") or None,
         job_token_file=text("RDKERAS_JOB_TOKEN_FILE"),

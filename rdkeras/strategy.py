@@ -16,6 +16,7 @@ training loops :meth:`RDMAStrategy.allreduce`, :meth:`broadcast_variables` and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -115,6 +116,10 @@ class RDMAStrategy:
             from rdkeras.elastic import ElasticGroup
 
             elastic = ElasticGroup(c.rank, settings.min_workers)
+            if settings.join is not None:  # a replacement: alone until the group takes it in (at fit)
+                elastic.joining = (c.master_addr, c.master_port, c.world_size)
+                c = dataclasses.replace(c, rank=0, world_size=1, master_port=0)
+                settings = dataclasses.replace(settings, store="rank0")
         engine = Engine(
             c.rank,
             c.world_size,

@@ -15,6 +15,14 @@ raises.
 
 The survivors' new rank is their index in the members. A worker's id is its rank in
 generation 0 and never changes; the launcher's output and results use it.
+
+With ``max_restarts`` K, each loss (K in all) also asks the launcher for a replacement
+(:meth:`ElasticAgent.take_spawns`), with a new id. It waits in the *lobby* (a store of its own,
+every id a rank there, the same token to prove) until the group reaches an epoch end: the
+agent sets ``elastic/joiners`` in the current store, the group's rank 0 sees it there and the
+group agrees to re-form (every member says it is ready, as after a loss); the next generation
+is the members followed by the joiners, published in the old store and as ``admit/ID`` in the
+lobby. The group then hands the joiner where training stands and its state.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from rdkeras.rendezvous import StoreServer
 
 READY = "elastic/ready/"
 NEXT = "elastic/next"
+JOINERS = "elastic/joiners"  # set by the agent in the current store while replacements wait in the lobby
+JOINING = "joining/"  # lobby: a replacement is there (its id)
+ADMIT = "admit/"  # lobby: the group it joins (the NEXT of that re-forming), or an error
 FIRST_STEP = "elastic/first-step"  # set by the new group's rank 0 after its first step (wall-clock time)
 # A failed member still connected this long after the failure is not dead: it stalled (or hung).
 STALL_GRACE_S = 1.0
@@ -43,6 +54,7 @@ class Change:
     reason: str
     members: list[int]  # worker ids of the new group, by new rank
     failed_at: float  # wall-clock time the launcher learned of the failure (or the worker's exit)
+    joined: list[int] = field(default_factory=list)  # replacements admitted (worker ids)
     step: int = -1  # optimizer steps the new group starts from
     published_at: float = 0.0
     first_step_at: float = 0.0  # wall-clock time of the new group's first step
@@ -53,8 +65,12 @@ class Change:
         return self.first_step_at - self.failed_at if self.first_step_at else float("nan")
 
     def line(self) -> str:
-        who = ", ".join(map(str, self.lost))
         went_on = f"{len(self.members)} worker{'s' * (len(self.members) > 1)} ({', '.join(map(str, self.members))})"
+        if self.joined:
+            took = f"; its first step {self.recovery_s:.2f} s after the group stopped" if self.first_step_at else ""
+            who = ", ".join(map(str, self.joined))
+            return f"worker {who} joined as a replacement; {went_on} went on from step {self.step}{took}"
+        who = ", ".join(map(str, self.lost))
         took = f"; its first step {self.recovery_s:.2f} s after the loss" if self.first_step_at else ""
         return f"lost worker {who} ({self.reason}); {went_on} went on from step {self.step}{took}"
 
@@ -71,6 +87,7 @@ class ElasticAgent:
         min_workers: Fewest workers the job goes on with.
         reform_timeout: Seconds the survivors of a loss get to say they are ready.
         arrival_timeout: Generation 0's rendezvous timeout (see :class:`StoreServer`).
+        max_restarts: Replacements to start in all (each after a loss).
     """
 
     host: str
@@ -80,6 +97,7 @@ class ElasticAgent:
     min_workers: int
     reform_timeout: float = 30.0
     arrival_timeout: float = 120.0
+    max_restarts: int = 0
     changes: list[Change] = field(default_factory=list)
     error: str | None = None
 
@@ -93,6 +111,12 @@ class ElasticAgent:
         self._finished: set[int] = set()  # worker ids that exited 0
         self.store = StoreServer(self.host, self.port, self.token, self.world_size, self.arrival_timeout)
         self._old: list[StoreServer] = []
+        # Replacements: the lobby where they wait (ids N..N+K-1 as its ranks), those to start, those waiting.
+        self.lobby = (StoreServer(self.host, 0, self.token, self.world_size + self.max_restarts)
+                      if self.max_restarts > 0 else None)  # fmt: skip
+        self._next_id = self.world_size
+        self._spawns: list[int] = []
+        self._joiners: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rdkeras-elastic", daemon=True)
         self._thread.start()
@@ -112,10 +136,31 @@ class ElasticAgent:
         if rank is not None:
             store.abort(rank, f"worker {worker} {how}")
 
+    def take_spawns(self, base_env: dict[str, str]) -> list[tuple[int, dict[str, str]]]:
+        """The replacements the launcher should start now (each once): (worker id, its environment, from a
+        worker's `base_env`): the lobby as its rendezvous, its id as its rank there, ``RDKERAS_JOIN``."""
+        with self._lock:
+            spawns, self._spawns = self._spawns, []
+        assert self.lobby is not None or not spawns
+        return [(worker, {**base_env, "RDKERAS_RANK": str(worker), "LOCAL_RANK": str(worker),
+                          "RDKERAS_WORLD_SIZE": str(self.world_size + self.max_restarts),
+                          "LOCAL_WORLD_SIZE": str(self.world_size + self.max_restarts),
+                          "RDKERAS_MASTER_PORT": str(self.lobby.port if self.lobby else 0),
+                          "RDKERAS_JOIN": str(worker)}) for worker in spawns]  # fmt: skip
+
+    def finished(self) -> bool:
+        """Whether every member of the current group exited 0 (the job is done; replacements still waiting are
+        told so and may be stopped)."""
+        with self._lock:
+            return all(w in self._finished for w in self.members)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        for store in [*self._old, self.store]:
+        for worker in self._joiners:  # the job ended before they could join
+            if self.lobby is not None:
+                self.lobby.put(f"{ADMIT}{worker}", json.dumps({"finished": True}).encode())
+        for store in [*self._old, self.store, *([self.lobby] if self.lobby else [])]:
             store.close(arrivals=False)  # (the workers ended: nobody is on the way)
 
     # -- the loop -------------------------------------------------------------------------
@@ -128,6 +173,8 @@ class ElasticAgent:
                     self._reform(failure)
                 except Exception as e:  # never leave the survivors waiting without an answer
                     self._fail(f"re-forming the group failed: {type(e).__name__}: {e}")
+            elif self.error is None and self.lobby is not None:
+                self._admit_joiners()
             change = self.changes[-1] if self.changes else None
             if change is not None and not change.first_step_at:
                 if (at := self.store.value(FIRST_STEP)) is not None:
@@ -145,7 +192,29 @@ class ElasticAgent:
     def _fail(self, message: str) -> None:
         self.error = message
         self.store.put(NEXT, json.dumps({"error": message}).encode())
+        for worker in self._joiners:
+            if self.lobby is not None:
+                self.lobby.put(f"{ADMIT}{worker}", json.dumps({"error": message}).encode())
         logger.error(f"elastic: {message}")
+
+    def _admit_joiners(self) -> None:
+        """Replacements in the lobby are announced to the group; once every member said it is ready (the group
+        agreed at an epoch end), the next generation takes them in."""
+        assert self.lobby is not None
+        with self._lock:
+            waiting = [w for w in range(self.world_size, self._next_id)
+                       if w not in self._joiners and w not in self._exited and w not in self.members
+                       and self.lobby.value(f"{JOINING}{w}") is not None]  # fmt: skip
+            self._joiners += waiting
+            joiners = [w for w in self._joiners if w not in self._exited]
+            self._joiners = joiners
+        if not joiners:
+            return
+        if self.store.value(JOINERS) is None:
+            self.store.put(JOINERS, json.dumps(joiners).encode())
+        world = len(self.members)
+        if all(self.store.value(f"{READY}{r}") is not None for r in range(world)):
+            self._publish(list(range(world)), {}, time.time(), joiners)
 
     def _reform(self, failure: dict) -> None:
         failed_at = time.time()
@@ -193,37 +262,52 @@ class ElasticAgent:
                 )
                 return
             time.sleep(0.005)
-        steps = {r: json.loads(store.value(f"{READY}{r}") or b"{}").get("steps", 0) for r in alive}
+        self._publish(alive, lost, failed_at, [])
+        with self._lock:
+            for _ in lost:
+                if self._next_id < self.world_size + self.max_restarts:
+                    self._spawns.append(self._next_id)
+                    self._next_id += 1
+
+    def _publish(self, alive: list[int], lost: dict[int, str], failed_at: float, joiners: list[int]) -> None:
+        """Starts the next generation's store and tells the group (and the joiners) who is in it."""
+        store, members = self.store, list(self.members)
+        ready = {r: json.loads(store.value(f"{READY}{r}") or b"{}") for r in alive}
+        steps = {r: ready[r].get("steps", 0) for r in alive}
         source = max(alive, key=lambda r: (steps[r], -r))
-        nxt = StoreServer(self.host, 0, self.token, len(alive), self.reform_timeout)
-        new_members = [members[r] for r in alive]
+        new_members = [members[r] for r in alive] + joiners
+        nxt = StoreServer(self.host, 0, self.token, len(new_members), self.reform_timeout)
         change = Change(
             self.generation + 1,
             [members[r] for r in sorted(lost)],
-            "; ".join(sorted(set(lost.values()))),
+            "; ".join(sorted(set(lost.values()))) or "joined",
             new_members,
             failed_at,
             step=int(steps[source]),
+            joined=list(joiners),
         )
         with self._lock:
             self.generation += 1
             self.members = new_members
             self.store = nxt
             self._old.append(store)
+            self._joiners = [w for w in self._joiners if w not in joiners]
         self.changes.append(change)
-        store.put(
-            NEXT,
-            json.dumps(
-                {
-                    "generation": self.generation,
-                    "port": nxt.port,
-                    "members": new_members,
-                    "previous": alive,
-                    "source": alive.index(source),
-                    "steps": int(steps[source]),
-                    "lost": change.lost,
-                    "reason": change.reason,
-                }
-            ).encode(),
-        )
+        decided = json.dumps(
+            {
+                "generation": self.generation,
+                "port": nxt.port,
+                "members": new_members,
+                "source": alive.index(source),
+                "steps": int(steps[source]),
+                "lost": change.lost,
+                "joined": joiners,
+                "reason": change.reason,
+                "transport": ready[source].get("transport"),  # the group's (a replacement alone chose its own)
+            }
+        ).encode()
+        store.put(NEXT, decided)
+        for worker in joiners:
+            assert self.lobby is not None
+            self.lobby.put(f"{ADMIT}{worker}", decided)
         change.published_at = time.time()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from rdkeras._log import logger
-from rdkeras.elastic.agent import FIRST_STEP, NEXT, READY
+from rdkeras.elastic.agent import ADMIT, FIRST_STEP, JOINERS, JOINING, NEXT, READY
 from rdkeras.engine import Engine
 from rdkeras.errors import EngineError, PeerError
 from rdkeras.rendezvous import Store
@@ -36,6 +37,7 @@ class NewGroup:
     lost: list[int]  # worker ids
     reason: str
     took_s: float  # from this worker's failure to its new engine
+    joined: list[int]  # replacements admitted (worker ids)
 
 
 class ElasticGroup:
@@ -50,58 +52,94 @@ class ElasticGroup:
     def __init__(self, worker: int, min_workers: int, reform_timeout: float = 60.0):
         self.worker, self.min_workers, self.reform_timeout = worker, min_workers, reform_timeout
         self.generation = 0
+        # A replacement: (the lobby's address, port, world) until the group takes it in (rdkeras.elastic.agent).
+        self.joining: tuple[str, int, int] | None = None
         self._first_step_pending = False
 
     def reform(self, engine: Engine, steps: int) -> tuple[Engine, NewGroup]:
-        """Leaves `engine`'s group (after a failure) and returns an engine for the next one, and what it is."""
+        """Leaves `engine`'s group (after a failure, or to take replacements in) and returns an engine for the
+        next one, and what it is."""
         began = time.monotonic()
         failure = engine.backend.failure
-        settings = dict(
-            transport=engine.transport,
-            timeout=engine.timeout,
-            heartbeat_timeout=engine.heartbeat_timeout,
-            rendezvous_timeout=engine.rendezvous_timeout,
-        )
+        settings = engine_settings(engine)
         token, address, rank = engine._token, engine.store_address, engine.rank
         if failure is not None:
             engine.store.abort(failure[0], failure[2])  # a stall is known only to the peers that saw it
         store = engine.abandon()
         while True:
-            store.set(f"{READY}{rank}", json.dumps({"steps": int(steps), "worker": self.worker}).encode())
+            ready = {"steps": int(steps), "worker": self.worker, "transport": settings["transport"]}
+            store.set(f"{READY}{rank}", json.dumps(ready).encode())
             try:
                 (raw,) = store.get([NEXT], timeout=self.reform_timeout, despite_failure=True)
             except EngineError as e:
                 store.close()
                 raise ElasticError(f"no answer from the launcher about the next group: {e}") from None
-            decided = json.loads(raw)
-            if "error" in decided:
-                store.close()
-                raise ElasticError(decided["error"])
-            rank = decided["members"].index(self.worker)
-            world = len(decided["members"])
-            nxt = Store(rank, world, address, int(decided["port"]), token, engine.timeout, serve=False,
-                        connect_timeout=self.reform_timeout)  # fmt: skip
             store.close()
-            try:
-                new = Engine(rank, world, master_addr=address, master_port=int(decided["port"]), token=token,
-                             store=nxt, **settings)  # type: ignore[arg-type]  # fmt: skip
-            except PeerError as e:  # a member lost while the new group started: re-form from the new store
-                logger.warning(f"elastic: the next group lost a member while it started ({e}); re-forming again")
-                if e.rank is not None:
-                    nxt.abort(e.rank, str(e))
-                store = nxt
-                continue
-            self.generation = int(decided["generation"])
-            self._first_step_pending = rank == 0
-            return new, NewGroup(
-                self.generation,
-                list(decided["members"]),
-                int(decided["source"]),
-                int(decided["steps"]),
-                list(decided["lost"]),
-                str(decided["reason"]),
-                time.monotonic() - began,
-            )
+            decided = json.loads(raw)
+            new, group = self._start(decided, token, address, settings, began)
+            if new is not None:
+                return new, group
+            store, rank = group, decided["members"].index(self.worker)  # re-form from the half-started group
+
+    def join(self, address: str, port: int, lobby_world: int, token: bytes, settings: dict,
+             timeout: float) -> tuple[Engine, NewGroup]:  # fmt: skip
+        """A replacement: waits in the launcher's lobby until the group takes it in (at an epoch end), and
+        returns an engine in that group."""
+        began = time.monotonic()
+        lobby = Store(self.worker, lobby_world, address, port, token, timeout, serve=False)
+        try:
+            lobby.set(f"{JOINING}{self.worker}", b"1")
+            (raw,) = lobby.get([f"{ADMIT}{self.worker}"], timeout=timeout, despite_failure=True)
+        except EngineError as e:
+            raise ElasticError(f"worker {self.worker} was not taken into the group within {timeout:g} s: {e}") from None
+        finally:
+            lobby.close()
+        decided = json.loads(raw)
+        if decided.get("finished"):
+            raise ElasticError(f"the job finished before worker {self.worker} could join it")
+        while True:
+            new, group = self._start(decided, token, address, settings, began)
+            if new is not None:
+                return new, group
+            rank = decided["members"].index(self.worker)  # (it holds no state yet: never the source)
+            group.set(f"{READY}{rank}", json.dumps({"steps": -1, "worker": self.worker}).encode())
+            (raw,) = group.get([NEXT], timeout=self.reform_timeout, despite_failure=True)
+            group.close()
+            decided = json.loads(raw)
+
+    def _start(self, decided: dict, token: bytes, address: str, settings: dict, began: float) -> Any:
+        """(an engine in the group `decided` describes, the group), or (None, that group's store) when a member
+        was lost while it started (the caller waits there for the next decision)."""
+        if "error" in decided:
+            raise ElasticError(decided["error"])
+        rank = decided["members"].index(self.worker)
+        world, port = len(decided["members"]), int(decided["port"])
+        settings = {**settings, "transport": decided.get("transport") or settings["transport"]}  # the group's
+        nxt = Store(rank, world, address, port, token, settings["timeout"], serve=False,
+                    connect_timeout=self.reform_timeout)  # fmt: skip
+        try:
+            new = Engine(rank, world, master_addr=address, master_port=port, token=token, store=nxt, **settings)
+        except PeerError as e:
+            logger.warning(f"elastic: the next group lost a member while it started ({e}); re-forming again")
+            if e.rank is not None:
+                nxt.abort(e.rank, str(e))
+            return None, nxt
+        self.generation = int(decided["generation"])
+        self._first_step_pending = rank == 0
+        return new, NewGroup(
+            self.generation,
+            list(decided["members"]),
+            int(decided["source"]),
+            int(decided["steps"]),
+            list(decided["lost"]),
+            str(decided["reason"]),
+            time.monotonic() - began,
+            list(decided.get("joined", [])),
+        )
+
+    def joiners_waiting(self, engine: Engine) -> bool:
+        """Whether replacements wait to join (asked of the store: call it on one rank and share the answer)."""
+        return engine.store.peek(JOINERS) is not None
 
     def stepped(self, engine: Engine) -> None:
         """After each step: the new group's rank 0 tells the launcher when its first step ended (the recovery
@@ -109,3 +147,13 @@ class ElasticGroup:
         if self._first_step_pending:
             self._first_step_pending = False
             engine.store.set(FIRST_STEP, repr(time.time()).encode())
+
+
+def engine_settings(engine: Engine) -> dict[str, Any]:
+    """What the next engine of this worker takes over from `engine`."""
+    return dict(
+        transport=engine.transport,
+        timeout=engine.timeout,
+        heartbeat_timeout=engine.heartbeat_timeout,
+        rendezvous_timeout=engine.rendezvous_timeout,
+    )

@@ -275,6 +275,8 @@ def _state_callback_class() -> type:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self.role == "gather":
                 self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
+                if epoch + 1 < self.params.get("epochs", 0):  # replacements join where an epoch begins
+                    self.parallel.elastic_retry(self.model, lambda: self.parallel.admit(self.model, epoch + 1))
 
         def on_train_end(self, logs: Any = None) -> None:
             if self.role == "gather":

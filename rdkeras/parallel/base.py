@@ -174,6 +174,9 @@ class Parallelism(abc.ABC):
     def stepped(self) -> None:  # noqa: B027 (optional: only an elastic parallelism notes its steps)
         """After every step of an elastic job."""
 
+    def admit(self, model: Any, next_epoch: int) -> None:  # noqa: B027 (optional: elastic only)
+        """At an epoch end of an elastic job (collective): takes in replacements waiting to join."""
+
     def elastic_retry(self, model: Any, collective: Callable[[], Any]) -> Any:
         """Runs `collective` (an epoch end's sharing of logs or state); in an elastic job, a worker lost during it
         makes the group re-form and run it again."""

@@ -151,6 +151,7 @@ class Collectives:
         old engine's is kept, and the algorithm is chosen again for the new group at the next call."""
         self.engine, self.members = engine, list(range(engine.world_size))
         self._rings.clear()
+        self._serial = itertools.count()  # ring names start afresh, alike on every member (a replacement too)
         self._hosts, self._chosen, self._hierarchy = None, None, None
         self._multi_host, self.doubling_below = False, 0
 

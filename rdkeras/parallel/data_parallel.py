@@ -80,6 +80,8 @@ class DataParallel(Parallelism):
         self.elastic = elastic
         self._averages: list[GradientAllreduce] = []  # their bucket pipelines are reset when the group re-forms
         self._shard: Any = None  # elastic: tf.Variable [rank, world] the step splits its global batch by
+        self._seed = 0  # elastic: the seed global batches of arrays are shuffled by (rank 0's)
+        self._welcome: tuple[float, float, int] | None = None  # a replacement taken in: (seed, epoch, source)
         self.collectives = Collectives(
             engine,
             bucket_bytes,
@@ -138,7 +140,10 @@ class DataParallel(Parallelism):
 
     def prepare_fit(self, model: Any) -> None:
         """Distributes the optimizers a custom ``compile`` keeps in the model's attributes (a GAN's two): their
-        ``apply`` averages the gradients too, so the replicas train as one (allreduce mode only)."""
+        ``apply`` averages the gradients too, so the replicas train as one (allreduce mode only). An elastic
+        job's replacement first waits here to be taken into the group."""
+        if self.elastic is not None and self.elastic.joining is not None:
+            self._join(model)
         extra = fitting.undistributed_own_optimizers(model)
         if not extra:
             return
@@ -193,7 +198,7 @@ class DataParallel(Parallelism):
         return rows
 
     def step_overrides(self) -> dict[str, Any]:
-        if self.num_workers == 1:
+        if self.num_workers == 1 and self.elastic is None:
             return {}
         collectives = self.collectives
 
@@ -247,9 +252,14 @@ class DataParallel(Parallelism):
             )
             a["validation_split"] = 0.0
         if a["x"] is not None and self.sharding.shardable_arrays(a["x"]):
-            (seed,) = self.collectives.broadcast([np.random.default_rng().integers(1 << 52, size=1).astype(np.float64)])
+            if self._welcome is not None:  # a replacement: the group's seed and epoch
+                seed, epoch = int(self._welcome[0]), int(self._welcome[1])
+            else:
+                drawn = np.random.default_rng().integers(1 << 52, size=1).astype(np.float64)
+                seed, epoch = int(self.collectives.broadcast([drawn])[0][0]), 0
+            self._seed = seed
             a["x"] = global_batches(a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32, a["shuffle"],
-                                    int(seed[0]), self.engine.world_size)  # fmt: skip
+                                    seed, self.engine.world_size, epoch)  # fmt: skip
             if a["validation_data"] is not None and a["validation_batch_size"] is None:
                 a["validation_batch_size"] = a["batch_size"] or 32
             a["y"] = a["sample_weight"] = a["batch_size"] = None
@@ -287,12 +297,7 @@ class DataParallel(Parallelism):
     def recover(self, model: Any) -> bool:
         steps = int(model.optimizer.iterations.numpy())
         engine, group = self.elastic.reform(self.engine, steps)
-        self.engine = engine
-        self.collectives.rebind(engine)
-        self.sharding = Sharding(engine.world_size, engine.rank, True, warn=engine.rank == 0)
-        self._shard_variable().assign([engine.rank, engine.world_size])
-        for average in self._averages:
-            average.reset()
+        self._rebind(engine)
         variables = keras_internals.state_variables(model)
         share_variables(self.collectives, variables, [group.source] * len(variables))
         if engine.rank == 0:
@@ -302,6 +307,54 @@ class DataParallel(Parallelism):
                 f"{group.steps} (generation {group.generation}, re-formed in {group.took_s:.2f} s)"
             )
         return steps < group.steps
+
+    def admit(self, model: Any, next_epoch: int) -> None:
+        """At an epoch end (collective): takes in the replacements waiting to join, if any -- the group re-forms
+        with them, and hands them where training stands (the data's seed, the next epoch) and its state."""
+        if self.elastic is None:
+            return
+        waiting = self.engine.rank == 0 and self.elastic.joiners_waiting(self.engine)
+        (flag,) = self.collectives.broadcast([np.asarray([float(waiting)])])
+        if not flag[0]:
+            return
+        steps = int(model.optimizer.iterations.numpy())
+        engine, group = self.elastic.reform(self.engine, steps)
+        self._rebind(engine)
+        (_,) = self.collectives.broadcast([np.asarray([float(self._seed), next_epoch, 0.0])], root=group.source)
+        variables = keras_internals.state_variables(model)
+        share_variables(self.collectives, variables, [group.source] * len(variables))
+        if engine.rank == 0:
+            logger.warning(
+                f"elastic: worker {', '.join(map(str, group.joined))} joined; {engine.world_size} workers go on "
+                f"from step {group.steps}, epoch {next_epoch + 1} (generation {group.generation})"
+            )
+
+    def _join(self, model: Any) -> None:
+        """A replacement: leaves its solitary engine for the group's, and learns where training stands."""
+        assert self.elastic is not None and self.elastic.joining is not None
+        from rdkeras.elastic.group import engine_settings
+
+        address, port, lobby_world = self.elastic.joining
+        token, settings = self.engine._token, engine_settings(self.engine)
+        settings["transport"] = "auto"  # (alone it chose shm; the group may span hosts)
+        self.engine.close()
+        engine, group = self.elastic.join(address, port, lobby_world, token, settings, max(self.engine.timeout, 3600))
+        self.elastic.joining = None
+        self._rebind(engine)
+        (where,) = self.collectives.broadcast([np.zeros(3)], root=group.source)
+        self._welcome = (where[0], where[1], group.source)
+        keras_internals.set_initial_epoch(model, int(where[1]))
+        logger.info(f"elastic: worker {self.elastic.worker} joined as rank {engine.rank} of {engine.world_size}, "
+                    f"at epoch {int(where[1]) + 1}")  # fmt: skip
+
+    def _rebind(self, engine: Engine) -> None:
+        """Runs on `engine` (the group's next) from now on: nothing of the old engine's is kept."""
+        self.engine = engine
+        self.collectives.rebind(engine)
+        self.sharding = Sharding(engine.world_size, engine.rank, True, warn=engine.rank == 0)
+        self._shard_variable().assign([engine.rank, engine.world_size])
+        for average in self._averages:
+            average.reset()
 
     def stepped(self) -> None:
         if self.elastic is not None:
@@ -314,7 +367,15 @@ class DataParallel(Parallelism):
 
     def sync_state(self, model: Any, restored: bool) -> None:
         """Gives every worker the chief's weights and optimizer state (and, after a restore, its epoch)."""
-        if self.num_workers > 1:
+        if self._welcome is not None:  # a replacement taken in: the state of the group's source, as it is now
+            source = int(self._welcome[2])
+            self._welcome = None
+            for optimizer in fitting.optimizers_of(model):
+                if not optimizer.built:
+                    optimizer.build(model.trainable_variables)
+            variables = keras_internals.state_variables(model)
+            share_variables(self.collectives, variables, [source] * len(variables))
+        elif self.num_workers > 1:
             self._share_restore(model, restored, root=0)
             variables = keras_internals.state_variables(model)
             share_variables(self.collectives, variables, [0] * len(variables))

@@ -247,10 +247,13 @@ class _ShardedPyDataset:
         return Sharded()
 
 
-def global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: Any, seed: int, workers: int) -> Any:
+def global_batches(
+    x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: Any, seed: int, workers: int, epoch: int = 0
+) -> Any:
     """Arrays as a PyDataset of whole global batches, the same on every worker (an elastic job splits each one
     inside the step, by the world of the moment): rows reshuffled every epoch by a permutation drawn from `seed`
-    (with ``shuffle``), a last batch too small to give each of `workers` a row dropped."""
+    and the epoch (with ``shuffle``; `epoch`: the first), a last batch too small to give each of `workers` a row
+    dropped."""
     import keras
 
     samples = len(keras.tree.flatten(x)[0])
@@ -266,7 +269,7 @@ def global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle:
     class GlobalBatches(keras.utils.PyDataset):
         def __init__(self) -> None:
             super().__init__()
-            self.epoch = 0
+            self.epoch = epoch  # (a replacement starts where the group is)
             self.order = self._order()
 
         def _order(self) -> np.ndarray:

@@ -191,6 +191,11 @@ class Store:
         err.ranks = waited  # type: ignore[attr-defined]  # the ranks that never answered
         raise err
 
+    def peek(self, key: str) -> bytes | None:
+        """What `key` holds now, or None: no waiting."""
+        reply = self._call({"op": "get", "keys": [key], "timeout": 0.0, "despite_failure": True}, timeout=30.0)
+        return bytes.fromhex(reply["values"][0]) if reply["ok"] else None
+
     def _failed(self, failed: dict, context: str = "") -> Exception:
         by = f" (seen by {'rank ' if str(failed['reporter']).isdigit() else ''}{failed['reporter']})"
         err = peer_error(failed["rank"], f"rank {failed['rank']} failed: {failed['reason']}{by}{context}")

@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -20,6 +21,7 @@ p.add_argument("--kill", action="append", default=[], help="WORKER:EPOCH:BATCH")
 p.add_argument("--stop", default=None, help="WORKER:EPOCH:BATCH: SIGSTOP instead")
 p.add_argument("--one-process", action="store_true")
 p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--slow", type=float, default=0.0, help="seconds each step waits (a replacement has time to start)")
 a = p.parse_args()
 
 import keras  # noqa: E402
@@ -46,6 +48,7 @@ class Kill(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        time.sleep(a.slow)
         if (worker, self.epoch, batch) in self.at:
             os.kill(os.getpid(), self.sig)
 
@@ -70,6 +73,7 @@ strategy = rdkeras.RDMAStrategy()
 with strategy.scope():
     model = build()
 model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+worker = int(os.environ.get("RDKERAS_JOIN", worker))  # a replacement's id
 np.savez(os.path.join(a.out, f"weights-{worker}.npz"), *model.get_weights())
 print(f"worker {worker} ended as rank {strategy.worker_index} of {strategy.num_workers}", flush=True)
 strategy.close()

@@ -24,8 +24,8 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "RDKE
 
 
 def _launch(out: Path, *args: str, workers: int = 3, min_workers: int = 2, transport: str = "shm",
-            env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    launch = [sys.executable, "-m", "rdkeras.launch", "-n", str(workers), "--min-workers", str(min_workers)]
+            env: dict | None = None, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+    launch = [sys.executable, "-m", "rdkeras.launch", "-n", str(workers), "--min-workers", str(min_workers), *extra]
     return subprocess.run([*launch, "--transport", transport, str(SCRIPT), str(out), *args], capture_output=True,
                           text=True, timeout=240, env={**ENV, **(env or {})}, cwd=REPO)  # fmt: skip
 
@@ -88,6 +88,23 @@ def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
         np.testing.assert_allclose(mine, reference, atol=1e-5)
     assert re.search(r"lost worker 3 .*; 3 workers \(0, 1, 2\) went on from step 3", done.stderr), done.stderr[-2000:]
     assert re.search(r"lost worker 1 .*; 2 workers \(0, 2\) went on from step 8", done.stderr), done.stderr[-2000:]
+
+
+def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path, tmp_path_factory):
+    # Each step waits 0.4 s, so the replacement (TensorFlow's import included) starts while the group trains.
+    one = tmp_path_factory.mktemp("one6")
+    subprocess.run([sys.executable, str(SCRIPT), str(one), "--one-process", "--epochs", "6"], check=True, env=ENV,
+                   timeout=120, capture_output=True)  # fmt: skip
+    done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.4", extra=("--max-restarts", "1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    weights = _survivors(tmp_path, {0, 2, 3})  # worker 3: the replacement, taken in at an epoch end
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other, strict=True):
+            assert np.array_equal(a, b)
+    for mine, reference in zip(weights[0], _weights(one / "weights-one.npz"), strict=True):
+        np.testing.assert_allclose(mine, reference, atol=1e-5)
+    assert "[3] worker 3 ended as rank 2 of 3" in done.stdout
+    assert re.search(r"worker 3 joined as a replacement; 3 workers \(0, 2, 3\) went on from step \d+", done.stderr)
 
 
 def test_losing_more_than_min_workers_allow_ends_the_job_naming_them(tmp_path):

@@ -94,3 +94,17 @@ def test_a_failed_worker_still_connected_is_not_replaced():
 def test_min_workers_must_fit_the_job():
     with pytest.raises(ValueError, match=r"min_workers must be in 1\.\.2"):
         ElasticAgent("127.0.0.1", free_port(), TOKEN, 2, 3)
+
+
+def test_only_the_job_token_opens_the_lobby():
+    from rdkeras.errors import AuthenticationError
+
+    agent = ElasticAgent("127.0.0.1", free_port(), TOKEN, 2, 1, max_restarts=1)
+    try:
+        assert agent.lobby is not None
+        with pytest.raises(AuthenticationError, match="token"):
+            Store(2, 3, "127.0.0.1", agent.lobby.port, secrets.token_bytes(16), 5.0, serve=False)
+        joiner = Store(2, 3, "127.0.0.1", agent.lobby.port, TOKEN, 5.0, serve=False)  # the job's own replacement
+        joiner.close()
+    finally:
+        agent.close()
