@@ -46,12 +46,20 @@ class TrainingStats(keras.callbacks.Callback):
         self._writer: Any = None
         self._step = 0  # steps of this fit so far
         self._since = 0  # steps since the last sample
+        self._engine_seen: Any = None  # an elastic job's group changes engines
+        self._changes_seen = 0
 
     def _engine(self) -> Any:
         parallel = fitting.parallel_of(self.model)
         return parallel.engine if parallel is not None else None
 
     def on_train_begin(self, logs: Any = None) -> None:
+        self._engine_seen = self._engine()
+        self._changes_seen = len(getattr(fitting.parallel_of(self.model), "membership", []))
+        self._open()
+
+    def _open(self) -> None:
+        """The chief writes (after a change in an elastic job, the new chief, into the same folder)."""
         import tensorflow as tf
 
         engine = self._engine()
@@ -59,8 +67,30 @@ class TrainingStats(keras.callbacks.Callback):
             return
         self._writer = tf.summary.create_file_writer(f"{self.log_dir}/rdkeras")
         with self._writer.as_default():
-            tf.summary.text("plan", plan_text(self.model), step=0)
+            tf.summary.text("plan", plan_text(self.model), step=self._step)
         self._last = self._sample()
+
+    def _membership_changed(self) -> None:
+        """An elastic job's group re-formed: counters start afresh on the new engine; each change is an event
+        (``elastic/workers``, ``elastic/reform_seconds`` and a line of text: who left or joined, at which step)."""
+        import tensorflow as tf
+
+        self._engine_seen = self._engine()
+        if self._writer is None:
+            self._open()
+            if self._writer is None:
+                return
+        self._last, self._since = self._sample(), 0
+        changes = getattr(fitting.parallel_of(self.model), "membership", [])
+        with self._writer.as_default():
+            for change in changes[self._changes_seen :]:
+                who = (f"worker {', '.join(map(str, change['joined']))} joined" if change["joined"]
+                       else f"lost worker {', '.join(map(str, change['lost']))}")  # fmt: skip
+                tf.summary.scalar("elastic/workers", change["workers"], step=self._step)
+                tf.summary.scalar("elastic/reform_seconds", change["seconds"], step=self._step)
+                tf.summary.text("elastic", f"step {change['step']}: {who}; {change['workers']} workers went on "
+                                f"(re-formed in {change['seconds']:.2f} s)", step=self._step)  # fmt: skip
+        self._changes_seen = len(changes)
 
     def _sample(self) -> dict:
         engine = self._engine()
@@ -86,9 +116,11 @@ class TrainingStats(keras.callbacks.Callback):
         self._since = 0  # the next step's scalars cover that step only
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._step += 1  # (counted on every worker: a new chief goes on with the same numbers)
+        if self._engine() is not self._engine_seen:
+            self._membership_changed()
         if self._writer is None:
             return
-        self._step += 1
         self._since += 1
         if self._step % self.update_freq:
             return

@@ -188,16 +188,22 @@ def run_local(
             verbose=verbose,
             log_dir=log_dir,
         )
+    from rdkeras import cluster, jobtoken, options
     from rdkeras.elastic import ElasticAgent
 
-    if job.nnodes > 1:
-        raise ValueError("--min-workers runs on one node for now (--nnodes 1)")
     job = dataclasses.replace(job, master_port=job.master_port or free_port())
-    token = secrets.token_hex(16)
     more = {**(env or {}), "RDKERAS_STORE": "launcher", "RDKERAS_MIN_WORKERS": str(elastic.min_workers)}
-    ranks, envs = job_envs(job, more, per_rank_env, only_ranks=only_ranks, verbose=verbose, token=token)
+    ranks, envs = job_envs(job, more, per_rank_env, only_ranks=only_ranks, verbose=verbose,
+                           token=secrets.token_hex(16) if job.nnodes == 1 else None)  # fmt: skip
+    if job.node_rank > 0:  # node 0's launcher hosts the group; here, workers are watched and nothing more
+        results = run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
+                              verbose=verbose, log_dir=log_dir, watch=_Follower())  # fmt: skip
+        elastic.follower = True
+        return results
+    # The token every worker proves: the launcher's own (one node), or what each resolves (several).
+    token = jobtoken.resolve(job.world_size, cluster.job_key(envs[0]), options.from_env(envs[0]))
     agent = ElasticAgent("" if job.master_addr in ("0.0.0.0", "") else job.master_addr, int(job.master_port or 0),
-                         token.encode(), job.world_size, elastic.min_workers, elastic.reform_timeout,
+                         token, job.world_size, elastic.min_workers, elastic.reform_timeout,
                          max_restarts=elastic.max_restarts)  # fmt: skip
     try:
         return run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
@@ -207,6 +213,22 @@ def run_local(
         elastic.changes, elastic.error = list(agent.changes), agent.error
 
 
+class _Follower:
+    """An elastic job's launcher on a node other than 0: node 0's agent sees its workers through the store (a
+    dead one's connection drops), so this one only keeps them running until they end by themselves."""
+
+    error = None
+
+    def exited(self, worker: int, returncode: int) -> None:
+        pass
+
+    def finished(self) -> bool:
+        return False
+
+    def take_spawns(self, base_env: dict) -> list:
+        return []
+
+
 @dataclass
 class ElasticSettings:
     """An elastic launch: the fewest workers the job goes on with, and (afterwards) what happened."""
@@ -214,6 +236,7 @@ class ElasticSettings:
     min_workers: int
     reform_timeout: float = 30.0
     max_restarts: int = 0  # replacements to start in all, each after a loss
+    follower: bool = False  # set by the launch: this node is not node 0, whose launcher decides the outcome
     changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
     error: str | None = None
 
@@ -225,6 +248,14 @@ class ElasticSettings:
 def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tuple[int, list[str]]:
     """(exit status, lines to print) of an elastic launch: 0 when the group went on after every loss and every
     worker left at the end exited 0."""
+    if elastic.follower:  # node 0's launcher knows the group; here, a worker killed by a signal may be a loss
+        died = [r for r in results if r.returncode is not None and r.returncode < 0 and not r.killed]
+        bad = next((r for r in results if r not in died and r.returncode != 0), None)
+        lines = [f"elastic: worker {r.rank} died ({_status(r)}); node 0's launcher says whether the job went on "
+                 "without it" for r in died]  # fmt: skip
+        if bad is not None:
+            return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad)]
+        return 0, lines
     lines = [f"elastic: {change.line()}" for change in elastic.changes]
     final = elastic.changes[-1].members if elastic.changes else [r.rank for r in results]
     kept = [r for r in results if r.rank in final]  # (lost workers, and replacements the job ended without)
@@ -396,8 +427,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.min_workers is not None:
         if not 1 <= a.min_workers <= job.world_size:
             parser.error(f"--min-workers must be in 1..{job.world_size} (the workers started), got {a.min_workers}")
-        if job.nnodes > 1:
-            parser.error("--min-workers runs on one node for now (--nnodes 1)")
         if a.max_restarts < 0:
             parser.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
         elastic = ElasticSettings(a.min_workers, max_restarts=a.max_restarts)

@@ -178,6 +178,13 @@ class RDMAStrategy:
         return self._parallel.engine
 
     @property
+    def membership_changes(self) -> list[dict[str, Any]]:
+        """An elastic job's membership changes so far, oldest first: ``step`` (optimizer steps applied when the
+        group re-formed), ``workers`` (after it), ``lost`` and ``joined`` (worker ids: first ranks), ``seconds``
+        (this worker's time to re-form), ``generation``. Empty outside an elastic job."""
+        return list(getattr(self._parallel, "membership", []))
+
+    @property
     def num_workers(self) -> int:
         return self.engine.world_size
 

@@ -146,6 +146,7 @@ class ElasticAgent:
                           "RDKERAS_WORLD_SIZE": str(self.world_size + self.max_restarts),
                           "LOCAL_WORLD_SIZE": str(self.world_size + self.max_restarts),
                           "RDKERAS_MASTER_PORT": str(self.lobby.port if self.lobby else 0),
+                          "RDKERAS_JOB_TOKEN": self.token.decode(),  # (its rendezvous differs: keyed, it would too)
                           "RDKERAS_JOIN": str(worker)}) for worker in spawns]  # fmt: skip
 
     def finished(self) -> bool:

@@ -245,9 +245,53 @@ def worker_callbacks(parallel: Parallelism, callbacks: Any, verbose: Any) -> tup
         if isinstance(c, keras.callbacks.BackupAndRestore):
             backup.adapt(c, parallel)
         elif isinstance(c, chief_only_callback_types()) and not parallel.is_reporter:
+            if parallel.elastic is not None:  # this worker may become the chief when the chief is lost
+                kept.append(_reporter_gate_class()(c, parallel))
             continue
         kept.append(c)
     return kept, (verbose if parallel.is_reporter else 0)
+
+
+@functools.cache
+def _reporter_gate_class() -> type:
+    import keras
+
+    class ReporterGate(keras.callbacks.Callback):
+        """A chief-only callback on another worker of an elastic job: silent until this worker becomes the chief
+        (the chief was lost), then started where training stands (``on_train_begin``, ``on_epoch_begin``) and
+        given every call from there on -- checkpoints and TensorBoard go on in the same folders."""
+
+        def __init__(self, inner: Any, parallel: Parallelism):
+            super().__init__()
+            self.inner, self.parallel, self.started, self.epoch = inner, parallel, False, 0
+
+        def _live(self) -> bool:
+            """Whether to forward calls: once this worker is the chief (started first, where training stands;
+            the callback sees the model only then: TensorBoard's would write its graph at once)."""
+            if self.parallel.is_reporter and not self.started:
+                self.started = True
+                self.inner.set_params(self.params)
+                self.inner.set_model(self.model)
+                self.inner.on_train_begin()
+                self.inner.on_epoch_begin(self.epoch)
+            return self.started
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.epoch, started = epoch, self.started
+            if self._live() and started:
+                self.inner.on_epoch_begin(epoch, logs)
+
+    def forward(name: str) -> Any:
+        def hook(self: Any, *args: Any, **kwargs: Any) -> None:
+            if self._live():
+                getattr(self.inner, name)(*args, **kwargs)
+
+        return hook
+
+    for name in ("on_epoch_end", "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+                 "on_test_batch_begin", "on_test_batch_end", "on_train_end"):  # fmt: skip
+        setattr(ReporterGate, name, forward(name))
+    return ReporterGate
 
 
 def _state_callback(parallel: Parallelism, role: str) -> Any:

@@ -81,6 +81,8 @@ class DataParallel(Parallelism):
         self._averages: list[GradientAllreduce] = []  # their bucket pipelines are reset when the group re-forms
         self._shard: Any = None  # elastic: tf.Variable [rank, world] the step splits its global batch by
         self._seed = 0  # elastic: the seed global batches of arrays are shuffled by (rank 0's)
+        # elastic: one record per membership change (TensorBoard and the train app's summary read them)
+        self.membership: list[dict[str, Any]] = []
         self._welcome: tuple[float, float, int] | None = None  # a replacement taken in: (seed, epoch, source)
         self.collectives = Collectives(
             engine,
@@ -300,6 +302,7 @@ class DataParallel(Parallelism):
         self._rebind(engine)
         variables = keras_internals.state_variables(model)
         share_variables(self.collectives, variables, [group.source] * len(variables))
+        self._note_change(group)
         if engine.rank == 0:
             lost = ", ".join(map(str, group.lost))
             logger.warning(
@@ -323,11 +326,17 @@ class DataParallel(Parallelism):
         (_,) = self.collectives.broadcast([np.asarray([float(self._seed), next_epoch, 0.0])], root=group.source)
         variables = keras_internals.state_variables(model)
         share_variables(self.collectives, variables, [group.source] * len(variables))
+        self._note_change(group)
         if engine.rank == 0:
             logger.warning(
                 f"elastic: worker {', '.join(map(str, group.joined))} joined; {engine.world_size} workers go on "
                 f"from step {group.steps}, epoch {next_epoch + 1} (generation {group.generation})"
             )
+
+    def _note_change(self, group: Any) -> None:
+        self.membership.append({"step": group.steps, "workers": self.engine.world_size, "lost": group.lost,
+                                "joined": group.joined, "seconds": group.took_s,
+                                "generation": group.generation})  # fmt: skip
 
     def _join(self, model: Any) -> None:
         """A replacement: leaves its solitary engine for the group's, and learns where training stands."""

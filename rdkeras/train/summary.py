@@ -88,6 +88,11 @@ def text(
         got = (after.get("bytes_received", 0) - before.get("bytes_received", 0)) / steps
         wait = (after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) * 1e3 / steps
         lines.append(f"  per step on the chief: sent {_bytes(sent)}, received {_bytes(got)}, waited {wait:.1f} ms")
+    for change in results.get("membership_changes", []):
+        who = (f"worker {', '.join(map(str, change['joined']))} joined" if change["joined"]
+               else f"lost worker {', '.join(map(str, change['lost']))}")  # fmt: skip
+        lines.append(f"  elastic: after step {change['step']}, {who}; {change['workers']} workers went on "
+                     f"(re-formed in {change['seconds']:.2f} s)")  # fmt: skip
     final = results.get("final", {})
     held_out = [f"{k.removeprefix('val_')} {v:.3f}" for k, v in final.items() if k.startswith("val_")]
     if held_out and not synthetic:

@@ -273,7 +273,9 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             shuffle=cfg.trainer.shuffle,
         )
         fit_seconds = time.perf_counter() - fit_started
-        traffic_after = summary.measure(strategy)
+        changes = strategy.membership_changes
+        # An elastic job's group changed engines, whose counters start afresh: no per-step traffic to report.
+        traffic_after = {} if changes else summary.measure(strategy)
         results = {
             "model": model.name,
             "parameters": int(model.count_params()),
@@ -289,6 +291,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             "device": device.describe(),
             **dict(zip(("steady_steps", "steady_seconds"), timer.steady(), strict=True)),
             "total_seconds": time.perf_counter() - started,
+            "membership_changes": changes,
         }
         final = {k: vs[-1] for k, vs in results["history"].items() if vs}
         results["final"] = final
@@ -299,7 +302,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             synthetic="samples" in cfg.data,
             compared=bool(cfg.trainer.get("compare_one_process")) and cfg.cluster.get("kind") == "local",
         )
-        if chief:
+        if strategy.is_chief:  # (in an elastic job, the chief of the group that finished)
             (output_dir / "results.json").write_text(json.dumps(results, indent=1))
             plot_curves(results["history"], output_dir / "curves.png", f"{model.name}, {strategy.num_workers} workers")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in final.items())

@@ -20,6 +20,7 @@ p.add_argument("out")
 p.add_argument("--kill", action="append", default=[], help="WORKER:EPOCH:BATCH")
 p.add_argument("--stop", default=None, help="WORKER:EPOCH:BATCH: SIGSTOP instead")
 p.add_argument("--one-process", action="store_true")
+p.add_argument("--tensorboard", action="store_true", help="TensorBoard and TrainingStats into OUT/tb")
 p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--slow", type=float, default=0.0, help="seconds each step waits (a replacement has time to start)")
 a = p.parse_args()
@@ -72,7 +73,21 @@ import rdkeras  # noqa: E402
 strategy = rdkeras.RDMAStrategy()
 with strategy.scope():
     model = build()
+if a.tensorboard:
+    from rdkeras.callbacks import TrainingStats
+
+    callbacks += [keras.callbacks.TensorBoard(os.path.join(a.out, "tb")), TrainingStats(os.path.join(a.out, "tb"))]
 model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+if a.tensorboard and strategy.is_chief:  # what TensorBoard shows: every epoch's loss, the membership change
+    import glob
+
+    import tensorflow as tf
+
+    for path in sorted(glob.glob(os.path.join(a.out, "tb", "**", "events.*"), recursive=True)):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for v in event.summary.value:
+                if v.tag in ("epoch_loss", "elastic/workers"):
+                    print(f"TB {v.tag} step {event.step} value {tf.make_ndarray(v.tensor)}", flush=True)
 worker = int(os.environ.get("RDKERAS_JOIN", worker))  # a replacement's id
 np.savez(os.path.join(a.out, f"weights-{worker}.npz"), *model.get_weights())
 print(f"worker {worker} ended as rank {strategy.worker_index} of {strategy.num_workers}", flush=True)

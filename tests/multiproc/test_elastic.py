@@ -59,7 +59,7 @@ def _shm_files() -> set[str]:
 )
 def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, victim):
     before = _shm_files()
-    done = _launch(tmp_path, "--kill", f"{victim}:1:1", transport=transport)
+    done = _launch(tmp_path, "--kill", f"{victim}:1:1", "--tensorboard", transport=transport)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     others = {0, 1, 2} - {victim}
     weights = _survivors(tmp_path, others)
@@ -76,6 +76,10 @@ def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, 
     assert line.group(1) == str(victim) and {int(line.group(2)), int(line.group(3))} == others
     assert float(line.group(4)) > 0
     assert _shm_files() <= before
+    # One continuous run in TensorBoard, written by whoever is the chief: every epoch's loss (after the chief's
+    # loss, its successor goes on in the same folder), and the change as an event at the step it happened.
+    assert sorted(set(re.findall(r"TB epoch_loss step (\d)", done.stdout))) == ["0", "1", "2"], done.stdout[-2000:]
+    assert re.search(r"TB elastic/workers step (\d+) value 2", done.stdout), done.stdout[-2000:]
 
 
 def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):

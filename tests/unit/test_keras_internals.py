@@ -59,8 +59,8 @@ def test_another_keras_backend_is_refused_with_the_fix(monkeypatch):
 
 
 class _Parallel:
-    def __init__(self, reporter: bool):
-        self.is_reporter = reporter
+    def __init__(self, reporter: bool, elastic: object = None):
+        self.is_reporter, self.elastic = reporter, elastic
 
 
 def test_chief_only_callbacks_are_recognised_by_type():
@@ -78,6 +78,36 @@ def test_chief_only_callbacks_are_recognised_by_type():
     kept, verbose = worker_callbacks(_Parallel(reporter=True), given, "auto")
     assert kept == given and verbose == "auto"
     assert "_save_model" in backup.__dict__  # adapted: the reporter writes, atomically
+
+
+def test_an_elastic_job_keeps_chief_only_callbacks_silent_until_this_worker_is_the_chief():
+    calls = []
+
+    class Recorder(keras.callbacks.CSVLogger):  # a chief-only type
+        def set_model(self, model):
+            calls.append(("set_model", model))
+
+        def on_train_begin(self, logs=None):
+            calls.append(("train_begin",))
+
+        def on_epoch_begin(self, epoch, logs=None):
+            calls.append(("epoch_begin", epoch))
+
+        def on_train_batch_end(self, batch, logs=None):
+            calls.append(("batch_end", batch))
+
+    parallel = _Parallel(reporter=False, elastic=object())
+    (gate,), _ = worker_callbacks(parallel, [Recorder("log.csv")], "auto")
+    gate.set_model(model := keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    gate.on_train_begin()
+    gate.on_epoch_begin(0)
+    gate.on_epoch_begin(1)
+    gate.on_train_batch_end(0)
+    assert calls == []  # another worker is the chief
+    parallel.is_reporter = True  # the chief was lost: this worker is rank 0 of the new group
+    gate.on_train_batch_end(1)
+    gate.on_train_batch_end(2)
+    assert calls == [("set_model", model), ("train_begin",), ("epoch_begin", 1), ("batch_end", 1), ("batch_end", 2)]
 
 
 def test_instance_overrides_leave_the_class_alone_and_come_off():
