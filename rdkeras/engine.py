@@ -20,7 +20,7 @@ from __future__ import annotations
 import atexit
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -145,7 +145,7 @@ class Engine:
 
         self._names: set[str] = set()
         self._closed = False
-        self._stop_watching: Any = lambda: None
+        self._stop_watching: Callable[[], None] = _nothing
         # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
         hosted_by = settings.store
         self._token = token_bytes  # (an elastic group's next engine proves the same token)
@@ -431,6 +431,7 @@ class Engine:
         self._closed = True
         _OPEN.discard(self)
         self._stop_watching()
+        self._stop_watching = _nothing  # (it held this engine: a cycle that kept its memory until a gc)
         self.backend.begin_close()  # another thread's wait ends now, not at the barrier's end
         try:
             if failure := self.backend.failure:
@@ -453,6 +454,7 @@ class Engine:
         self._closed = True
         _OPEN.discard(self)
         self._stop_watching()
+        self._stop_watching = _nothing  # (it held this engine: a cycle that kept its memory until a gc)
         self.backend.begin_close()
         self.backend.close()
         return self.store
@@ -483,3 +485,7 @@ def _close_at_exit() -> None:
     its rank says goodbye, or reports the failure it saw, instead of just vanishing."""
     for engine in list(_OPEN):
         engine.close()
+
+
+def _nothing() -> None:
+    pass

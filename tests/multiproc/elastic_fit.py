@@ -89,6 +89,9 @@ if a.tensorboard and strategy.is_chief:  # what TensorBoard shows: every epoch's
                 if v.tag in ("epoch_loss", "elastic/workers"):
                     print(f"TB {v.tag} step {event.step} value {tf.make_ndarray(v.tensor)}", flush=True)
 worker = int(os.environ.get("RDKERAS_JOIN", worker))  # a replacement's id
+with open("/proc/self/maps") as maps:  # arenas mapped (own and peers'): none of a group left behind may remain
+    arenas = {line.split()[4] for line in maps if "memfd:rdkeras-arena" in line}  # (by inode)
+print(f"worker {worker} maps {len(arenas)} arenas", flush=True)
 np.savez(os.path.join(a.out, f"weights-{worker}.npz"), *model.get_weights())
 print(f"worker {worker} ended as rank {strategy.worker_index} of {strategy.num_workers}", flush=True)
 strategy.close()

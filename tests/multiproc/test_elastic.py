@@ -76,6 +76,10 @@ def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, 
     assert line.group(1) == str(victim) and {int(line.group(2)), int(line.group(3))} == others
     assert float(line.group(4)) > 0
     assert _shm_files() <= before
+    # Nothing of the old group stays mapped: its own arena and one peer's over shm (the old group's were three),
+    # its own alone over tcp.
+    for worker in others:
+        assert f"[{worker}] worker {worker} maps {2 if transport == 'shm' else 1} arenas" in done.stdout
     # One continuous run in TensorBoard, written by whoever is the chief: every epoch's loss (after the chief's
     # loss, its successor goes on in the same folder), and the change as an event at the step it happened.
     assert sorted(set(re.findall(r"TB epoch_loss step (\d)", done.stdout))) == ["0", "1", "2"], done.stdout[-2000:]
