@@ -24,12 +24,17 @@ __all__ = [
     "RemoteAccessError",
     "ReplicasDivergedError",
     "TimeoutError",
+    "elastic",
     "launch",
 ]
 
 
 def __getattr__(name: str):
     # Lazily, so that `python -m rdkeras.launch` does not find the module imported already.
+    if name == "elastic":  # rdkeras.elastic.State / run, for custom loops
+        import importlib
+
+        return importlib.import_module("rdkeras.elastic")
     if name == "launch":
         import importlib
 

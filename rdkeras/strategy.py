@@ -331,6 +331,15 @@ class RDMAStrategy:
         finally:
             _replica_contexts.stack = _replica_stack()[:-1]
 
+    def local_rows(self, batch: Any) -> Any:
+        """This worker's rows of a global `batch` (a tensor, an array or a structure of them, split along the
+        first axis as ``fit`` splits it), by the membership of the moment: an elastic loop that iterates whole
+        global batches calls it each step (eagerly or inside ``tf.function``)."""
+        import tensorflow as tf
+
+        tensors = tf.nest.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), batch)
+        return self._data_parallel("local_rows").rows_of(tensors)
+
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This worker's replicas' values of what :meth:`run` returned: a tuple of one (one replica per worker)."""
         return (value,)

@@ -5,10 +5,20 @@ store (:mod:`rdkeras.elastic.agent`); when a worker dies, the survivors -- at le
 leave the old group, the launcher publishes the next one, and they start an engine for it
 (:mod:`rdkeras.elastic.group`); inside the same ``fit`` they take the state of the survivor
 that applied the most steps, split the same global batch over the new world and repeat the
-step in flight (:mod:`rdkeras.fitting.elastic`).
+step in flight (:mod:`rdkeras.fitting.elastic`). A custom loop uses :class:`State` and
+:func:`run` (:mod:`rdkeras.elastic.loop`, Horovod's ``hvd.elastic.run``).
 """
 
 from rdkeras.elastic.agent import Change, ElasticAgent
 from rdkeras.elastic.group import ElasticError, ElasticGroup, NewGroup
 
-__all__ = ["Change", "ElasticAgent", "ElasticError", "ElasticGroup", "NewGroup"]
+__all__ = ["Change", "ElasticAgent", "ElasticError", "ElasticGroup", "NewGroup", "State", "run"]
+
+
+def __getattr__(name: str):
+    # Lazily: the launcher imports this package, and the loop's API sits above the strategy.
+    if name in ("State", "run"):
+        import importlib
+
+        return getattr(importlib.import_module("rdkeras.elastic.loop"), name)
+    raise AttributeError(f"module 'rdkeras.elastic' has no attribute {name!r}")

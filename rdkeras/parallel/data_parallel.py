@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
+
+if TYPE_CHECKING:
+    from rdkeras.elastic.group import NewGroup
 
 
 class DataParallel(Parallelism):
@@ -291,6 +294,10 @@ class DataParallel(Parallelism):
         mine = tf.nest.map_structure(lambda t: None if t is None else t[start : start + rows], data)
         return mine, start, rows, total
 
+    def rows_of(self, batch: Any) -> Any:
+        """This worker's rows of a global batch (a structure of tensors), by the rank and world of the moment."""
+        return self._my_rows(batch)[0]
+
     def lost_a_worker(self, error: BaseException) -> bool:
         if self.elastic is None:
             return False
@@ -298,48 +305,64 @@ class DataParallel(Parallelism):
 
     def recover(self, model: Any) -> bool:
         steps = int(model.optimizer.iterations.numpy())
-        engine, group = self.elastic.reform(self.engine, steps)
-        self._rebind(engine)
+        group = self.regroup(steps)
         variables = keras_internals.state_variables(model)
         share_variables(self.collectives, variables, [group.source] * len(variables))
-        self._note_change(group)
-        if engine.rank == 0:
+        return steps < group.steps
+
+    def regroup(self, steps: int) -> NewGroup:
+        """Leaves this group (after a loss, or to take replacements in) for the next one the launcher decides,
+        this worker's last commit being `steps`; returns what the new group is (its source: whose state to take).
+        Collective over the survivors."""
+        assert self.elastic is not None
+        engine, group = self.elastic.reform(self.engine, steps)
+        self._rebind(engine)
+        self.membership.append({"step": group.steps, "workers": engine.world_size, "lost": group.lost,
+                                "joined": group.joined, "seconds": group.took_s,
+                                "generation": group.generation})  # fmt: skip
+        if engine.rank == 0 and group.lost:
             lost = ", ".join(map(str, group.lost))
             logger.warning(
                 f"elastic: lost worker {lost} ({group.reason}); {engine.world_size} workers go on from step "
                 f"{group.steps} (generation {group.generation}, re-formed in {group.took_s:.2f} s)"
             )
-        return steps < group.steps
+        if engine.rank == 0 and group.joined:
+            logger.warning(
+                f"elastic: worker {', '.join(map(str, group.joined))} joined; {engine.world_size} workers go on "
+                f"from step {group.steps} (generation {group.generation})"
+            )
+        return group
+
+    def joiners_waiting(self) -> bool:
+        """Whether replacements wait to join (rank 0 asks the launcher and tells the others; collective)."""
+        if self.elastic is None:
+            return False
+        waiting = self.engine.rank == 0 and self.elastic.joiners_waiting(self.engine)
+        (flag,) = self.collectives.broadcast([np.asarray([float(waiting)])])
+        return bool(flag[0])
 
     def admit(self, model: Any, next_epoch: int) -> None:
         """At an epoch end (collective): takes in the replacements waiting to join, if any -- the group re-forms
         with them, and hands them where training stands (the data's seed, the next epoch) and its state."""
-        if self.elastic is None:
+        if not self.joiners_waiting():
             return
-        waiting = self.engine.rank == 0 and self.elastic.joiners_waiting(self.engine)
-        (flag,) = self.collectives.broadcast([np.asarray([float(waiting)])])
-        if not flag[0]:
-            return
-        steps = int(model.optimizer.iterations.numpy())
-        engine, group = self.elastic.reform(self.engine, steps)
-        self._rebind(engine)
+        group = self.regroup(int(model.optimizer.iterations.numpy()))
         (_,) = self.collectives.broadcast([np.asarray([float(self._seed), next_epoch, 0.0])], root=group.source)
         variables = keras_internals.state_variables(model)
         share_variables(self.collectives, variables, [group.source] * len(variables))
-        self._note_change(group)
-        if engine.rank == 0:
-            logger.warning(
-                f"elastic: worker {', '.join(map(str, group.joined))} joined; {engine.world_size} workers go on "
-                f"from step {group.steps}, epoch {next_epoch + 1} (generation {group.generation})"
-            )
-
-    def _note_change(self, group: Any) -> None:
-        self.membership.append({"step": group.steps, "workers": self.engine.world_size, "lost": group.lost,
-                                "joined": group.joined, "seconds": group.took_s,
-                                "generation": group.generation})  # fmt: skip
 
     def _join(self, model: Any) -> None:
-        """A replacement: leaves its solitary engine for the group's, and learns where training stands."""
+        """A replacement in ``fit``: joins the group and learns where training stands."""
+        group = self.join()
+        (where,) = self.collectives.broadcast([np.zeros(3)], root=group.source)
+        self._welcome = (where[0], where[1], group.source)
+        keras_internals.set_initial_epoch(model, int(where[1]))
+        logger.info(f"elastic: worker {self.elastic.worker} joined as rank {self.engine.rank} of "
+                    f"{self.engine.world_size}, at epoch {int(where[1]) + 1}")  # fmt: skip
+
+    def join(self) -> NewGroup:
+        """A replacement: leaves its solitary engine for the group's once the group takes it in (the caller
+        then receives the group's state from ``group.source``)."""
         assert self.elastic is not None and self.elastic.joining is not None
         from rdkeras.elastic.group import engine_settings
 
@@ -350,11 +373,7 @@ class DataParallel(Parallelism):
         engine, group = self.elastic.join(address, port, lobby_world, token, settings, max(self.engine.timeout, 3600))
         self.elastic.joining = None
         self._rebind(engine)
-        (where,) = self.collectives.broadcast([np.zeros(3)], root=group.source)
-        self._welcome = (where[0], where[1], group.source)
-        keras_internals.set_initial_epoch(model, int(where[1]))
-        logger.info(f"elastic: worker {self.elastic.worker} joined as rank {engine.rank} of {engine.world_size}, "
-                    f"at epoch {int(where[1]) + 1}")  # fmt: skip
+        return group
 
     def _rebind(self, engine: Engine) -> None:
         """Runs on `engine` (the group's next) from now on: nothing of the old engine's is kept."""

@@ -20,13 +20,15 @@ from tests.conftest import TESTS_DIR
 
 REPO = TESTS_DIR.parent
 SCRIPT = TESTS_DIR / "multiproc" / "elastic_fit.py"
+LOOP = TESTS_DIR / "multiproc" / "elastic_loop.py"  # a custom loop: rdkeras.elastic.State and run
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "RDKERAS_TIMEOUT": "60"}
 
 
 def _launch(out: Path, *args: str, workers: int = 3, min_workers: int = 2, transport: str = "shm",
-            env: dict | None = None, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+            env: dict | None = None, extra: tuple[str, ...] = (),
+            script: Path = SCRIPT) -> subprocess.CompletedProcess:  # fmt: skip
     launch = [sys.executable, "-m", "rdkeras.launch", "-n", str(workers), "--min-workers", str(min_workers), *extra]
-    return subprocess.run([*launch, "--transport", transport, str(SCRIPT), str(out), *args], capture_output=True,
+    return subprocess.run([*launch, "--transport", transport, str(script), str(out), *args], capture_output=True,
                           text=True, timeout=240, env={**ENV, **(env or {})}, cwd=REPO)  # fmt: skip
 
 
@@ -131,3 +133,40 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path):
     stopped = re.search(r"the job ended: worker 1 failed but is still running \(.*stalled", done.stderr)
     assert stopped, done.stderr[-2000:]
     assert "worker 1 ended" not in done.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process_loop(tmp_path_factory) -> list[np.ndarray]:
+    out = tmp_path_factory.mktemp("one-loop")
+    subprocess.run([sys.executable, str(LOOP), str(out), "--one-process"], check=True, env=ENV, timeout=120,
+                   capture_output=True)  # fmt: skip
+    return _weights(out / "weights-one.npz")
+
+
+def _equal_workers(weights: list[list[np.ndarray]], reference: list[np.ndarray]) -> None:
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other, strict=True):
+            assert np.array_equal(a, b)  # bit for bit
+    for mine, expected in zip(weights[0], reference, strict=True):
+        np.testing.assert_allclose(mine, expected, atol=1e-5)
+
+
+def test_a_custom_loop_goes_on_from_its_last_commit(tmp_path, one_process_loop):
+    # Over tcp, the chief dies after its sixth commit: the survivors restore theirs, take the group's newest
+    # (the chief's successor may be a commit behind), call the reset callbacks and run the loop again.
+    done = _launch(tmp_path, "--kill", "0:1:1", transport="tcp", script=LOOP)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _equal_workers(_survivors(tmp_path, {1, 2}), one_process_loop)
+    for new_rank, worker in enumerate((1, 2)):
+        assert f"[{worker}] worker {worker} reset: 2 workers" in done.stdout
+        assert f"[{worker}] worker {worker} ended as rank {new_rank} of 2 after 12 commits at epoch 3" in done.stdout
+    assert re.search(r"lost worker 0 \(killed by signal 9\); 2 workers \(1, 2\) went on from step 6", done.stderr)
+
+
+@pytest.mark.slow
+def test_a_replacement_joins_a_custom_loop_at_a_commit(tmp_path, one_process_loop):
+    done = _launch(tmp_path, "--kill", "1:0:1", "--slow", "1.0", extra=("--max-restarts", "1"), script=LOOP)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _equal_workers(_survivors(tmp_path, {0, 2, 3}), one_process_loop)
+    assert "[3] worker 3 ended as rank 2 of 3 after 12 commits at epoch 3" in done.stdout
+    assert "[0] worker 0 reset: 3 workers" in done.stdout
