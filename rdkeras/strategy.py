@@ -24,7 +24,7 @@ from typing import Any
 from rdkeras import cluster as cluster_lib
 from rdkeras import fitting, keras_internals, options
 from rdkeras.engine import Engine
-from rdkeras.parallel import check_settings, is_auto
+from rdkeras.parallel import canonical, check_settings, is_auto
 from rdkeras.parallel.base import Parallelism
 
 
@@ -32,9 +32,9 @@ class RDMAStrategy:
     """Distributes Keras models compiled inside :meth:`scope` over the job's workers.
 
     Args:
-        parallelism: "data" (each worker trains the whole model on its part of every batch), "model"
-            (a pipeline: each worker trains the layers `placement` gives it) or "hybrid" (world_size /
-            stages replicas of a `stages`-worker pipeline, data-parallel among replicas).
+        parallelism: "data" (each worker trains the whole model on its part of every batch), "pipeline"
+            (also "model": each worker trains the layers `placement` gives it, a stage of a pipeline) or
+            "hybrid" (world_size / stages replicas of a `stages`-worker pipeline, data-parallel among replicas).
         transport: "auto" (default; also ``RDKERAS_TRANSPORT``), "shm", "tcp", "shm+tcp", "verbs", or a
             baseline ("grpc", "rpc+shm", "rpc+tcp", "rpc+verbs"); see :class:`rdkeras.Engine`.
         mode: data-parallel gradient exchange, "allreduce" (default; also ``RDKERAS_DATA_MODE``) or "ps".
@@ -48,7 +48,11 @@ class RDMAStrategy:
             unplaced layers follow their producer. None or "auto": the layers are cut into `stages`
             contiguous stages balanced by each layer's forward+backward time, measured on a dry run when
             the model is attached (the cut, the stages' costs and the expected speed-up are in :attr:`plan`).
-        micro_batches: model/hybrid: split each batch into this many micro-batches (GPipe schedule).
+        micro_batches: pipeline/hybrid: split each batch into this many micro-batches.
+        schedule: pipeline/hybrid: "1f1b" (default; one forward, one backward, as PipeDream-Flush and
+            Megatron: a stage keeps at most as many micro-batches' activations as there are stages) or
+            "gpipe" (every forward, then every backward: all micro-batches' activations kept). The same
+            gradients either way.
         stages: model/hybrid: workers per pipeline (default: the number of stages `placement` names; for
             model parallelism, all workers). Required without a placement.
         global_batch: ``batch_size`` (and a dataset's batches) are the global batch, split over the
@@ -80,6 +84,7 @@ class RDMAStrategy:
         rendezvous_timeout: float | None = None,
         placement: dict[str, int] | str | None = None,
         micro_batches: int = 1,
+        schedule: str = "1f1b",
         stages: int | None = None,
         global_batch: bool = True,
         overlap_bytes: int | None = None,
@@ -92,7 +97,8 @@ class RDMAStrategy:
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
         settings = options.from_env()
         mode = mode or settings.data_mode
-        check_settings(parallelism, mode, placement, micro_batches, stages=stages)  # before any rank waits
+        parallelism = canonical(parallelism)
+        check_settings(parallelism, mode, placement, micro_batches, stages=stages, schedule=schedule)  # first
         from rdkeras.parallel.collectives import ALGORITHMS, COMPRESSIONS
 
         if algorithm not in ALGORITHMS:
@@ -162,7 +168,9 @@ class RDMAStrategy:
                 elif stages not in (None, c.world_size):
                     raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
                 assert not isinstance(placement, str)  # ("auto" became None above)
-                self._parallel = ModelParallel(engine, placement, stages, micro_batches, bucket_bytes, global_batch)
+                self._parallel = ModelParallel(
+                    engine, placement, stages, micro_batches, bucket_bytes, global_batch, schedule=schedule
+                )
         except BaseException:
             engine.close()
             raise

@@ -125,10 +125,14 @@ def model_parallel_rank(
     from rdkeras.models import vgg16
 
     names = [layer.name for layer in vgg16(image_size=image_size, width=width).layers[1:]]
-    cut = names.index(split) + 1
-    placement = {name: int(i >= cut) for i, name in enumerate(names)}
+    placement: Any = "auto"  # the balanced cut rdkeras measures
+    if split != "auto":
+        cut = names.index(split) + 1
+        placement = {name: int(i >= cut) for i, name in enumerate(names)}
     strategy = (
-        rdkeras.RDMAStrategy(parallelism="model", placement=placement, micro_batches=micro) if distributed else None
+        rdkeras.RDMAStrategy(parallelism="model", placement=placement, stages=2, micro_batches=micro)
+        if distributed
+        else None
     )
     rng = np.random.default_rng(0)
     x = rng.random((batch * (steps + warmup), image_size, image_size, 3), dtype=np.float32)
@@ -143,6 +147,7 @@ def model_parallel_rank(
         edge = strategy.plan.edges[0]
         result["edge"] = f"{edge.producer} {edge.shape} {edge.transfer}"
         result["edge_bytes"] = edge.bytes_per_step
+        print(strategy.plan_text(), flush=True)
         strategy.close()
     return result
 

@@ -89,6 +89,11 @@ class Plan:
     micro_batches: int = 1
     replicas: int = 1  # hybrid: copies of this pipeline, data-parallel among them
     partition: Any = None  # the automatic cut (rdkeras.parallel.partition.Partition) that made layer_stage
+    # Per stage: bytes of the activations one micro-batch's forward pass produces (what its backward needs
+    # kept: the layers' outputs), when the batch is known.
+    activation_bytes: dict[int, int] = field(default_factory=dict)
+    schedule: str = "gpipe"
+    stashed: dict[int, int] = field(default_factory=dict)  # per stage: most micro-batches stashed at once
 
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
@@ -105,6 +110,13 @@ class Plan:
         ]
         if self.partition is not None:
             lines.append(self.partition.text(self.micro_batches))
+        if self.stashed:
+            peak = "; ".join(
+                f"stage {s} {self.stashed[s]}"
+                + (f" ({_human(self.stashed[s] * self.activation_bytes[s])})" if s in self.activation_bytes else "")
+                for s in self.stage_order
+            )
+            lines.append(f"  schedule {self.schedule}: micro-batches' activations stashed at most: {peak}")
         for s in self.stage_order:
             names = self.layers_of(s)
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
@@ -379,6 +391,13 @@ def analyze(
                     False,
                     note=" (straight from the reader to the loss stage)",
                 )
+    activation_bytes: dict[int, int] = {}
+    if rows is not None:
+        for n in nodes:
+            s = stage[n.operation.name]
+            for t in n.output_tensors:
+                shape = (rows, *(d or 0 for d in tuple(t.shape)[1:]))
+                activation_bytes[s] = activation_bytes.get(s, 0) + int(np.prod(shape)) * np.dtype(str(t.dtype)).itemsize
     return Plan(
         model_name=model.name,
         stages=stages,
@@ -388,6 +407,7 @@ def analyze(
         edges=edges,
         batch_size=batch_size,
         micro_batches=micro_batches,
+        activation_bytes=activation_bytes,
     )
 
 

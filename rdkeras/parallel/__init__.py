@@ -5,9 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-PARALLELISMS = ("data", "model", "hybrid")
+PARALLELISMS = ("data", "model", "hybrid")  # (and "pipeline", another name for "model")
 MODES = ("allreduce", "ps")  # the data-parallel gradient exchange
+SCHEDULES = ("1f1b", "gpipe")  # the pipeline's order of forward and backward passes (rdkeras.parallel.schedule)
 AUTO = "auto"  # placement: cut the layers into balanced stages from measured costs
+
+
+def canonical(parallelism: Any) -> Any:
+    """The parallelism's name as rdkeras uses it: "pipeline" is "model" (a pipeline of the model's layers)."""
+    return "model" if parallelism == "pipeline" else parallelism
 
 
 def is_auto(placement: Mapping[str, Any] | str | None) -> bool:
@@ -22,17 +28,21 @@ def check_settings(
     micro_batches: Any = 1,
     workers: int | None = None,
     stages: Any = None,
+    schedule: Any = "1f1b",
 ) -> None:
     """Raises ValueError, saying what to change, for settings no model can run with. The one check
     RDMAStrategy and the training app's config share (the analyzer checks a placement against a model)."""
+    parallelism = canonical(parallelism)
     if parallelism not in PARALLELISMS:
-        raise ValueError(f"parallelism must be data, model or hybrid; got {parallelism!r}")
+        raise ValueError(f"parallelism must be data, pipeline (or model) or hybrid; got {parallelism!r}")
     if parallelism in ("data", "hybrid") and mode not in MODES:
         raise ValueError(f"mode (the data-parallel gradient exchange) must be allreduce or ps; got {mode!r}")
     if parallelism == "data":
         if placement:
             raise ValueError("a placement is for parallelism model or hybrid; data parallelism places nothing")
         return
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be '1f1b' (the default) or 'gpipe', got {schedule!r}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):

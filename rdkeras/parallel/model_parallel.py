@@ -44,7 +44,9 @@ class ModelParallel(Parallelism):
             balanced by its layers' costs, measured on a dry run when it is attached
             (:mod:`rdkeras.parallel.partition`).
         stages: workers per pipeline (K); the job runs world_size / K replicas (default: all workers).
-        micro_batches: M; each batch is split into M equal micro-batches (GPipe schedule).
+        micro_batches: M; each batch is split into M equal micro-batches.
+        schedule: "1f1b" or "gpipe": the order of each stage's forward and backward passes
+            (:mod:`rdkeras.parallel.schedule`).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -58,6 +60,7 @@ class ModelParallel(Parallelism):
         micro_batches: int = 1,
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
+        schedule: str = "1f1b",
     ):
         n = engine.world_size
         k = stages or n
@@ -67,6 +70,7 @@ class ModelParallel(Parallelism):
         self.placement: dict[str, int] = dict(placement or {})
         self.partition: Partition | None = None  # the automatic cut, when there was no placement
         self.micro_batches = int(micro_batches)
+        self.schedule = schedule
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
@@ -162,6 +166,11 @@ class ModelParallel(Parallelism):
             plan = analyze(model, self.placement, self.stages, rows, micro, label_specs, weight_specs)
             plan.replicas = self.replicas
             plan.partition = self.partition
+            plan.schedule = self.schedule
+            plan.stashed = {
+                s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro))
+                for p, s in enumerate(plan.stage_order)
+            }
             self._serial += 1
             pipeline = Pipeline(self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial)
             self._pipelines[key] = pipeline
@@ -209,7 +218,7 @@ class ModelParallel(Parallelism):
         average = self.average_over_replicas if self.replicas > 1 else None
 
         def train_step(model: Any, data: Any) -> Any:
-            return schedule.train_step(model, self.current("train"), data, average)
+            return schedule.train_step(model, self.current("train"), data, average, self.schedule)
 
         def test_step(model: Any, data: Any) -> Any:
             return schedule.test_step(model, self.current("eval"), data)

@@ -1,18 +1,23 @@
-"""The pipeline schedule: one stage's train, test and predict steps (GPipe, with micro-batches).
+"""The pipeline schedules: one stage's train, test and predict steps, with micro-batches.
 
-Per step, on each stage:
+Per step, on each stage, for every micro-batch m:
 
-    forward, per micro-batch m:   recv activations -> stage model -> send activations
-    backward, m in reverse:       recv output gradients -> tape.gradient(outputs,
-                                  output_gradients=...) -> send input gradients
+    forward F(m):   recv activations -> stage model -> send activations
+    backward B(m):  recv output gradients -> tape.gradient(outputs, output_gradients=...)
+                    -> send input gradients
     then: sum over micro-batches (average over replicas) -> optimizer.apply
+
+in the order of the schedule (:func:`passes_in_order`): "gpipe" runs every forward, then
+every backward (M micro-batches' activations stashed at once); "1f1b" (PipeDream-Flush, as
+Megatron) runs a few forwards to fill the pipeline, then alternates one forward and one
+backward, so a stage keeps at most as many micro-batches' activations as there are stages
+after it, itself included -- the same gradients, summed in another order.
 
 Every transfer of a step is issued here (the reader's data, activations, gradients,
 predictions), each chained after the previous one by control dependencies, in an
-order each worker derives from the same plan (forward in pipeline order, backward
-reversed), so the blocking receives cannot deadlock. The step's state comes in as
-arguments: the :class:`~rdkeras.parallel.pipeline.Pipeline` made current for this
-data, never looked up through the model.
+order each worker derives from the same plan, so the blocking receives cannot deadlock.
+The step's state comes in as arguments: the :class:`~rdkeras.parallel.pipeline.Pipeline`
+made current for this data, never looked up through the model.
 """
 
 from __future__ import annotations
@@ -24,85 +29,102 @@ from typing import Any
 from rdkeras import keras_internals
 from rdkeras.graph import Stage
 from rdkeras.ops import rdma_recv, rdma_send
+from rdkeras.parallel import SCHEDULES
 from rdkeras.parallel.feeds import Feeds
 from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import unpack
 
 
+def passes_in_order(schedule: str, position: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The forward ("F", m) and backward ("B", m) passes of the stage at `position` in a pipeline of
+    `stages` (0: the first), in the order it runs them."""
+    m_all = range(micro_batches)
+    if schedule == "gpipe":
+        return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
+    if schedule != "1f1b":
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    warmup = min(stages - 1 - position, micro_batches)  # forwards in flight before the first backward
+    order = [("F", m) for m in range(warmup)]
+    for m in range(micro_batches - warmup):
+        order += [("F", warmup + m), ("B", m)]
+    return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+
+
+def most_stashed(order: list[tuple[str, int]]) -> int:
+    """The most micro-batches whose forward ran and backward did not yet, at once (their activations are kept)."""
+    alive = peak = 0
+    for kind, _ in order:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    return peak
+
+
 def _forward(
     run: Pipeline, feeds: Feeds, chain: list[Any], training: bool, with_loss: bool = True
 ) -> tuple[list, Any, list]:
-    """Every micro-batch's forward pass on this stage: (passes, summed loss, chain).
+    """Every micro-batch's forward pass on this stage, in order: (passes, summed loss, chain)."""
+    passes, total_loss = [], None
+    for m in range(run.plan.micro_batches):
+        one, loss, chain = _forward_one(run, feeds, m, chain, training, with_loss)
+        passes.append(one)
+        total_loss = loss if total_loss is None else total_loss if loss is None else total_loss + loss
+    return passes, total_loss, chain
 
-    A pass is (tape, outputs, received, objective); the tape records only when `training`; the loss
-    stage computes the loss `with_loss` (not for predictions).
+
+def _forward_one(
+    run: Pipeline, feeds: Feeds, m: int, chain: list[Any], training: bool, with_loss: bool = True
+) -> tuple[tuple, Any, list]:
+    """Micro-batch m's forward pass on this stage: ((tape, outputs, received, objective), its loss, chain).
+
+    The tape records only when `training`; the loss stage computes the loss `with_loss` (not for predictions).
     """
     import tensorflow as tf
 
     stage, plan = run.stage, run.plan
-    passes, total_loss = [], None
-    for m in range(plan.micro_batches):
-        chain = _send_data(run, feeds, m, chain)
-        received, chain = _receive(run, m, chain)
-        tape = tf.GradientTape() if training else None
-        with tape or contextlib.nullcontext():
-            if tape is not None:
-                for e in stage.received:
-                    if e.needs_grad:
-                        tape.watch(received[e.name])
-            outs = _run_stage(stage, feeds, m, received, chain, training=training)
-            objective = _regularization(stage, plan.micro_batches) if training else None
-            if stage.is_loss and with_loss:
-                loss = feeds.loss(m, outs, received, training=training)
-                if loss is not None:
-                    total_loss = loss if total_loss is None else total_loss + loss
-                    objective = loss if objective is None else objective + loss
-        chain = _send_outputs(run, stage, m, outs, chain)
-        if training:
-            # The next receive waits until this micro-batch is computed: a receive blocks
-            # TensorFlow's (one) thread, which must not idle while work is ready.
-            chain = [*chain, _computed(outs, objective)]
-        passes.append((tape, outs, received, objective))
-    return passes, total_loss, chain
+    loss = None
+    chain = _send_data(run, feeds, m, chain)
+    received, chain = _receive(run, m, chain)
+    tape = tf.GradientTape() if training else None
+    with tape or contextlib.nullcontext():
+        if tape is not None:
+            for e in stage.received:
+                if e.needs_grad:
+                    tape.watch(received[e.name])
+        outs = _run_stage(stage, feeds, m, received, chain, training=training)
+        objective = _regularization(stage, plan.micro_batches) if training else None
+        if stage.is_loss and with_loss:
+            loss = feeds.loss(m, outs, received, training=training)
+            if loss is not None:
+                objective = loss if objective is None else objective + loss
+    chain = _send_outputs(run, stage, m, outs, chain)
+    if training:
+        # The next receive waits until this micro-batch is computed: a receive blocks
+        # TensorFlow's (one) thread, which must not idle while work is ready.
+        chain = [*chain, _computed(outs, objective)]
+    return (tape, outs, received, objective), loss, chain
 
 
-def train_step(model: Any, run: Pipeline, data: Any, average: Callable[[list], list] | None) -> Any:
-    """One training step of this stage; `average` averages its summed gradients over the replicas
-    (hybrid parallelism; None for one pipeline)."""
+def train_step(
+    model: Any, run: Pipeline, data: Any, average: Callable[[list], list] | None, schedule: str = "1f1b"
+) -> Any:
+    """One training step of this stage in `schedule`'s order; `average` averages its summed gradients over
+    the replicas (hybrid parallelism; None for one pipeline)."""
     import tensorflow as tf
 
     stage, plan = run.stage, run.plan
     feeds = Feeds(model, run, *unpack(data))
-    passes, total_loss, chain = _forward(run, feeds, feeds.after_data(), training=True)
+    chain = feeds.after_data()
     variables = stage.trainable_variables
     summed: list[Any] = [None] * len(variables)
-    for m in reversed(range(plan.micro_batches)):
-        tape, outs, received, objective = passes[m]
-        targets, output_grads = [], []
-        for pos, edges in enumerate(stage.sends):
-            grads_in = []
-            for e in edges:
-                if e.needs_grad:
-                    g = rdma_recv(run.bwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}/grad", chain)
-                    chain = [g]
-                    grads_in.append(g)
-            if grads_in:
-                targets.append(outs[pos])
-                output_grads.append(tf.add_n(grads_in) if len(grads_in) > 1 else grads_in[0])
-        if objective is not None:
-            targets.append(objective)
-            output_grads.append(tf.ones_like(objective))
-        back = [received[e.name] for e in stage.received if e.needs_grad]
-        with tf.control_dependencies(chain):  # after the previous micro-batch's gradients left
-            grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (len(variables) + len(back))
-        for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
-            g = tf.zeros_like(received[e.name]) if g is None else g
-            chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
-        chain = [*chain, _computed(grads)]
-        for i, g in enumerate(grads[: len(variables)]):
-            if g is not None:
-                summed[i] = g if summed[i] is None else summed[i] + g
+    passes: dict[int, tuple] = {}
+    total_loss = None
+    position = plan.stage_order.index(stage.index)
+    for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches):
+        if kind == "F":
+            passes[m], loss, chain = _forward_one(run, feeds, m, chain, training=True)
+            total_loss = loss if total_loss is None else total_loss if loss is None else total_loss + loss
+        else:
+            chain = _backward_one(run, m, passes.pop(m), variables, summed, chain)
     if average is not None and variables:
         summed = average(summed)
     pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
@@ -114,6 +136,40 @@ def train_step(model: Any, run: Pipeline, data: Any, average: Callable[[list], l
     if stage.is_loss:
         feeds.update_metrics(total_loss)
     return model.get_metrics_result()
+
+
+def _backward_one(run: Pipeline, m: int, forward: tuple, variables: list, summed: list, chain: list[Any]) -> list:
+    """Micro-batch m's backward pass on this stage: its weights' gradients added to `summed`; returns the chain."""
+    import tensorflow as tf
+
+    stage = run.stage
+    tape, outs, received, objective = forward
+    targets, output_grads = [], []
+    for pos, edges in enumerate(stage.sends):
+        grads_in = []
+        for e in edges:
+            if e.needs_grad:
+                g = rdma_recv(run.bwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}/grad", chain)
+                chain = [g]
+                grads_in.append(g)
+        if grads_in:
+            targets.append(outs[pos])
+            output_grads.append(tf.add_n(grads_in) if len(grads_in) > 1 else grads_in[0])
+    if objective is not None:
+        targets.append(objective)
+        output_grads.append(tf.ones_like(objective))
+    back = [received[e.name] for e in stage.received if e.needs_grad]
+    with tf.control_dependencies(chain):  # after the previous pass's transfers
+        grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (len(variables) + len(back))
+    for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
+        g = tf.zeros_like(received[e.name]) if g is None else g
+        chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
+    chain = [*chain, _computed(grads)]
+    for i, g in enumerate(grads[: len(variables)]):
+        if g is not None:
+            summed[i] = g if summed[i] is None else summed[i] + g
+    return chain
 
 
 def test_step(model: Any, run: Pipeline, data: Any) -> Any:

@@ -10,7 +10,7 @@ from rdkeras import cluster
 from rdkeras._log import logger
 from rdkeras.engine import TRANSPORTS
 from rdkeras.options import keras_backend
-from rdkeras.parallel import check_settings, is_auto
+from rdkeras.parallel import canonical, check_settings, is_auto
 
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
@@ -175,6 +175,7 @@ def validate(cfg: Any) -> None:
             parallel.get("micro_batches", 1),
             cfg.cluster.num_workers if kind == "local" and not cluster.in_job() else None,
             parallel.get("stages"),
+            parallel.get("schedule", "1f1b"),
         )
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
@@ -186,7 +187,8 @@ def validate(cfg: Any) -> None:
     for flag in ("resume", "shuffle"):
         if not isinstance(trainer.get(flag), bool):
             raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
-    if kind == "local" and parallel.parallelism != "model" and not cluster.in_job():  # (in a job, its size counts)
+    # (in a job, its size counts)
+    if kind == "local" and canonical(parallel.parallelism) != "model" and not cluster.in_job():
         replicas = cfg.cluster.num_workers
         if parallel.parallelism == "hybrid" and (parallel.get("stages") or not is_auto(parallel.placement)):
             replicas //= max(1, parallel.get("stages") or max(parallel.placement.values()) + 1)

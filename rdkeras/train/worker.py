@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rdkeras import cluster, options
-from rdkeras.parallel import is_auto
+from rdkeras.parallel import canonical, is_auto
 from rdkeras.train.config import ConfigError, check_placement
 
 
@@ -25,23 +25,25 @@ def make_strategy(cfg: Any) -> Any:
     import rdkeras
 
     parallel = cfg.parallel
+    kind = canonical(parallel.parallelism)  # ("pipeline" is "model")
     kwargs: dict[str, Any] = {
-        "parallelism": parallel.parallelism,
+        "parallelism": kind,
         "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
         "timeout": cfg.transport.timeout,
         "heartbeat_timeout": cfg.transport.get("heartbeat_timeout"),
     }
-    if parallel.parallelism in ("data", "hybrid"):
+    if kind in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
-    if parallel.parallelism == "data":
+    if kind == "data":
         for key in ("algorithm", "compression", "compress_within_hosts"):
             if parallel.get(key) is not None:
                 kwargs[key] = parallel[key]
-    if parallel.parallelism in ("model", "hybrid"):
+    if kind in ("model", "hybrid"):
         placement = parallel.get("placement")  # None or "auto": the strategy cuts the model itself
         kwargs.update(
             placement=placement if placement is None or isinstance(placement, str) else dict(placement),
             micro_batches=parallel.micro_batches,
+            schedule=parallel.get("schedule", "1f1b"),
         )
     if parallel.get("stages") is not None:
         kwargs.update(stages=parallel.stages)
@@ -211,7 +213,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
     started = time.perf_counter()
     data = load_data(cfg)
-    if cfg.parallel.parallelism in ("model", "hybrid") and not is_auto(cfg.parallel.get("placement")):
+    if canonical(cfg.parallel.parallelism) in ("model", "hybrid") and not is_auto(cfg.parallel.get("placement")):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
     strategy = make_strategy(cfg)

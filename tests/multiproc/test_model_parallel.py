@@ -7,6 +7,8 @@ and reports the largest weight and prediction differences.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -53,7 +55,13 @@ RUNS = {
     "skip": (
         3,
         "train_and_compare",
-        {"kind": "skip", "placement": {"a": 0, "b": 1, "add": 2, "out": 2}, "micro_batches": 2},
+        {"kind": "skip", "placement": {"a": 0, "b": 1, "add": 2, "out": 2}, "micro_batches": 4},
+        "shm",
+    ),
+    "skip gpipe": (
+        3,
+        "train_and_compare",
+        {"kind": "skip", "placement": {"a": 0, "b": 1, "add": 2, "out": 2}, "micro_batches": 4, "schedule": "gpipe"},
         "shm",
     ),
     "two inputs": (
@@ -66,6 +74,19 @@ RUNS = {
         2,
         "train_and_compare",
         {"kind": "rnn", "placement": {"embed": 0, "gru": 0, "lstm": 1, "out": 1}, "micro_batches": 2, "samples": 64},
+        "shm",
+    ),
+    "rnn gpipe": (
+        2,
+        "train_and_compare",
+        {
+            "kind": "rnn",
+            "placement": {"embed": 0, "gru": 0, "lstm": 1, "out": 1},
+            "micro_batches": 2,
+            "samples": 64,
+            "schedule": "gpipe",
+            "parallelism": "pipeline",
+        },
         "shm",
     ),
     "bad placement": (
@@ -118,9 +139,19 @@ def test_split_model_matches_one_process(case, request):
         ]
 
 
-def test_skip_connection_across_two_boundaries(three_workers):
-    # a (worker 0) feeds b (worker 1) and, skipping worker 1, add (worker 2).
-    first = _check(three_workers("skip"))
+STASHED = {
+    "skip": "stage 0 3 (.*); stage 1 2 (.*); stage 2 1 ",
+    "skip gpipe": "stage 0 4 (.*); stage 1 4 (.*); stage 2 4 ",
+}
+
+
+@pytest.mark.parametrize(("run", "stashed"), STASHED.items())
+def test_skip_connection_across_two_boundaries(three_workers, run, stashed):
+    # a (worker 0) feeds b (worker 1) and, skipping worker 1, add (worker 2); 4 micro-batches, either schedule.
+    first = _check(three_workers(run))
+    # 1F1B keeps at most as many micro-batches' activations as there are stages from here to the last; GPipe all.
+    schedule = "gpipe" if "gpipe" in run else "1f1b"
+    assert re.search(f"schedule {schedule}: micro-batches' activations stashed at most: {stashed}", first["plan_text"])
     assert _edges(first) == [
         ("a:0->1", "static", True),
         ("a:0->2", "static", True),
@@ -139,13 +170,15 @@ def test_two_inputs_on_different_workers(two_workers):
     ]
 
 
-def test_variable_length_sequences_use_dynamic_edges(two_workers):
-    first = _check(two_workers("rnn"))
+@pytest.mark.parametrize("run", ["rnn", "rnn gpipe"])
+def test_variable_length_sequences_use_dynamic_edges(two_workers, run):
+    first = _check(two_workers(run))
     assert _edges(first) == [("gru:0->1", "dynamic", True), ("labels[0]->1", "static", False)]
     assert "known only at run time (variable length)" in first["plan_text"]
 
 
-def test_hybrid_two_replicas_of_a_two_stage_pipeline():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_hybrid_two_replicas_of_a_two_stage_pipeline(schedule):
     results = run_ranks(
         "train_and_compare",
         4,
@@ -153,8 +186,9 @@ def test_hybrid_two_replicas_of_a_two_stage_pipeline():
         timeout=300,
         kind="mlp",
         placement=MLP_2,
-        micro_batches=2,
+        micro_batches=4,
         parallelism="hybrid",
+        schedule=schedule,
     )
     _check(results)
 

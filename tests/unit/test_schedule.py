@@ -1,0 +1,43 @@
+"""The pipeline schedules' order of passes: every micro-batch's forward before its backward, each once, and what
+1F1B bounds -- the activations stashed on a stage at once (GPipe: all M micro-batches')."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdkeras.parallel import check_settings
+from rdkeras.parallel.schedule import most_stashed, passes_in_order
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 1), (2, 8), (3, 2), (4, 4), (4, 16)])
+def test_every_pass_once_and_each_forward_before_its_backward(schedule, stages, micro_batches):
+    for position in range(stages):
+        order = passes_in_order(schedule, position, stages, micro_batches)
+        assert sorted(order) == sorted(
+            [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
+        )
+        assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(micro_batches))
+        assert [m for kind, m in order if kind == "F"] == list(range(micro_batches))  # data arrive in order
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 8), (3, 4), (4, 16)])
+def test_1f1b_stashes_at_most_the_stages_left_and_gpipe_every_micro_batch(stages, micro_batches):
+    for position in range(stages):
+        assert most_stashed(passes_in_order("1f1b", position, stages, micro_batches)) == stages - position
+        assert most_stashed(passes_in_order("gpipe", position, stages, micro_batches)) == micro_batches
+
+
+def test_1f1b_alternates_after_filling_the_pipeline():
+    assert passes_in_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                                ("B", 2), ("B", 3)]  # fmt: skip
+    assert passes_in_order("1f1b", 1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert passes_in_order("gpipe", 1, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+
+
+def test_an_unknown_schedule_is_refused_and_pipeline_names_model_parallelism():
+    with pytest.raises(ValueError, match="schedule must be '1f1b' \\(the default\\) or 'gpipe', got 'pipedream'"):
+        check_settings("pipeline", placement={"a": 0, "b": 1}, schedule="pipedream")
+    check_settings("pipeline", placement={"a": 0, "b": 1}, workers=2)  # the same checks as "model"
+    with pytest.raises(ValueError, match="only 2 workers"):
+        check_settings("pipeline", placement={"a": 0, "b": 2}, workers=2)
