@@ -1,4 +1,4 @@
-"""python -m rdkeras.bench {sendrecv,allreduce,algorithms,fit,paper,hosts,elastic} [options]"""
+"""python -m rdkeras.bench {sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic} [options]"""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     to_stderr()  # an application: rdkeras's messages are shown
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    from rdkeras.bench import algorithms, allreduce, elastic, fit, hosts, paper, sendrecv
+    from rdkeras.bench import algorithms, allreduce, elastic, fit, hosts, paper, pipeline, sendrecv
 
     benches = {
         "sendrecv": sendrecv,
         "allreduce": allreduce,
         "algorithms": algorithms,
         "fit": fit,
+        "pipeline": pipeline,
         "paper": paper,
         "hosts": hosts,
         "elastic": elastic,

@@ -163,3 +163,35 @@ def bad_placement(kind: str, placement: dict) -> dict:
     finally:
         keras.backend.clear_session()
         strategy.close()
+
+
+def stage_dies(victim: int, schedule: str) -> dict:
+    """A 2-stage pipeline (4 micro-batches) whose stage `victim` SIGKILLs itself after its third step, while the
+    other stage goes on into the next: the survivor returns the error that ended its fit and the seconds since
+    its last completed step."""
+    import signal
+    import time
+
+    import keras
+
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy(parallelism="pipeline", placement={"fc1": 0, "fc2": 0, "fc3": 1, "out": 1},
+                                    micro_batches=4, schedule=schedule)  # fmt: skip
+    with strategy.scope():
+        model = build("mlp")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", jit_compile=False)
+    x, y = data("mlp", 16 * 40)
+    last = {"t": time.monotonic()}
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            last["t"] = time.monotonic()
+            if strategy.worker_index == victim and batch == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Die()])
+    except Exception as e:
+        return {"error": [type(e).__name__, str(e)[-600:]], "seconds": time.monotonic() - last["t"]}
+    return {"error": None}

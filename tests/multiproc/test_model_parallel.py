@@ -196,3 +196,16 @@ def test_hybrid_two_replicas_of_a_two_stage_pipeline(schedule):
 def test_bad_placement_fails_on_every_worker_at_compile(two_workers):
     for r in two_workers("bad placement"):
         assert "cycle between stages 0, 1" in r.value["error"]
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["reader-dies", "loss-stage-dies"])
+def test_a_stage_killed_mid_fit_makes_the_other_fail_fast_naming_it(victim):
+    results = run_ranks("stage_dies", 2, module=TARGET, check=False, timeout=120, victim=victim,
+                        schedule="1f1b" if victim else "gpipe")  # fmt: skip
+    killed, survivor = results[victim], results[1 - victim]
+    assert killed.returncode == -9
+    assert survivor.returncode == 0, survivor.output[-2000:]
+    assert survivor.value["error"] is not None, "the survivor never noticed"
+    _, message = survivor.value["error"]
+    assert f"rank {victim}" in message, message
+    assert survivor.value["seconds"] < 15  # the heartbeat (or the closed connection) names it, not the 60 s timeout

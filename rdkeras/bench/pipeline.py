@@ -1,0 +1,295 @@
+"""Pipeline parallelism: one process on one core against 2 stages (one core each), by micro-batches.
+
+For each model -- VGG-16 as in ``bench fit`` (32 px, width x0.25), a plain VGG-style convnet
+(six 3x3 convolutions in three blocks, no BatchNorm), FCN-5 -- in one run: one process on one
+core with the whole batch, and the same process computing the batch as M micro-batches (what
+micro-batching costs the compute itself); then 2 stages, one core and one TensorFlow thread
+each, with the automatic cut (and a hand cut for the convnets) under 1F1B and GPipe, for M in
+1/4/8/16. Per configuration and stage: the step, the stage's compute (its forward and backward
+over M micro-batches, timed alone in the same process afterwards), the time its receives
+waited, and the rest; the ideal step for those computes ((M + S - 1) x the slowest stage's
+micro-batch), measured / ideal, and the speed-up over one process. A PNG plots speed-up
+against micro-batches, measured and ideal, with the one-process line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rdkeras import options
+
+MODELS = ("vgg16", "vggstyle", "fcn5")
+HAND_CUTS = {"vgg16": "block3_pool", "vggstyle": "pool2"}  # cut after this layer (hand placement)
+STAGES = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
+    p.add_argument("--micro-batches", default="1,4,8,16")
+    p.add_argument("--schedules", default="1f1b,gpipe")
+    p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    p.add_argument("--quick", action="store_true", help="fewer steps, M in 4/8, 1F1B, the automatic cut only")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--timeout", type=float, default=900)
+
+
+def build(name: str) -> Any:
+    import keras
+
+    from rdkeras.models import fcn5, vgg16
+
+    if name == "vgg16":
+        model = vgg16(image_size=32, width=0.25)
+    elif name == "fcn5":
+        model = fcn5(input_dim=4096, hidden=1024, num_classes=10)
+    else:
+        x = inputs = keras.Input((32, 32, 3), name="image")
+        for block, filters in enumerate((32, 64, 128), start=1):
+            for i in (1, 2):
+                x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"conv{block}_{i}")(x)
+            x = keras.layers.MaxPooling2D(name=f"pool{block}")(x)
+        x = keras.layers.Flatten(name="flatten")(x)
+        model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax", name="predictions")(x), name=name)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", jit_compile=False)
+    return model
+
+
+def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (rows, 4096) if name == "fcn5" else (rows, 32, 32, 3)
+    return rng.random(shape, dtype=np.float32), rng.integers(0, 10, rows)
+
+
+def _pin_one_core(rank: int) -> None:
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def _timed_fit(
+    model: Any, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int, engine: Any = None
+) -> tuple[float, float]:
+    """Seconds per step of ``model.fit`` over `steps` steps after `warmup`, and of them, seconds `engine` waited
+    on peers."""
+    import keras
+
+    marks: dict[str, float] = {}
+
+    def waited() -> float:
+        return engine.traffic()["wait_seconds"] if engine is not None else 0.0
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
+            if b == warmup:
+                marks["t0"], marks["w0"] = time.perf_counter(), waited()
+
+        def on_train_batch_end(self, b: int, logs: Any = None) -> None:
+            marks["t1"], marks["w1"] = time.perf_counter(), waited()
+
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
+    return (marks["t1"] - marks["t0"]) / steps, (marks["w1"] - marks["w0"]) / steps
+
+
+def _compute(sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 5) -> float:
+    """Seconds of `sub`'s forward and backward over `micro` micro-batches of `rows` rows (gradients summed;
+    with `input_grads`, also those of the inputs, as a stage that receives activations sends back)."""
+    import keras
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    feeds = [tf.constant(rng.random((rows, *t.shape[1:]), dtype=np.float32)) for t in keras.tree.flatten(sub.inputs)]
+
+    @tf.function(jit_compile=False)
+    def passes(*inputs: Any) -> Any:
+        total = None
+        for _ in range(micro):
+            watched = list(inputs) if input_grads else []
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                out = sub(list(inputs) if len(inputs) > 1 else inputs[0], training=True)
+                objective = tf.add_n([tf.reduce_sum(o) for o in keras.tree.flatten(out)])
+            grads = tape.gradient(objective, sub.trainable_variables + watched)
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+        return total
+
+    passes(*feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _ = [g.numpy() for g in passes(*feeds) if g is not None]
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: list[int]) -> dict:
+    """One process on one core: the step of ``fit``, and the whole model's compute in M micro-batches."""
+    options.quiet_tensorflow_logs(level=3)
+    _pin_one_core(0)
+    m = build(model)
+    x, y = _data(model, batch * (steps + warmup))
+    step, _ = _timed_fit(m, x, y, batch, steps, warmup)
+    compute = {micro: _compute(m, batch // micro, micro) for micro in sorted({1, *micro_batches})}
+    return {"step": step, "compute": compute, "params": m.count_params()}
+
+
+def stage_rank(model: str, cut: str, micro: int, schedule: str, batch: int, steps: int, warmup: int) -> dict:
+    """One stage of a 2-stage pipeline: its step, compute, waiting; the plan's cut."""
+    import rdkeras
+    from rdkeras import cluster
+
+    options.quiet_tensorflow_logs(level=3)
+    rank = cluster.resolve().rank
+    _pin_one_core(rank)
+    if cut == "auto":
+        placement: Any = "auto"
+    else:
+        import keras
+
+        names = [layer.name for layer in build(model).layers if not isinstance(layer, keras.layers.InputLayer)]
+        at = names.index(cut) + 1
+        placement = {name: int(i >= at) for i, name in enumerate(names)}
+    strategy = rdkeras.RDMAStrategy(
+        parallelism="pipeline", placement=placement, stages=STAGES, micro_batches=micro, schedule=schedule
+    )
+    with strategy.scope():
+        m = build(model)
+    x, y = _data(model, batch * (steps + warmup))
+    step, waiting = _timed_fit(m, x, y, batch, steps, warmup, strategy.engine)
+    plan = strategy.plan
+    assert plan is not None
+    from rdkeras.graph import build_stage
+
+    stage = build_stage(m, plan, rank)  # this worker's layers as a model (the same layers, not copies)
+    sends_grads = any(e.needs_grad for e in stage.received)
+    compute = _compute(stage.model, batch // micro, micro, sends_grads) if stage.model is not None else 0.0
+    strategy.close()
+    return {
+        "stage": rank,
+        "step": step,
+        "compute": compute,
+        "waiting": waiting,
+        "layers": plan.layers_of(rank),
+        "stashed": plan.stashed.get(rank),
+        "activation_bytes": plan.activation_bytes.get(rank),
+        "cut_bytes": sum(e.bytes_per_step or 0 for e in plan.edges if e.kind == "activation"),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdkeras.bench import run_ranks
+
+    steps = max(4, args.steps // 2) if args.quick else args.steps
+    warmup = 2
+    micros = [4, 8] if args.quick else [int(m) for m in args.micro_batches.split(",")]
+    schedules = ["1f1b"] if args.quick else args.schedules.split(",")
+    batch = args.batch_size
+    if any(batch % m for m in micros):
+        raise SystemExit(f"bench pipeline: --batch-size {batch} does not split into {micros} micro-batches")
+    results: dict[str, Any] = {"batch": batch, "steps": steps, "models": {}}
+    for model in args.models.split(","):
+        if model not in MODELS:
+            raise SystemExit(f"bench pipeline: --models takes {', '.join(MODELS)}, not {model!r}")
+        print(f"[pipeline] {model}: one process, one core ...", flush=True)
+        env = {"RDKERAS_WORLD_SIZE": ""}
+        ranks = run_ranks("pipeline", f"{model} alone", "rdkeras.bench.pipeline:alone_rank", 1,
+                          {"model": model, "batch": batch, "steps": steps, "warmup": warmup,
+                           "micro_batches": micros}, env=env, timeout=args.timeout)  # fmt: skip
+        if ranks is None:
+            return 1
+        alone = ranks[0].value
+        alone["compute"] = {int(k): v for k, v in alone["compute"].items()}
+        rows = []
+        cuts = ["auto"] if args.quick or model not in HAND_CUTS else ["auto", HAND_CUTS[model]]
+        for cut in cuts:
+            for schedule in schedules:
+                for micro in micros:
+                    label = f"{model}, cut {cut}, {schedule}, {micro} micro-batches"
+                    print(f"[pipeline] {label} ...", flush=True)
+                    ranks = run_ranks("pipeline", label, "rdkeras.bench.pipeline:stage_rank", STAGES,
+                                      {"model": model, "cut": cut, "micro": micro, "schedule": schedule,
+                                       "batch": batch, "steps": steps, "warmup": warmup},
+                                      env={"RDKERAS_TRANSPORT": "shm"}, timeout=args.timeout)  # fmt: skip
+                    if ranks is None:
+                        return 1
+                    rows.append({"cut": cut, "schedule": schedule, "micro": micro, "stages": [r.value for r in ranks]})
+        results["models"][model] = {"alone": alone, "pipelines": rows}
+        _print(model, alone, rows, batch)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps(results, indent=1))
+    _plot(results, out / "pipeline.png")
+    print(f"\nwrote {out / 'pipeline.json'} and {out / 'pipeline.png'}")
+    return 0
+
+
+def ideal_step(computes: list[float], micro: int) -> float:
+    """The pipeline's step for these stage computes (each over `micro` micro-batches): it fills and drains,
+    (M + S - 1) micro-batches of the slowest stage."""
+    return (micro + len(computes) - 1) * max(computes) / micro
+
+
+def _summary(row: dict, alone: dict) -> dict[str, float]:
+    step = max(s["step"] for s in row["stages"])
+    ideal = ideal_step([s["compute"] for s in row["stages"]], row["micro"])
+    return {"step": step, "ideal": ideal, "speedup": alone["step"] / step, "ideal_speedup": alone["step"] / ideal}
+
+
+def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
+    ms = 1000.0
+    compute = alone["compute"]
+    tax = ", ".join(f"M={m} {compute[m] * ms:.1f} ms ({compute[m] / compute[1]:.2f}x)" for m in sorted(compute))
+    print(f"\n{model} ({alone['params'] / 1e6:.1f} M params), global batch {batch}, one process on one core: "
+          f"{alone['step'] * ms:.1f} ms a step of fit; forward+backward in M micro-batches: {tax}")  # fmt: skip
+    print(f"{'cut':<12} {'schedule':<8} {'M':>3} {'step ms':>8} {'ideal':>7} {'meas/ideal':>10} {'x 1 proc':>8} "
+          f"{'x ideal':>7}   per stage: compute / waiting / rest ms; stashed")  # fmt: skip
+    for row in rows:
+        s = _summary(row, alone)
+        parts = "  ".join(
+            f"s{st['stage']} {st['compute'] * ms:.1f}/{st['waiting'] * ms:.1f}/"
+            f"{(st['step'] - st['compute'] - st['waiting']) * ms:.1f}; {st['stashed']}"
+            for st in row["stages"]
+        )
+        print(f"{row['cut']:<12} {row['schedule']:<8} {row['micro']:>3} {s['step'] * ms:>8.1f} {s['ideal'] * ms:>7.1f} "
+              f"{s['step'] / s['ideal']:>10.2f} {s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
+    first = rows[0]["stages"] if rows else []
+    for st in first:
+        shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
+        print(f"  cut {rows[0]['cut']}: stage {st['stage']}: {shown}")
+
+
+def _plot(results: dict, path: Path) -> None:
+    from rdkeras.bench.figures.common import pyplot, save_png
+
+    plt = pyplot()
+    models = list(results["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        data = results["models"][model]
+        alone = data["alone"]
+        for (cut, schedule), style in zip(
+            sorted({(r["cut"], r["schedule"]) for r in data["pipelines"]}), ("o-", "s-", "^-", "v-"), strict=False
+        ):
+            rows = [r for r in data["pipelines"] if r["cut"] == cut and r["schedule"] == schedule]
+            micros = [r["micro"] for r in rows]
+            line = ax.plot(micros, [_summary(r, alone)["speedup"] for r in rows], style, label=f"{cut}, {schedule}")
+            ax.plot(micros, [_summary(r, alone)["ideal_speedup"] for r in rows], ":", color=line[0].get_color(),
+                    label=f"ideal for its computes ({cut}, {schedule})")  # fmt: skip
+        micros = sorted({r["micro"] for r in data["pipelines"]})
+        ax.plot(micros, [STAGES * m / (m + STAGES - 1) for m in micros], "k--", label="GPipe bound 2M/(M+1)")
+        ax.axhline(1.0, color="grey", lw=1, label="one process, one core")
+        ax.set(title=model, xlabel="micro-batches", ylabel="speed-up over one process", xscale="log", xticks=micros)
+        ax.set_xticklabels([str(m) for m in micros])
+        ax.legend(fontsize=6)
+    save_png(fig, path)
