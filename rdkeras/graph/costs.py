@@ -1,9 +1,12 @@
 """What the automatic pipeline cut needs to know about a Keras model: its layers in order, each one's
 measured forward+backward time, and the bytes a cut between two of them would send.
 
-The layers are timed one at a time, eagerly, on one synthetic batch (a dry run: no user data is
-needed at compile time): each layer becomes a small ``keras.Model`` over its own input tensors, as
-the rewriter builds stages, fed with the values the whole model computes for that batch.
+The layers are timed one at a time on one synthetic batch (a dry run: no user data is needed at
+compile time): each layer becomes a small ``keras.Model`` over its own input tensors, as the
+rewriter builds stages, fed with the values the whole model computes for that batch; its forward
+and backward run inside a compiled function, as in the training step (eagerly, the per-op
+dispatch would weigh on small layers as it never does in training). The pipeline times them at
+the batch of its micro-batches: small batches do not cost all layers alike.
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ def _nbytes(tensor: Any, rows: int) -> int:
     return 2 * n if dtype.kind == "f" else n  # a float activation's gradient comes back as large
 
 
-def layer_order(model: Any) -> tuple[list[str], list[int | None], Any]:
+def layer_order(model: Any, rows: int = DRY_RUN_ROWS) -> tuple[list[str], list[int | None], Any]:
     """(layer names in order, bytes per gap -- None inside a layer used on both sides --, the graph)
-    for `rows` = :data:`DRY_RUN_ROWS`."""
-    return _order(model, DRY_RUN_ROWS)
+    for a batch of `rows`."""
+    return _order(model, rows)
 
 
 def _order(model: Any, rows: int) -> tuple[list[str], list[int | None], Any]:
@@ -114,6 +117,8 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
     values = keras.Model(graph.inputs, inner, name="rdkeras_dry_run")(inputs)
     value_of = {id(t): v for t, v in zip(inner, values, strict=True)}
     value_of.update({id(t): tf.constant(v) for t, v in zip(graph.inputs, inputs, strict=True)})
+    # Each call runs a layer this many times: a call's own cost is shared out, as a step's is over its ops.
+    inside = max(1, min(8, DRY_RUN_ROWS * 2 // rows))
     seconds = []
     for i, name in enumerate(names):
         mine = [n for n in nodes if n.operation.name == name]
@@ -124,19 +129,27 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
         sub = keras.Model(ins, outs, name=f"rdkeras_dry_run_{i}")
         feed = [value_of[id(t)] for t in ins]
         weights = list(mine[0].operation.trainable_variables)
+
+        def passes(*feed: Any, sub: Any = sub, weights: list = weights) -> Any:
+            floating = [f for f in feed if f.dtype.is_floating]
+            results = []
+            for _ in range(inside):
+                with tf.GradientTape() as tape:
+                    tape.watch(floating)
+                    out = sub(feed[0] if len(feed) == 1 else list(feed), training=True)
+                    total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
+                if not floating + weights:
+                    results.append(total)
+                    continue
+                grads = tape.gradient(total, floating + weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                results += [g for g in grads if g is not None]
+            return results
+
+        step = tf.function(passes, jit_compile=False)
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats + 2):  # (the first traces)
             start = time.perf_counter()
-            with tf.GradientTape() as tape:
-                tape.watch([f for f in feed if f.dtype.is_floating])
-                out = sub(feed[0] if len(feed) == 1 else feed, training=True)
-                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
-            sources = [f for f in feed if f.dtype.is_floating] + weights
-            if sources:
-                grads = tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                _ = [g.numpy() for g in grads if g is not None]  # wait for the device
-            else:
-                _ = total.numpy()
+            _ = [t.numpy() for t in step(*feed)]  # wait for the device
             times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times[1:]))
+        seconds.append(statistics.median(times[2:]) / inside)
     return seconds

@@ -17,6 +17,7 @@ data-parallel way and average each stage's gradients over its replicas.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Any
 
@@ -69,6 +70,7 @@ class ModelParallel(Parallelism):
         self.engine, self.stages = engine, k
         self.placement: dict[str, int] = dict(placement or {})
         self.partition: Partition | None = None  # the automatic cut, when there was no placement
+        self._cut_rows = 0  # the batch its layers were timed on
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
@@ -117,17 +119,20 @@ class ModelParallel(Parallelism):
         fitting.distribute_model(model, self)
         return model
 
-    def _balanced_cut(self, model: Any) -> Partition:
-        """The cost-balanced cut of `model`. Every worker times the layers (the same dry run everywhere, so
-        nothing it creates differs between workers) and all take rank 0's times, so they choose the same cut;
-        a transfer is priced at the transport's cost per byte."""
+    def _balanced_cut(self, model: Any, rows: int | None = None) -> Partition:
+        """The cost-balanced cut of `model`, its layers timed on batches of `rows` (default: the dry run's).
+        Every worker times the layers (the same dry run everywhere, so nothing it creates differs between
+        workers) and all take rank 0's times, so they choose the same cut; a transfer is priced at the
+        transport's cost per byte."""
         from rdkeras.graph import costs
 
-        names, cut_bytes, _ = costs.layer_order(model)
+        rows = rows or costs.DRY_RUN_ROWS
+        self._cut_rows = rows
+        names, cut_bytes, _ = costs.layer_order(model, rows)
         seconds = [float("nan")] * len(names)
         failure: Exception | None = None
         try:
-            seconds = costs.measure(model).seconds
+            seconds = costs.measure(model, rows).seconds
         except Exception as e:  # the others still take part in the broadcast, and fail with it
             failure = e
         if self.num_workers > 1:
@@ -138,9 +143,19 @@ class ModelParallel(Parallelism):
         if any(np.isnan(seconds)):
             raise RuntimeError(f"worker 0 could not time the layers of {model.name!r} for the automatic placement")
         try:
-            return balanced_cut(names, seconds, cut_bytes, self.stages, transports.get(self.engine.transport).costs[1])
+            cut = balanced_cut(names, seconds, cut_bytes, self.stages, transports.get(self.engine.transport).costs[1])
+            return dataclasses.replace(cut, rows=rows)
         except ValueError as e:
             raise ValueError(f"model {model.name!r}: {e}") from None
+
+    def _recut(self, model: Any, rows: int) -> None:
+        """The automatic cut again, its layers timed at the micro-batches' rows (the first training data tell
+        them; collective), before any pipeline is built on the cut made at compile time."""
+        if rows == self._cut_rows:
+            return
+        self.partition = self._balanced_cut(model, rows)
+        self.placement = self.partition.stage_of()
+        self._layer_stage = assign_layers(model, self.placement, self.stages)
 
     @property
     def models(self) -> list[Any]:
@@ -160,6 +175,8 @@ class ModelParallel(Parallelism):
                 f"batch size {rows} does not split into {micro} equal micro-batches: "
                 "choose a batch size divisible by micro_batches"
             )
+        if purpose == "train" and self.partition is not None and not self._pipelines and rows:
+            self._recut(model, rows // micro)
         key = (rows, micro, str(label_specs), str(weight_specs))
         pipeline = self._pipelines.get(key)
         if pipeline is None:

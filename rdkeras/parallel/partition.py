@@ -28,6 +28,7 @@ class Partition:
     compute: tuple[float, ...]  # per stage: seconds of forward+backward
     transfer: tuple[float, ...]  # per stage: seconds of the transfers at its cuts (in and out)
     cut_bytes: tuple[int, ...]  # per cut (S - 1): bytes crossing it each step
+    rows: int = 0  # the batch the layers were timed on (0: not said)
 
     @property
     def stages(self) -> int:
@@ -65,6 +66,7 @@ class Partition:
             f"automatic placement: {self.stages} stages balanced by measured cost; expected speed-up "
             f"{self.speedup:.2f}x over one device with many micro-batches, "
             f"{self.gpipe_speedup(micro_batches):.2f}x with {micro_batches}"
+            + (f" (layers timed on batches of {self.rows} rows)" if self.rows else "")
         ]
         for s in range(self.stages):
             first, last = self.names[self.bounds[s]], self.names[self.bounds[s + 1] - 1]
@@ -76,7 +78,7 @@ class Partition:
         for i, (at, nbytes) in enumerate(zip(self.cuts, self.cut_bytes, strict=True)):
             lines.append(
                 f"  cut {i}: after {self.names[at - 1]}, before {self.names[at]}: "
-                f"{nbytes} bytes cross it per measured step (activations and gradients)"
+                f"{nbytes} bytes cross it per measured batch (activations and gradients)"
             )
         return "\n".join(lines)
 

@@ -26,5 +26,7 @@ def test_an_automatically_cut_pipeline_trains_like_one_process():
     text = first["plan_text"]
     assert "automatic placement: 2 stages balanced by measured cost; expected speed-up" in text
     assert "cut 0: after " in text
+    # Timed again at fit, on the micro-batches' rows (16 / 2), before any pipeline was built.
+    assert "with 2 (layers timed on batches of 8 rows)" in text
     for r in results:  # every worker chose the same cut (rank 0's timings are shared)
         assert r.value["plan_text"] == text

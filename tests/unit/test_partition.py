@@ -120,7 +120,7 @@ def test_the_plan_text_names_the_cut_the_costs_and_the_speedup():
     assert "1.60x with 4" in text
     assert "stage 0: a .. d (4 layers): 4000.000 ms compute" in text
     assert "stage 1: e .. f (2 layers)" in text
-    assert "cut 0: after d, before e: 64 bytes cross it per measured step" in text
+    assert "cut 0: after d, before e: 64 bytes cross it per measured batch" in text
 
 
 def test_settings_without_a_placement_need_stages():
