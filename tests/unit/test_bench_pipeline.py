@@ -1,0 +1,31 @@
+"""The pipeline bench's arithmetic: the ideal step for measured stage computes, and the breakdown it prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdkeras.bench.pipeline import _print, _summary, ideal_step
+
+
+def test_the_ideal_step_fills_and_drains_with_the_slowest_stage():
+    # 2 stages of 80 and 120 ms over 8 micro-batches: 9 micro-batches of the slowest, 15 ms each.
+    assert ideal_step([0.080, 0.120], 8) == pytest.approx(9 * 0.015)
+    assert ideal_step([0.100, 0.100], 1) == pytest.approx(0.200)  # one micro-batch: no overlap at all
+    assert ideal_step([0.05, 0.05, 0.05, 0.05], 4) == pytest.approx(7 * 0.0125)
+
+
+def test_the_breakdown_names_each_stage_s_compute_waiting_and_rest(capsys):
+    alone = {"step": 0.180, "compute": {1: 0.170, 8: 0.160}, "params": 307_498}
+    stages = [
+        {"stage": 0, "step": 0.125, "compute": 0.070, "waiting": 0.045, "layers": ["a", "b", "c"], "stashed": 2},
+        {"stage": 1, "step": 0.125, "compute": 0.100, "waiting": 0.010, "layers": ["d", "e"], "stashed": 1},
+    ]
+    row = {"cut": "auto", "schedule": "1f1b", "micro": 8, "stages": stages}
+    summary = _summary(row, alone)
+    assert summary["ideal"] == pytest.approx(9 * 0.100 / 8)
+    assert summary["speedup"] == pytest.approx(0.180 / 0.125)
+    _print("vggstyle", alone, [row], 64)
+    out = capsys.readouterr().out
+    assert "M=8 160.0 ms (0.94x)" in out  # what micro-batching costs one process
+    assert "s0 70.0/45.0/10.0; 2  s1 100.0/10.0/15.0; 1" in out  # compute / waiting / rest, stashed
+    assert "cut auto: stage 0: a, b, ..., c" in out
