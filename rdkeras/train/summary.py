@@ -88,6 +88,16 @@ def text(
         got = (after.get("bytes_received", 0) - before.get("bytes_received", 0)) / steps
         wait = (after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) * 1e3 / steps
         lines.append(f"  per step on the chief: sent {_bytes(sent)}, received {_bytes(got)}, waited {wait:.1f} ms")
+    pipeline = results.get("pipeline")
+    if pipeline:
+        cut = " | ".join(f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0] for names in pipeline["stages"])
+        line = f"  pipeline: {cut}; {pipeline['micro_batches']} micro-batches, {pipeline['schedule']}"
+        if "expected_speedup" in pipeline:
+            costs = " / ".join(f"{c:.1f}" for c in pipeline["compute_ms"])
+            line += (f"; automatic cut, stages' measured compute {costs} ms (batches of {pipeline['timed_rows']} "
+                     f"rows), expected {pipeline['expected_speedup']:.2f}x one device")  # fmt: skip
+        line += f"; activations stashed at most {' / '.join(map(str, pipeline['stashed']))} micro-batches"
+        lines.append(line)
     for change in results.get("membership_changes", []):
         who = (f"worker {', '.join(map(str, change['joined']))} joined" if change["joined"]
                else f"lost worker {', '.join(map(str, change['lost']))}")  # fmt: skip

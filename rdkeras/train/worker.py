@@ -294,6 +294,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             **dict(zip(("steady_steps", "steady_seconds"), timer.steady(), strict=True)),
             "total_seconds": time.perf_counter() - started,
             "membership_changes": changes,
+            "pipeline": pipeline_summary(strategy.plan) if kind_of(cfg) != "data" else None,
         }
         final = {k: vs[-1] for k, vs in results["history"].items() if vs}
         results["final"] = final
@@ -313,6 +314,28 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
         return results
     finally:
         strategy.close()
+
+
+def kind_of(cfg: Any) -> str:
+    return str(canonical(cfg.parallel.parallelism))
+
+
+def pipeline_summary(plan: Any) -> dict[str, Any] | None:
+    """What a pipeline's plan says about its speed: each stage's layers, the automatic cut's measured costs and
+    expected speed-up, the schedule and the micro-batches each stage stashes at most."""
+    if plan is None:
+        return None
+    out: dict[str, Any] = {
+        "stages": [plan.layers_of(s) for s in plan.stage_order],
+        "micro_batches": plan.micro_batches,
+        "schedule": plan.schedule,
+        "stashed": [plan.stashed.get(s) for s in plan.stage_order],
+    }
+    if plan.partition is not None:
+        out["compute_ms"] = [c * 1e3 for c in plan.partition.compute]
+        out["expected_speedup"] = plan.partition.gpipe_speedup(plan.micro_batches)
+        out["timed_rows"] = plan.partition.rows
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

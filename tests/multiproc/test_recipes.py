@@ -163,6 +163,9 @@ def test_vgg16_model_parallel_recipe_trains_two_steps(tmp_path, parallel, worker
     text = dict(_scalars(tmp_path / "tensorboard" / "rdkeras")["plan"])[0]
     assert "block5_pool:0 -> flatten" in text and "static" in text  # the cut edge between the workers
     assert ("2 stages x 2 replicas" in text) == (parallel == "hybrid")
+    # The summary says how the pipeline runs: 1F1B by default, stashing at most 2 and 1 of the 4 micro-batches.
+    assert results["pipeline"]["schedule"] == "1f1b" and results["pipeline"]["stashed"] == [2, 1]
+    assert "4 micro-batches, 1f1b; activations stashed at most 2 / 1 micro-batches" in done.stdout
 
 
 def test_a_placement_naming_a_missing_layer_is_one_error_line(tmp_path):
