@@ -32,12 +32,16 @@ def _launch(out: Path, *args: str, workers: int = 3, min_workers: int = 2, trans
                           text=True, timeout=240, env={**ENV, **(env or {})}, cwd=REPO)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> list[np.ndarray]:
-    out = tmp_path_factory.mktemp("one")
-    subprocess.run([sys.executable, str(SCRIPT), str(out), "--one-process"], check=True, env=ENV, timeout=120,
+def _one_process(script: Path, out: Path, *args: str) -> list[np.ndarray]:
+    """The weights `script` trains to in one plain Keras process."""
+    subprocess.run([sys.executable, str(script), str(out), "--one-process", *args], check=True, env=ENV, timeout=120,
                    capture_output=True)  # fmt: skip
     return _weights(out / "weights-one.npz")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[np.ndarray]:
+    return _one_process(SCRIPT, tmp_path_factory.mktemp("one"))
 
 
 def _weights(path: Path) -> list[np.ndarray]:
@@ -102,17 +106,15 @@ def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
 
 def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path, tmp_path_factory):
     # Each step waits 0.4 s, so the replacement (TensorFlow's import included) starts while the group trains.
-    one = tmp_path_factory.mktemp("one6")
-    subprocess.run([sys.executable, str(SCRIPT), str(one), "--one-process", "--epochs", "6"], check=True, env=ENV,
-                   timeout=120, capture_output=True)  # fmt: skip
+    reference = _one_process(SCRIPT, tmp_path_factory.mktemp("one6"), "--epochs", "6")
     done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.4", extra=("--max-restarts", "1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     weights = _survivors(tmp_path, {0, 2, 3})  # worker 3: the replacement, taken in at an epoch end
     for other in weights[1:]:
         for a, b in zip(weights[0], other, strict=True):
             assert np.array_equal(a, b)
-    for mine, reference in zip(weights[0], _weights(one / "weights-one.npz"), strict=True):
-        np.testing.assert_allclose(mine, reference, atol=1e-5)
+    for mine, expected in zip(weights[0], reference, strict=True):
+        np.testing.assert_allclose(mine, expected, atol=1e-5)
     assert "[3] worker 3 ended as rank 2 of 3" in done.stdout
     assert re.search(r"worker 3 joined as a replacement; 3 workers \(0, 2, 3\) went on from step \d+", done.stderr)
 
@@ -137,10 +139,7 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_process_loop(tmp_path_factory) -> list[np.ndarray]:
-    out = tmp_path_factory.mktemp("one-loop")
-    subprocess.run([sys.executable, str(LOOP), str(out), "--one-process"], check=True, env=ENV, timeout=120,
-                   capture_output=True)  # fmt: skip
-    return _weights(out / "weights-one.npz")
+    return _one_process(LOOP, tmp_path_factory.mktemp("one-loop"))
 
 
 def _equal_workers(weights: list[list[np.ndarray]], reference: list[np.ndarray]) -> None:
