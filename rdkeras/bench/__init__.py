@@ -6,6 +6,27 @@ import secrets
 from typing import Any
 
 
+def pin_one_core() -> None:
+    """Pins this rank to a core of its own and TensorFlow to one thread, so per-worker compute is the same in
+    every configuration a benchmark compares."""
+    import os
+
+    from rdkeras import cluster
+
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[cluster.resolve().rank % len(cpus)]})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def cut_after(names: list[str], layer: str) -> dict[str, int]:
+    """A 2-stage hand placement: `names` (layers in order) up to `layer` on stage 0, the rest on stage 1."""
+    at = names.index(layer) + 1
+    return {name: int(i >= at) for i, name in enumerate(names)}
+
+
 def run_ranks(bench: str, label: str, target: str, world_size: int, kwargs: dict, **spawn_kwargs: Any) -> Any:
     """Runs ``target`` on `world_size` ranks: their results, or None once the failing rank's output is printed."""
     from rdkeras.launch import spawn_call

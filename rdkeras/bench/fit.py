@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rdkeras import cluster, options
+from rdkeras import options
+from rdkeras.bench import cut_after, pin_one_core
 
 # (input/output width, hidden width): FCN-5 is input -> 3 x hidden (sigmoid) -> softmax output.
 FCN5_SIZES = {"small": (4096, 1024), "full": (26752, 2048)}
@@ -59,14 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int, warmup: int) -> dict:
     options.quiet_tensorflow_logs(level=3)
-    rank = cluster.resolve().rank
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    pin_one_core()
     import keras
-    import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     import rdkeras
     from rdkeras.models import fcn5
 
@@ -101,22 +96,12 @@ def rank_main(distributed: bool, width: int, hidden: int, batch: int, steps: int
     return {"rate": rate, "params": params, "transport": transport}
 
 
-def _pin_one_core() -> None:
-    rank = cluster.resolve().rank
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-
-
 def model_parallel_rank(
     split: str, micro: int, image_size: int, width: float, batch: int, steps: int, warmup: int, distributed: bool
 ) -> dict:
     """One worker of a 2-stage VGG-16 pipeline cut after layer `split` (or the whole model alone)."""
     options.quiet_tensorflow_logs(level=3)
-    _pin_one_core()
+    pin_one_core()
     import contextlib
 
     import keras
@@ -125,10 +110,7 @@ def model_parallel_rank(
     from rdkeras.models import vgg16
 
     names = [layer.name for layer in vgg16(image_size=image_size, width=width).layers[1:]]
-    placement: Any = "auto"  # the balanced cut rdkeras measures
-    if split != "auto":
-        cut = names.index(split) + 1
-        placement = {name: int(i >= cut) for i, name in enumerate(names)}
+    placement: Any = "auto" if split == "auto" else cut_after(names, split)  # auto: the cut rdkeras measures
     strategy = (
         rdkeras.RDMAStrategy(parallelism="model", placement=placement, stages=2, micro_batches=micro)
         if distributed
@@ -147,7 +129,6 @@ def model_parallel_rank(
         edge = strategy.plan.edges[0]
         result["edge"] = f"{edge.producer} {edge.shape} {edge.transfer}"
         result["edge_bytes"] = edge.bytes_per_step
-        print(strategy.plan_text(), flush=True)
         strategy.close()
     return result
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import options
+from rdkeras.bench import cut_after, pin_one_core
 
 MODELS = ("vgg16", "vggstyle", "fcn5")
 HAND_CUTS = {"vgg16": "block3_pool", "vggstyle": "pool2"}  # cut after this layer (hand placement)
@@ -65,17 +66,6 @@ def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     shape = (rows, 4096) if name == "fcn5" else (rows, 32, 32, 3)
     return rng.random(shape, dtype=np.float32), rng.integers(0, 10, rows)
-
-
-def _pin_one_core(rank: int) -> None:
-    import os
-
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
 
 
 def _timed_fit(
@@ -136,7 +126,7 @@ def _compute(sub: Any, rows: int, micro: int, input_grads: bool = False, repeats
 def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: list[int]) -> dict:
     """One process on one core: the step of ``fit``, and the whole model's compute in M micro-batches."""
     options.quiet_tensorflow_logs(level=3)
-    _pin_one_core(0)
+    pin_one_core()
     m = build(model)
     x, y = _data(model, batch * (steps + warmup))
     step, _ = _timed_fit(m, x, y, batch, steps, warmup)
@@ -151,15 +141,13 @@ def stage_rank(model: str, cut: str, micro: int, schedule: str, batch: int, step
 
     options.quiet_tensorflow_logs(level=3)
     rank = cluster.resolve().rank
-    _pin_one_core(rank)
-    if cut == "auto":
-        placement: Any = "auto"
-    else:
+    pin_one_core()
+    placement: Any = "auto"
+    if cut != "auto":
         import keras
 
         names = [layer.name for layer in build(model).layers if not isinstance(layer, keras.layers.InputLayer)]
-        at = names.index(cut) + 1
-        placement = {name: int(i >= at) for i, name in enumerate(names)}
+        placement = cut_after(names, cut)
     strategy = rdkeras.RDMAStrategy(
         parallelism="pipeline", placement=placement, stages=STAGES, micro_batches=micro, schedule=schedule
     )

@@ -62,9 +62,8 @@ class State:
 
     commits: int  # commits made so far (the group's, after a re-form)
     _strategy: RDMAStrategy
-    _model: Any
-    _optimizer: Any
     _values: dict[str, Any]  # the plain values, by name
+    _variables: list[Any]  # the model's weights and the optimizer's variables, each once
     _committed: tuple[list[np.ndarray], dict[str, Any]]  # the last commit: variables' values, plain values
     _reset_callbacks: list[Callable[[], None]]
 
@@ -81,7 +80,9 @@ class State:
                 raise ValueError("an optimizer that is not built yet needs the model whose variables it trains")
             optimizer.build(model.trainable_variables)
         self._values = dict(values)
-        self._strategy, self._model, self._optimizer = strategy, model, optimizer
+        self._strategy = strategy
+        kept = [*(model.weights if model is not None else []), *(optimizer.variables if optimizer is not None else [])]
+        self._variables = list({id(v): v for v in kept}.values())  # (fixed from here: the optimizer is built)
         self._reset_callbacks = []
         self.commits = 0
         self._committed = self._snapshot()
@@ -117,7 +118,7 @@ class State:
     def restore(self) -> None:
         """Puts back the last commit (this process's)."""
         variables, values = self._committed
-        for v, value in zip(self._variables(), variables, strict=True):
+        for v, value in zip(self._variables, variables, strict=True):
             v.assign(value)
         self._values = copy.deepcopy(values)
 
@@ -136,23 +137,15 @@ class State:
     def _parallel(self) -> Any:
         return self._strategy._data_parallel("an elastic State")
 
-    def _variables(self) -> list[Any]:
-        found: list[Any] = []
-        for v in [*(self._model.weights if self._model is not None else []),
-                  *(self._optimizer.variables if self._optimizer is not None else [])]:  # fmt: skip
-            if all(v is not f for f in found):
-                found.append(v)
-        return found
-
     def _snapshot(self) -> tuple[list[np.ndarray], dict[str, Any]]:
-        variables = [np.array(v.numpy(), copy=True) for v in self._variables()]
+        variables = [np.array(v.numpy(), copy=True) for v in self._variables]
         return variables, copy.deepcopy(self._values)
 
     def _sync(self, root: int) -> None:
         """Every member takes `root`'s state (its last commit, after a restore), commit count included."""
         collectives = self._parallel.collectives
         if collectives.size > 1:
-            self._strategy.broadcast_variables(self._variables(), root)
+            self._strategy.broadcast_variables(self._variables, root)
             mine = np.frombuffer(pickle.dumps((self._values, self.commits)), np.uint8)
             (size,) = collectives.broadcast([np.asarray([mine.size], np.float64)], root=root)
             theirs = mine if collectives.engine.rank == root else np.zeros(int(size[0]), np.uint8)

@@ -67,7 +67,7 @@ def _forward(
     for m in range(run.plan.micro_batches):
         one, loss, chain = _forward_one(run, feeds, m, chain, training, with_loss)
         passes.append(one)
-        total_loss = loss if total_loss is None else total_loss if loss is None else total_loss + loss
+        total_loss = _sum(total_loss, loss)
     return passes, total_loss, chain
 
 
@@ -122,7 +122,7 @@ def train_step(
     for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches):
         if kind == "F":
             passes[m], loss, chain = _forward_one(run, feeds, m, chain, training=True)
-            total_loss = loss if total_loss is None else total_loss if loss is None else total_loss + loss
+            total_loss = _sum(total_loss, loss)
         else:
             chain = _backward_one(run, m, passes.pop(m), variables, summed, chain)
     if average is not None and variables:
@@ -255,6 +255,11 @@ def _send_outputs(run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: l
         for e in edges:
             chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
     return chain
+
+
+def _sum(total: Any, loss: Any) -> Any:
+    """A running sum of micro-batches' losses (None: none yet; a stage without the loss adds None)."""
+    return loss if total is None else total if loss is None else total + loss
 
 
 def _computed(*tensors: Any) -> Any:

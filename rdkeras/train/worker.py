@@ -294,7 +294,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
             **dict(zip(("steady_steps", "steady_seconds"), timer.steady(), strict=True)),
             "total_seconds": time.perf_counter() - started,
             "membership_changes": changes,
-            "pipeline": pipeline_summary(strategy.plan) if kind_of(cfg) != "data" else None,
+            "pipeline": pipeline_summary(strategy.plan) if strategy.parallelism != "data" else None,
         }
         final = {k: vs[-1] for k, vs in results["history"].items() if vs}
         results["final"] = final
@@ -314,10 +314,6 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
         return results
     finally:
         strategy.close()
-
-
-def kind_of(cfg: Any) -> str:
-    return str(canonical(cfg.parallel.parallelism))
 
 
 def pipeline_summary(plan: Any) -> dict[str, Any] | None:
