@@ -53,15 +53,17 @@ def check_settings(
             f"{AUTO!r}; got {placement!r}"
         )
     if is_auto(placement):
-        # The cut is chosen from measured layer costs when the model is attached; it needs a stage count.
-        if stages is None:
-            count = "the number of workers" if parallelism == "model" else "workers per pipeline"
+        # The cut is chosen from measured layer costs when the model is attached, into as many stages as
+        # model parallelism has workers; hybrid must be told how many workers each pipeline takes.
+        if stages is None and parallelism == "hybrid":
             raise ValueError(
-                f"parallelism={parallelism} needs a placement (layer-name globs -> pipeline stages, e.g. "
-                f"{{'block*': 0, 'fc*': 1}}) or stages=N ({count}) to cut the model into N stages balanced "
-                "by measured layer costs (placement=None or 'auto')"
+                "parallelism=hybrid needs a placement (layer-name globs -> pipeline stages, e.g. "
+                "{'block*': 0, 'fc*': 1}) or stages=N (workers per pipeline) to cut the model into N stages "
+                "balanced by measured layer costs (placement=None or 'auto')"
             )
-        if workers is not None and (stages != workers if parallelism == "model" else workers % stages):
+        if stages is None or workers is None:
+            return
+        if stages != workers if parallelism == "model" else workers % stages:
             fit = (
                 "model parallelism runs one pipeline over all of them"
                 if parallelism == "model"

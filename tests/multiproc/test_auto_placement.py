@@ -18,8 +18,7 @@ def test_an_automatically_cut_pipeline_trains_like_one_process():
         module=TARGET,
         timeout=300,
         kind="mlp",
-        placement=None,
-        stages=2,
+        placement=None,  # and no stages=: model parallelism cuts the model into as many stages as workers
         micro_batches=2,
     )
     first = _check(results, tol=1e-5)

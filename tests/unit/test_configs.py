@@ -152,7 +152,7 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
         (["+recipe=fcn5", "cluster.num_workers=-1"], "cluster.num_workers must be a whole number >= 1, got -1"),
         (["+recipe=fcn5", "cluster.num_workers=0"], "cluster.num_workers must be a whole number >= 1, got 0"),
         (["transport=carrier_pigeon"], "choose one of: auto, grpc, rpc+shm, rpc+tcp, rpc+verbs, shm, shm+tcp, tcp"),
-        (["parallel=model"], "parallel: parallelism=model needs a placement"),
+        (["parallel=hybrid"], "parallel: parallelism=hybrid needs a placement"),
         (["+recipe=vgg16_model", "cluster.num_workers=1"], "there are only 1 workers"),
         (["trainer.batch_size=0"], "trainer.batch_size must be a whole number >= 1"),
         (["recipe=null", "trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),

@@ -123,9 +123,9 @@ def test_the_plan_text_names_the_cut_the_costs_and_the_speedup():
     assert "cut 0: after d, before e: 64 bytes cross it per measured batch" in text
 
 
-def test_settings_without_a_placement_need_stages():
-    with pytest.raises(ValueError, match=r"parallelism=model needs a placement .* or stages=N \(the number of w"):
-        check_settings("model", placement=None)
+def test_hybrid_settings_without_a_placement_need_stages():
+    check_settings("model", placement=None)  # model parallelism: as many stages as workers
+    check_settings("model", placement="auto", workers=3)
     with pytest.raises(ValueError, match=r"or stages=N \(workers per pipeline\)"):
         check_settings("hybrid", placement="auto")
     check_settings("model", placement=None, stages=2, workers=2)
