@@ -519,3 +519,48 @@ MOMENTS_HOOK = "_moments"
 
 def reduction_axes(batch_norm: Any) -> list[int]:
     return list(batch_norm._reduction_axes)
+
+
+# -- weight gradients apart from input gradients (pipeline) ---------------------------------------------------
+
+
+def defers_weight_gradients(layer: Any) -> bool:
+    """Whether a pipeline stage may compute `layer`'s weight gradients once a step, over every micro-batch's rows
+    (:func:`dense_weight_gradients`), instead of once per micro-batch: a plain trainable Dense layer (its call is
+    ``activation(inputs @ kernel + bias)``) with a ReLU or no activation, no regularizer, LoRA or quantization."""
+    import keras
+
+    return (
+        type(layer) is keras.layers.Dense
+        and layer.trainable
+        and bool(layer.trainable_variables)
+        and layer.activation in (keras.activations.linear, keras.activations.relu)
+        and layer.kernel_regularizer is None
+        and layer.bias_regularizer is None
+        and layer.activity_regularizer is None
+        and not getattr(layer, "lora_enabled", False)
+        and getattr(layer.dtype_policy, "quantization_mode", None) is None
+    )
+
+
+def dense_weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -> list[Any]:
+    """The gradients of a Dense layer's trainable variables (:func:`defers_weight_gradients`) given its inputs
+    and the gradients of its pre-activation output, for any number of rows: the layer is called without its
+    activation, whose forward TensorFlow prunes (the matmul's gradient needs only its inputs)."""
+    import keras
+    import tensorflow as tf
+
+    activation = layer.activation
+    layer.activation = keras.activations.linear  # Dense.call reads it at trace time
+    try:
+        with tf.GradientTape() as tape:
+            outputs = layer(inputs)
+        return tape.gradient(outputs, layer.trainable_variables, output_gradients=pre_activation_grads)
+    finally:
+        layer.activation = activation
+
+
+def relu_activated(layer: Any) -> bool:
+    import keras
+
+    return layer.activation is keras.activations.relu

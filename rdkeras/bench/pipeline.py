@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
     p.add_argument("--micro-batches", default="1,4,8,16")
     p.add_argument("--schedules", default="1f1b,gpipe")
+    p.add_argument(
+        "--per-micro-batch",
+        default="auto",
+        help="configurations (cut names, or 'auto'/'none') also run with every weight gradient per micro-batch, "
+        "as before Dense layers' were deferred to the step's end",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     p.add_argument("--quick", action="store_true", help="fewer steps, M in 4/8, 1F1B, the automatic cut only")
@@ -70,26 +76,29 @@ def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _timed_fit(
     model: Any, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int, engine: Any = None
-) -> tuple[float, float]:
-    """Seconds per step of ``model.fit`` over `steps` steps after `warmup`, and of them, seconds `engine` waited
-    on peers."""
+) -> tuple[list[float], float]:
+    """The seconds of each of `steps` steps of ``model.fit`` after `warmup`, and the mean seconds a step's
+    receives waited on peers (`engine`'s)."""
     import keras
 
-    marks: dict[str, float] = {}
+    times: list[float] = []
+    waits: list[float] = []
 
     def waited() -> float:
         return engine.traffic()["wait_seconds"] if engine is not None else 0.0
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
-            if b == warmup:
-                marks["t0"], marks["w0"] = time.perf_counter(), waited()
+            self.t0, self.w0 = time.perf_counter(), waited()
 
         def on_train_batch_end(self, b: int, logs: Any = None) -> None:
-            marks["t1"], marks["w1"] = time.perf_counter(), waited()
+            if b >= warmup:
+                times.append(time.perf_counter() - self.t0)
+                waits.append(waited() - self.w0)
 
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
-    return (marks["t1"] - marks["t0"]) / steps, (marks["w1"] - marks["w0"]) / steps
+    assert len(times) == steps
+    return times, float(np.mean(waits))
 
 
 def _compute(sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 7) -> float:
@@ -129,19 +138,27 @@ def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: l
     pin_one_core()
     m = build(model)
     x, y = _data(model, batch * (steps + warmup))
-    step, _ = _timed_fit(m, x, y, batch, steps, warmup)
+    times, _ = _timed_fit(m, x, y, batch, steps, warmup)
+    step = float(np.median(times))  # the median step: one the VM stalled does not move it
     compute = {micro: _compute(m, batch // micro, micro) for micro in sorted({1, *micro_batches})}
     return {"step": step, "compute": compute, "params": m.count_params()}
 
 
-def stage_rank(model: str, cut: str, micro: int, schedule: str, batch: int, steps: int, warmup: int) -> dict:
-    """One stage of a 2-stage pipeline: its step, compute, waiting; the plan's cut."""
+def stage_rank(
+    model: str, cut: str, micro: int, schedule: str, batch: int, steps: int, warmup: int, defer: bool = True
+) -> dict:
+    """One stage of a 2-stage pipeline: its step, compute, waiting; the plan's cut. Rank 0 also times one
+    process on its core just before and just after (the reference side by side: the VM's speed drifts)."""
     import rdkeras
     from rdkeras import cluster
 
     options.quiet_tensorflow_logs(level=3)
     rank = cluster.resolve().rank
     pin_one_core()
+    x, y = _data(model, batch * (steps + warmup))
+    alone: list[float] = []
+    if rank == 0:  # (rank 1 waits in the rendezvous meanwhile)
+        alone += _timed_fit(build(model), x, y, batch, steps, warmup)[0]
     placement: Any = "auto"
     if cut != "auto":
         import keras
@@ -149,12 +166,16 @@ def stage_rank(model: str, cut: str, micro: int, schedule: str, batch: int, step
         names = [layer.name for layer in build(model).layers if not isinstance(layer, keras.layers.InputLayer)]
         placement = cut_after(names, cut)
     strategy = rdkeras.RDMAStrategy(
-        parallelism="pipeline", placement=placement, stages=STAGES, micro_batches=micro, schedule=schedule
+        parallelism="pipeline",
+        placement=placement,
+        stages=STAGES,
+        micro_batches=micro,
+        schedule=schedule,
+        defer_weight_gradients=defer,
     )
     with strategy.scope():
         m = build(model)
-    x, y = _data(model, batch * (steps + warmup))
-    step, waiting = _timed_fit(m, x, y, batch, steps, warmup, strategy.engine)
+    times, waiting = _timed_fit(m, x, y, batch, steps, warmup, strategy.engine)
     plan = strategy.plan
     assert plan is not None
     from rdkeras.graph import build_stage
@@ -167,13 +188,17 @@ def stage_rank(model: str, cut: str, micro: int, schedule: str, batch: int, step
             compute = _compute(stage.model, batch // micro, micro, sends_grads)
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()
+    if rank == 0:
+        alone += _timed_fit(build(model), x, y, batch, steps, warmup)[0]
     return {
         "stage": rank,
-        "step": step,
+        "alone": float(np.median(alone)) if alone else None,
+        "step": float(np.median(times)),
         "compute": compute,
         "waiting": waiting,
         "layers": plan.layers_of(rank),
         "stashed": plan.stashed.get(rank),
+        "deferred": plan.deferred.get(rank, []),
         "activation_bytes": plan.activation_bytes.get(rank),
         "cut_bytes": sum(e.bytes_per_step or 0 for e in plan.edges if e.kind == "activation"),
     }
@@ -204,18 +229,23 @@ def run(args: argparse.Namespace) -> int:
         alone["compute"] = {int(k): v for k, v in alone["compute"].items()}
         rows = []
         cuts = ["auto"] if args.quick or model not in HAND_CUTS else ["auto", HAND_CUTS[model]]
-        for cut in cuts:
-            for schedule in schedules:
-                for micro in micros:
-                    label = f"{model}, cut {cut}, {schedule}, {micro} micro-batches"
-                    print(f"[pipeline] {label} ...", flush=True)
-                    ranks = run_ranks("pipeline", label, "rdkeras.bench.pipeline:stage_rank", STAGES,
-                                      {"model": model, "cut": cut, "micro": micro, "schedule": schedule,
-                                       "batch": batch, "steps": steps, "warmup": warmup},
-                                      env={"RDKERAS_TRANSPORT": "shm"}, timeout=args.timeout)  # fmt: skip
-                    if ranks is None:
-                        return 1
-                    rows.append({"cut": cut, "schedule": schedule, "micro": micro, "stages": [r.value for r in ranks]})
+        both = args.per_micro_batch.split(",")
+        configs = [(cut, schedule, True) for cut in cuts for schedule in schedules]
+        configs += [(cut, schedules[0], False) for cut in cuts if cut in both]
+        for cut, schedule, defer in configs:
+            for micro in micros:
+                if not defer and micro == 1:
+                    continue  # one micro-batch defers nothing
+                label = f"{model}, cut {cut}, {_name(schedule, defer)}, {micro} micro-batches"
+                print(f"[pipeline] {label} ...", flush=True)
+                ranks = run_ranks("pipeline", label, "rdkeras.bench.pipeline:stage_rank", STAGES,
+                                  {"model": model, "cut": cut, "micro": micro, "schedule": schedule,
+                                   "batch": batch, "steps": steps, "warmup": warmup, "defer": defer},
+                                  env={"RDKERAS_TRANSPORT": "shm"}, timeout=args.timeout)  # fmt: skip
+                if ranks is None:
+                    return 1
+                rows.append({"cut": cut, "schedule": _name(schedule, defer), "micro": micro,
+                             "stages": [r.value for r in ranks]})  # fmt: skip
         results["models"][model] = {"alone": alone, "pipelines": rows}
         _print(model, alone, rows, batch)
     out = Path(args.out)
@@ -224,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
     _plot(results, out / "pipeline.png")
     print(f"\nwrote {out / 'pipeline.json'} and {out / 'pipeline.png'}")
     return 0
+
+
+def _name(schedule: str, defer: bool) -> str:
+    """A configuration's schedule as the table shows it ("/mb": every weight gradient per micro-batch)."""
+    return schedule if defer else f"{schedule}/mb"
 
 
 def ideal_step(computes: list[float], micro: int) -> float:
@@ -235,7 +270,8 @@ def ideal_step(computes: list[float], micro: int) -> float:
 def _summary(row: dict, alone: dict) -> dict[str, float]:
     step = max(s["step"] for s in row["stages"])
     ideal = ideal_step([s["compute"] for s in row["stages"]], row["micro"])
-    return {"step": step, "ideal": ideal, "speedup": alone["step"] / step, "ideal_speedup": alone["step"] / ideal}
+    one = row["stages"][0].get("alone") or alone["step"]  # this configuration's own reference
+    return {"step": step, "ideal": ideal, "alone": one, "speedup": one / step, "ideal_speedup": one / ideal}
 
 
 def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
@@ -244,8 +280,8 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
     tax = ", ".join(f"M={m} {compute[m] * ms:.1f} ms ({compute[m] / compute[1]:.2f}x)" for m in sorted(compute))
     print(f"\n{model} ({alone['params'] / 1e6:.1f} M params), global batch {batch}, one process on one core: "
           f"{alone['step'] * ms:.1f} ms a step of fit; forward+backward in M micro-batches: {tax}")  # fmt: skip
-    print(f"{'cut':<12} {'schedule':<8} {'M':>3} {'step ms':>8} {'ideal':>7} {'meas/ideal':>10} {'x 1 proc':>8} "
-          f"{'x ideal':>7}   per stage: compute / waiting / rest ms; stashed")  # fmt: skip
+    print(f"{'cut':<12} {'schedule':<9} {'M':>3} {'step ms':>8} {'1 proc':>7} {'ideal':>7} {'meas/ideal':>10} "
+          f"{'x 1 proc':>8} {'x ideal':>7}   per stage: compute / waiting / rest ms; stashed")  # fmt: skip
     for row in rows:
         s = _summary(row, alone)
         parts = "  ".join(
@@ -253,8 +289,9 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
             f"{(st['step'] - st['compute'] - st['waiting']) * ms:.1f}; {st['stashed']}"
             for st in row["stages"]
         )
-        print(f"{row['cut']:<12} {row['schedule']:<8} {row['micro']:>3} {s['step'] * ms:>8.1f} {s['ideal'] * ms:>7.1f} "
-              f"{s['step'] / s['ideal']:>10.2f} {s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
+        print(f"{row['cut']:<12} {row['schedule']:<9} {row['micro']:>3} {s['step'] * ms:>8.1f} "
+              f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
+              f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
     first = rows[0]["stages"] if rows else []
     for st in first:
         shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
@@ -271,7 +308,7 @@ def _plot(results: dict, path: Path) -> None:
         data = results["models"][model]
         alone = data["alone"]
         for (cut, schedule), style in zip(
-            sorted({(r["cut"], r["schedule"]) for r in data["pipelines"]}), ("o-", "s-", "^-", "v-"), strict=False
+            sorted({(r["cut"], r["schedule"]) for r in data["pipelines"]}), ("o-", "s-", "^-", "v-", "D-"), strict=False
         ):
             rows = [r for r in data["pipelines"] if r["cut"] == cut and r["schedule"] == schedule]
             micros = [r["micro"] for r in rows]

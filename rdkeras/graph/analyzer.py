@@ -94,6 +94,10 @@ class Plan:
     activation_bytes: dict[int, int] = field(default_factory=dict)
     schedule: str = "gpipe"
     stashed: dict[int, int] = field(default_factory=dict)  # per stage: most micro-batches stashed at once
+    # Per stage: Dense layers whose weight gradients it computes once a step over every micro-batch's rows
+    # (keeping each one's inputs and output gradients until then: deferred_bytes).
+    deferred: dict[int, list[str]] = field(default_factory=dict)
+    deferred_bytes: dict[int, int] = field(default_factory=dict)
 
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
@@ -117,6 +121,13 @@ class Plan:
                 for s in self.stage_order
             )
             lines.append(f"  schedule {self.schedule}: micro-batches' activations stashed at most: {peak}")
+        if any(self.deferred.values()):
+            kept = "; ".join(
+                f"stage {s} {', '.join(self.deferred[s])} (keeps {_human(self.deferred_bytes.get(s, 0))})"
+                for s in self.stage_order
+                if self.deferred.get(s)
+            )
+            lines.append(f"  weight gradients once a step, over all micro-batches: {kept}")
         for s in self.stage_order:
             names = self.layers_of(s)
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"

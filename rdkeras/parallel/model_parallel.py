@@ -26,7 +26,7 @@ import numpy as np
 from rdkeras import fitting, keras_internals, transports
 from rdkeras._log import logger
 from rdkeras.engine import Engine
-from rdkeras.graph import Plan, analyze, assign_layers
+from rdkeras.graph import Plan, analyze, assign_layers, deferrable
 from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
@@ -48,6 +48,8 @@ class ModelParallel(Parallelism):
         micro_batches: M; each batch is split into M equal micro-batches.
         schedule: "1f1b" or "gpipe": the order of each stage's forward and backward passes
             (:mod:`rdkeras.parallel.schedule`).
+        defer_weight_gradients: with micro-batches, plain Dense layers' weight gradients are computed once a
+            step over the whole batch (:func:`rdkeras.graph.deferrable`).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -62,6 +64,7 @@ class ModelParallel(Parallelism):
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
         schedule: str = "1f1b",
+        defer_weight_gradients: bool = True,
     ):
         n = engine.world_size
         k = stages or n
@@ -73,6 +76,7 @@ class ModelParallel(Parallelism):
         self._cut_rows = 0  # the batch its layers were timed on
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
+        self.defer_weight_gradients = defer_weight_gradients
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
@@ -188,6 +192,8 @@ class ModelParallel(Parallelism):
                 s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro))
                 for p, s in enumerate(plan.stage_order)
             }
+            if self.defer_weight_gradients and micro > 1:
+                plan.deferred, plan.deferred_bytes = deferrable(model, plan)
             self._serial += 1
             pipeline = Pipeline(self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial)
             self._pipelines[key] = pipeline

@@ -74,7 +74,8 @@ def _forward(
 def _forward_one(
     run: Pipeline, feeds: Feeds, m: int, chain: list[Any], training: bool, with_loss: bool = True
 ) -> tuple[tuple, Any, list]:
-    """Micro-batch m's forward pass on this stage: ((tape, outputs, received, objective), its loss, chain).
+    """Micro-batch m's forward pass on this stage: ((tape, outputs, received, objective, taps), its loss, chain);
+    taps: the inputs and outputs of the layers whose weight gradients wait for the step's end (``stage.deferred``).
 
     The tape records only when `training`; the loss stage computes the loss `with_loss` (not for predictions).
     """
@@ -90,7 +91,7 @@ def _forward_one(
             for e in stage.received:
                 if e.needs_grad:
                     tape.watch(received[e.name])
-        outs = _run_stage(stage, feeds, m, received, chain, training=training)
+        outs, taps = _run_stage(stage, feeds, m, received, chain, training=training)
         objective = _regularization(stage, plan.micro_batches) if training else None
         if stage.is_loss and with_loss:
             loss = feeds.loss(m, outs, received, training=training)
@@ -101,7 +102,7 @@ def _forward_one(
         # The next receive waits until this micro-batch is computed: a receive blocks
         # TensorFlow's (one) thread, which must not idle while work is ready.
         chain = [*chain, _computed(outs, objective)]
-    return (tape, outs, received, objective), loss, chain
+    return (tape, outs, received, objective, taps), loss, chain
 
 
 def train_step(
@@ -117,6 +118,7 @@ def train_step(
     variables = stage.trainable_variables
     summed: list[Any] = [None] * len(variables)
     passes: dict[int, tuple] = {}
+    kept: dict[int, tuple] = {}  # micro-batch -> (inputs, pre-activation gradients) of each deferred layer
     total_loss = None
     position = plan.stage_order.index(stage.index)
     for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches):
@@ -124,7 +126,9 @@ def train_step(
             passes[m], loss, chain = _forward_one(run, feeds, m, chain, training=True)
             total_loss = _sum(total_loss, loss)
         else:
-            chain = _backward_one(run, m, passes.pop(m), variables, summed, chain)
+            chain, kept[m] = _backward_one(run, m, passes.pop(m), variables, summed, chain)
+    if stage.deferred:
+        chain = _deferred_weight_gradients(stage, [kept[m] for m in sorted(kept)], variables, summed, chain)
     if average is not None and variables:
         summed = average(summed)
     pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
@@ -138,12 +142,15 @@ def train_step(
     return model.get_metrics_result()
 
 
-def _backward_one(run: Pipeline, m: int, forward: tuple, variables: list, summed: list, chain: list[Any]) -> list:
-    """Micro-batch m's backward pass on this stage: its weights' gradients added to `summed`; returns the chain."""
+def _backward_one(
+    run: Pipeline, m: int, forward: tuple, variables: list, summed: list, chain: list[Any]
+) -> tuple[list, tuple]:
+    """Micro-batch m's backward pass on this stage: its weights' gradients added to `summed`, but for the deferred
+    layers', whose inputs and pre-activation gradients it returns instead; returns (chain, those)."""
     import tensorflow as tf
 
     stage = run.stage
-    tape, outs, received, objective = forward
+    tape, outs, received, objective, taps = forward
     targets, output_grads = [], []
     for pos, edges in enumerate(stage.sends):
         grads_in = []
@@ -158,18 +165,47 @@ def _backward_one(run: Pipeline, m: int, forward: tuple, variables: list, summed
     if objective is not None:
         targets.append(objective)
         output_grads.append(tf.ones_like(objective))
+    waiting = {id(v) for layer in stage.deferred for v in layer.trainable_variables}
+    direct = [i for i, v in enumerate(variables) if id(v) not in waiting]  # their gradients now
     back = [received[e.name] for e in stage.received if e.needs_grad]
+    layer_outputs = taps[1::2]
+    sources = [variables[i] for i in direct] + back + layer_outputs
     with tf.control_dependencies(chain):  # after the previous pass's transfers
-        grads = tape.gradient(targets, variables + back, output_gradients=output_grads) if targets else []
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * (len(variables) + len(back))
-    for e, g in zip([e for e in stage.received if e.needs_grad], grads[len(variables) :], strict=True):
+        grads = tape.gradient(targets, sources, output_gradients=output_grads) if targets else []
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * len(sources)
+    input_grads = grads[len(direct) : len(direct) + len(back)]
+    for e, g in zip([e for e in stage.received if e.needs_grad], input_grads, strict=True):
         g = tf.zeros_like(received[e.name]) if g is None else g
         chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
     chain = [*chain, _computed(grads)]
-    for i, g in enumerate(grads[: len(variables)]):
+    for i, g in zip(direct, grads[: len(direct)], strict=True):
         if g is not None:
             summed[i] = g if summed[i] is None else summed[i] + g
-    return chain
+    later = []
+    output_grads_of_deferred = grads[len(direct) + len(back) :]
+    for layer, x, y, dy in zip(stage.deferred, taps[0::2], layer_outputs, output_grads_of_deferred, strict=True):
+        dy = tf.zeros_like(y) if dy is None else dy
+        if keras_internals.relu_activated(layer):  # the gradient ReLU's backward passes on
+            dy = tf.where(y > 0, dy, tf.zeros_like(dy))
+        later.append((x, dy))
+    return chain, tuple(later)
+
+
+def _deferred_weight_gradients(stage: Stage, kept: list[tuple], variables: list, summed: list, chain: list) -> list:
+    """The deferred layers' weight gradients, each computed once over every micro-batch's rows (one matmul of the
+    whole batch is far cheaper on a CPU than M of its slices and their sum): into `summed`; returns the chain.
+    They run after the step's last input-gradient is sent, while the neighbours drain the pipeline."""
+    import tensorflow as tf
+
+    index = {id(v): i for i, v in enumerate(variables)}
+    with tf.control_dependencies(chain):
+        for n, layer in enumerate(stage.deferred):
+            x = tf.concat([parts[n][0] for parts in kept], axis=0)
+            dz = tf.concat([parts[n][1] for parts in kept], axis=0)
+            grads = keras_internals.dense_weight_gradients(layer, x, dz)
+            for v, g in zip(layer.trainable_variables, grads, strict=True):
+                summed[index[id(v)]] = g
+    return [*chain, _computed(summed)]
 
 
 def test_step(model: Any, run: Pipeline, data: Any) -> Any:
@@ -188,7 +224,7 @@ def predict_step(model: Any, run: Pipeline, data: Any) -> Any:
     x, _, _ = unpack(data)
     feeds = Feeds(model, run, x, None, None)
     passes, _, chain = _forward(run, feeds, feeds.after_data(), training=False, with_loss=False)
-    _, outs, received, _ = passes[0]
+    _, outs, received, _, _ = passes[0]
     graph = keras_internals.functional_of(model)
     if stage.is_loss:
         flat = feeds.model_outputs(outs, received)
@@ -209,18 +245,23 @@ def predict_step(model: Any, run: Pipeline, data: Any) -> Any:
 
 def _run_stage(
     stage: Stage, feeds: Feeds, m: int, received: dict[str, Any], chain: list[Any], training: bool
-) -> list[Any]:
+) -> tuple[list[Any], list[Any]]:
+    """The stage model's outputs for micro-batch m, and in training the deferred layers' inputs and outputs."""
     import tensorflow as tf
 
     if stage.model is None:
-        return []
+        return [], []
+    model = stage.tapped_model if training and stage.tapped_model is not None else stage.model
     inputs = [received[f.edge.name] if f.edge is not None else feeds.inputs[f.input_index or 0][m] for f in stage.feeds]
     # Micro-batch m computes only once m-1's activations are on their way: with one thread,
     # TensorFlow would otherwise run every micro-batch's forward before the first send, and
     # the next stage could not overlap with this one.
     with tf.control_dependencies(chain):
-        outs = stage.model(inputs, training=training)
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        outs = model(inputs, training=training)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if model is stage.model:
+        return outs, []
+    return outs[: len(stage.sends)], [inputs[i] if kind == "in" else outs[i] for kind, i in stage.taps]
 
 
 def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[Any]:

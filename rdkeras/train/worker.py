@@ -44,6 +44,7 @@ def make_strategy(cfg: Any) -> Any:
             placement=placement if placement is None or isinstance(placement, str) else dict(placement),
             micro_batches=parallel.micro_batches,
             schedule=parallel.get("schedule", "1f1b"),
+            defer_weight_gradients=parallel.get("defer_weight_gradients", True),
         )
     if parallel.get("stages") is not None:
         kwargs.update(stages=parallel.stages)

@@ -29,3 +29,13 @@ def test_the_breakdown_names_each_stage_s_compute_waiting_and_rest(capsys):
     assert "M=8 160.0 ms (0.94x)" in out  # what micro-batching costs one process
     assert "s0 70.0/45.0/10.0; 2  s1 100.0/10.0/15.0; 1" in out  # compute / waiting / rest, stashed
     assert "cut auto: stage 0: a, b, ..., c" in out
+
+
+def test_a_configuration_is_compared_with_its_own_one_process_reference():
+    alone = {"step": 0.180, "compute": {1: 0.170}, "params": 1}
+    stages = [
+        {"stage": 0, "alone": 0.150, "step": 0.100, "compute": 0.09, "waiting": 0.0, "layers": ["a"], "stashed": 2},
+        {"stage": 1, "alone": None, "step": 0.100, "compute": 0.09, "waiting": 0.0, "layers": ["b"], "stashed": 1},
+    ]
+    summary = _summary({"cut": "auto", "schedule": "1f1b", "micro": 4, "stages": stages}, alone)
+    assert summary["alone"] == 0.150 and summary["speedup"] == pytest.approx(1.5)  # not 0.180 / 0.100
