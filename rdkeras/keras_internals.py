@@ -527,20 +527,48 @@ def reduction_axes(batch_norm: Any) -> list[int]:
 def defers_weight_gradients(layer: Any) -> bool:
     """Whether a pipeline stage may compute `layer`'s weight gradients once a step, over every micro-batch's rows
     (:func:`dense_weight_gradients`), instead of once per micro-batch: a plain trainable Dense layer (its call is
-    ``activation(inputs @ kernel + bias)``) with a ReLU or no activation, no regularizer, LoRA or quantization."""
+    ``activation(inputs @ kernel + bias)``) with an activation :func:`pre_activation_gradient` knows, no
+    regularizer, LoRA or quantization."""
     import keras
 
     return (
         type(layer) is keras.layers.Dense
         and layer.trainable
         and bool(layer.trainable_variables)
-        and layer.activation in (keras.activations.linear, keras.activations.relu)
+        and _activation_name(layer) is not None
         and layer.kernel_regularizer is None
         and layer.bias_regularizer is None
         and layer.activity_regularizer is None
         and not getattr(layer, "lora_enabled", False)
         and getattr(layer.dtype_policy, "quantization_mode", None) is None
     )
+
+
+def _activation_name(layer: Any) -> str | None:
+    import keras
+
+    known = {
+        keras.activations.linear: "linear",
+        keras.activations.relu: "relu",
+        keras.activations.sigmoid: "sigmoid",
+        keras.activations.tanh: "tanh",
+    }
+    return known.get(layer.activation)
+
+
+def pre_activation_gradient(layer: Any, outputs: Any, output_grads: Any) -> Any:
+    """The gradient of a deferrable Dense layer's pre-activation (``inputs @ kernel + bias``) from its outputs
+    and their gradient: what TensorFlow's own gradient of the activation computes, with the same kernels."""
+    import tensorflow as tf
+
+    name = _activation_name(layer)
+    if name == "relu":
+        return tf.raw_ops.ReluGrad(gradients=output_grads, features=outputs)  # outputs > 0 exactly where inputs are
+    if name == "sigmoid":
+        return tf.raw_ops.SigmoidGrad(y=outputs, dy=output_grads)
+    if name == "tanh":
+        return tf.raw_ops.TanhGrad(y=outputs, dy=output_grads)
+    return output_grads
 
 
 def dense_weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -> list[Any]:
@@ -558,9 +586,3 @@ def dense_weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -
         return tape.gradient(outputs, layer.trainable_variables, output_gradients=pre_activation_grads)
     finally:
         layer.activation = activation
-
-
-def relu_activated(layer: Any) -> bool:
-    import keras
-
-    return layer.activation is keras.activations.relu

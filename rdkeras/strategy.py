@@ -54,7 +54,7 @@ class RDMAStrategy:
             "gpipe" (every forward, then every backward: all micro-batches' activations kept). The same
             gradients either way.
         defer_weight_gradients: pipeline/hybrid with micro-batches: compute the weight gradients of plain
-            Dense layers (ReLU or no activation) once a step over every micro-batch's rows, after the last
+            Dense layers (linear, ReLU, sigmoid, tanh) once a step over every micro-batch's rows, after the last
             backward pass, rather than once per micro-batch (default True): the same sum, at a fraction of
             the cost on a CPU, in the time the pipeline drains. Their inputs and output gradients are kept
             until then (the plan says how many bytes).

@@ -5,11 +5,14 @@ For each model -- VGG-16 as in ``bench fit`` (32 px, width x0.25), a plain VGG-s
 core with the whole batch, and the same process computing the batch as M micro-batches (what
 micro-batching costs the compute itself); then 2 stages, one core and one TensorFlow thread
 each, with the automatic cut (and a hand cut for the convnets) under 1F1B and GPipe, for M in
-1/4/8/16. Per configuration and stage: the step, the stage's compute (its forward and backward
-over M micro-batches, timed alone in the same process afterwards), the time its receives
-waited, and the rest; the ideal step for those computes ((M + S - 1) x the slowest stage's
-micro-batch), measured / ideal, and the speed-up over one process. A PNG plots speed-up
-against micro-batches, measured and ideal, with the one-process line.
+1/4/8/16, and the automatic cut under 1F1B with every weight gradient per micro-batch ("1f1b/mb":
+what deferring Dense layers' saves). Per configuration and stage: the median step, the stage's
+compute (its forward and backward over M micro-batches, every weight gradient per micro-batch,
+timed alone in the same process afterwards), the time its receives waited, and the rest; the
+ideal step for those computes ((M + S - 1) x the slowest stage's micro-batch), measured / ideal,
+and the speed-up over one process fitting the same model on rank 0's core just before and just
+after that configuration. A PNG plots speed-up against micro-batches, measured and ideal, with
+the one-process line.
 """
 
 from __future__ import annotations

@@ -152,11 +152,7 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
 def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, int]]:
     """Per stage of `plan`: its layers whose weight gradients wait for the step's end
     (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph), and the bytes of
-    their inputs and outputs over the whole batch (what waiting keeps).
-
-    Every stage but the first in pipeline order: the others idle at the step's end while the flush drains
-    towards the first, so their deferred gradients fill that time; the first stage's would lengthen the step
-    (measured: FCN-5 cut after its first layer, 1F1B, 8 micro-batches, 73 ms a step against 60)."""
+    their inputs and outputs over the whole batch (what waiting keeps)."""
     import numpy as np
 
     graph = functional_of(model)
@@ -169,7 +165,7 @@ def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, 
     for layer in graph.layers:
         s = plan.layer_stage.get(layer.name)
         once = len(calls.get(id(layer), [])) == 1
-        if s is None or s == plan.stage_order[0] or not once or not defers_weight_gradients(layer):
+        if s is None or not once or not defers_weight_gradients(layer):
             continue
         names.setdefault(s, []).append(layer.name)
         (node,) = calls[id(layer)]

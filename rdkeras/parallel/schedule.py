@@ -185,9 +185,7 @@ def _backward_one(
     output_grads_of_deferred = grads[len(direct) + len(back) :]
     for layer, x, y, dy in zip(stage.deferred, taps[0::2], layer_outputs, output_grads_of_deferred, strict=True):
         dy = tf.zeros_like(y) if dy is None else dy
-        if keras_internals.relu_activated(layer):  # the gradient ReLU's backward passes on
-            dy = tf.where(y > 0, dy, tf.zeros_like(dy))
-        later.append((x, dy))
+        later.append((x, keras_internals.pre_activation_gradient(layer, y, dy)))
     return chain, tuple(later)
 
 
