@@ -27,6 +27,7 @@ import numpy as np
 
 from rdkeras import options
 from rdkeras.bench import cut_after, pin_one_core
+from rdkeras.bench.workloads import timed_fit
 
 MODELS = ("vgg16", "vggstyle", "fcn5")
 HAND_CUTS = {"vgg16": "block3_pool", "vggstyle": "pool2"}  # cut after this layer (hand placement)
@@ -77,33 +78,6 @@ def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.random(shape, dtype=np.float32), rng.integers(0, 10, rows)
 
 
-def _timed_fit(
-    model: Any, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int, engine: Any = None
-) -> tuple[list[float], float]:
-    """The seconds of each of `steps` steps of ``model.fit`` after `warmup`, and the mean seconds a step's
-    receives waited on peers (`engine`'s)."""
-    import keras
-
-    times: list[float] = []
-    waits: list[float] = []
-
-    def waited() -> float:
-        return engine.traffic()["wait_seconds"] if engine is not None else 0.0
-
-    class Clock(keras.callbacks.Callback):
-        def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
-            self.t0, self.w0 = time.perf_counter(), waited()
-
-        def on_train_batch_end(self, b: int, logs: Any = None) -> None:
-            if b >= warmup:
-                times.append(time.perf_counter() - self.t0)
-                waits.append(waited() - self.w0)
-
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
-    assert len(times) == steps
-    return times, float(np.mean(waits))
-
-
 def _compute(sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 7) -> float:
     """Seconds of `sub`'s forward and backward over `micro` micro-batches of `rows` rows (gradients summed;
     with `input_grads`, also those of the inputs, as a stage that receives activations sends back)."""
@@ -141,8 +115,7 @@ def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: l
     pin_one_core()
     m = build(model)
     x, y = _data(model, batch * (steps + warmup))
-    times, _ = _timed_fit(m, x, y, batch, steps, warmup)
-    step = float(np.median(times))  # the median step: one the VM stalled does not move it
+    step = timed_fit(m, x, y, batch, warmup)["step_seconds"]  # the median step: one the VM stalled does not move it
     compute = {micro: _compute(m, batch // micro, micro) for micro in sorted({1, *micro_batches})}
     return {"step": step, "compute": compute, "params": m.count_params()}
 
@@ -161,7 +134,7 @@ def stage_rank(
     x, y = _data(model, batch * (steps + warmup))
     alone: list[float] = []
     if rank == 0:  # (rank 1 waits in the rendezvous meanwhile)
-        alone += _timed_fit(build(model), x, y, batch, steps, warmup)[0]
+        alone.append(timed_fit(build(model), x, y, batch, warmup)["step_seconds"])
     placement: Any = "auto"
     if cut != "auto":
         import keras
@@ -178,7 +151,7 @@ def stage_rank(
     )
     with strategy.scope():
         m = build(model)
-    times, waiting = _timed_fit(m, x, y, batch, steps, warmup, strategy.engine)
+    timed = timed_fit(m, x, y, batch, warmup, strategy.engine)
     plan = strategy.plan
     assert plan is not None
     from rdkeras.graph import build_stage
@@ -192,13 +165,13 @@ def stage_rank(
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()
     if rank == 0:
-        alone += _timed_fit(build(model), x, y, batch, steps, warmup)[0]
+        alone.append(timed_fit(build(model), x, y, batch, warmup)["step_seconds"])
     return {
         "stage": rank,
-        "alone": float(np.median(alone)) if alone else None,
-        "step": float(np.median(times)),
+        "alone": float(np.mean(alone)) if alone else None,  # the two bracket this configuration
+        "step": timed["step_seconds"],
         "compute": compute,
-        "waiting": waiting,
+        "waiting": timed["wait_seconds_per_step"],
         "layers": plan.layers_of(rank),
         "stashed": plan.stashed.get(rank),
         "deferred": plan.deferred.get(rank, []),

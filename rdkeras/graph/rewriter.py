@@ -115,7 +115,7 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
             outputs.append(("edge", edge))
 
     stage_model = tapped = None
-    deferred = [graph.get_layer(name) for name in plan.deferred.get(index, [])]
+    deferred = [graph.get_layer(name) for name in plan.deferred.get(index, [])] if out_tensors else []
     taps: list[tuple[str, int]] = []
     if out_tensors and deferred:
         # Each deferred layer's input and output, as ("in", position among the stage model's inputs) or
