@@ -1,7 +1,12 @@
 #include "engine/collectives.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -284,6 +289,77 @@ int positionOf(const std::vector<int>& members, int rank) {
 
 }  // namespace
 
+namespace {
+
+// Runs a ring's hook on each pass's chunk, passes in order, on a thread of its own (see RingAllreduce::run).
+class PassHooks {
+ public:
+  explicit PassHooks(const RingAllreduce::ChunkHook& hook) : hook_(hook), thread_([this] { loop(); }) {}
+  // The caller failed (or is done): starts no further hook and waits for the one running, whose own waits
+  // are bounded by the engine's deadline.
+  ~PassHooks() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  PassHooks(const PassHooks&) = delete;
+  PassHooks& operator=(const PassHooks&) = delete;
+
+  void submit(uint8_t* chunk, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back({chunk, bytes});
+    }
+    cv_.notify_all();
+  }
+  // Until the first `count` hooks are done; rethrows what a hook threw.
+  void waitDone(size_t count) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_ >= count || error_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void loop() {
+    while (true) {
+      std::pair<uint8_t*, size_t> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || done_ < jobs_.size(); });
+        if (stopping_) return;
+        job = jobs_[done_];
+      }
+      try {
+        hook_(job.first, job.second);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        error_ = std::current_exception();
+        cv_.notify_all();
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++done_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const RingAllreduce::ChunkHook& hook_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<uint8_t*, size_t>> jobs_;
+  size_t done_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: started once the rest is initialised
+};
+
+}  // namespace
+
 RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
                              std::vector<int> members)
     : engine_(std::move(engine)),
@@ -434,24 +510,45 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
   }
   if (right_key_ == 0) throw EngineError("allreduce: run() before connect()");
   const double inv = average ? 1.0 / n : 1.0;
+  // Allgather of pass [b0, b1): at step s send the complete chunk rank+1-s; the left neighbour writes chunk
+  // rank-s straight into our output block.
+  auto allgather = [&](size_t b0, size_t b1) {
+    for (int s = 0; s < n - 1; ++s) {
+      const ChunkRange send = ringChunk(b0, b1, n, rank_ + 1 - s), recv = ringChunk(b0, b1, n, rank_ - s);
+      allgatherStep(out, out_region_offset, send.lo, send.hi);
+      engine_->countReceived(recv.hi - recv.lo);  // what the left neighbour wrote
+    }
+  };
+  // With a hook and more than one pass, the hook of pass k runs on a thread of its own while this one
+  // reduce-scatters pass k+1 and allgathers pass k-1: the same order of messages on every member.
+  std::optional<PassHooks> hooks;
+  if (between && total > bucket_bytes_) hooks.emplace(between);
+  size_t passes = 0, gather_b0 = 0, gather_b1 = 0;  // the pass whose allgather waits for its hook
   // At least one pass, even for nothing: the signature must reach the neighbour every call.
   for (size_t b0 = 0; b0 == 0 || b0 < total; b0 += bucket_bytes_) {
     const size_t b1 = std::min(total, b0 + bucket_bytes_);
-    auto lo = [&](int c) { return ringChunk(b0, b1, n, c).lo; };
-    auto hi = [&](int c) { return ringChunk(b0, b1, n, c).hi; };
     // Reduce-scatter: at step s send chunk rank-s, receive chunk rank-s-1.
     for (int s = 0; s < n - 1; ++s) {
-      const int send = rank_ - s, recv = rank_ - s - 1;
-      reduceScatterStep(inputs, offsets, lo(send), hi(send), s == 0, lo(recv), hi(recv), out, dtype,
+      const ChunkRange send = ringChunk(b0, b1, n, rank_ - s), recv = ringChunk(b0, b1, n, rank_ - s - 1);
+      reduceScatterStep(inputs, offsets, send.lo, send.hi, s == 0, recv.lo, recv.hi, out, dtype,
                         s == n - 2 ? inv : 1.0, b0 == 0 && s == 0 ? signature : 0);
     }
-    if (between) between(out + lo(rank_ + 1), hi(rank_ + 1) - lo(rank_ + 1));  // the chunk summed here
-    // Allgather: at step s send the complete chunk rank+1-s; the left neighbour
-    // writes chunk rank-s straight into our output block.
-    for (int s = 0; s < n - 1; ++s) {
-      allgatherStep(out, out_region_offset, lo(rank_ + 1 - s), hi(rank_ + 1 - s));
-      engine_->countReceived(hi(rank_ - s) - lo(rank_ - s));  // what the left neighbour wrote
+    const ChunkRange mine = ringChunk(b0, b1, n, rank_ + 1);  // the chunk summed here
+    if (!hooks) {
+      if (between) between(out + mine.lo, mine.hi - mine.lo);
+      allgather(b0, b1);
+      continue;
     }
+    hooks->submit(out + mine.lo, mine.hi - mine.lo);
+    if (passes++ > 0) {
+      hooks->waitDone(passes - 1);
+      allgather(gather_b0, gather_b1);
+    }
+    gather_b0 = b0, gather_b1 = b1;
+  }
+  if (hooks) {
+    hooks->waitDone(passes);
+    allgather(gather_b0, gather_b1);
   }
   return {out, std::move(offsets)};
 }

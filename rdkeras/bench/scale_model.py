@@ -438,6 +438,21 @@ def hierarchical_parts(x: float, servers: int, per_server: int, hops: Hops, wire
     )
 
 
+def hierarchical_seconds(x: float, passes: int, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> float:
+    """Seconds of one hierarchical allreduce of `x` bytes in `passes` passes, as the engine pipelines them: a
+    thread of its own sums pass k across servers while the ring inside the server reduce-scatters pass k+1 and
+    allgathers pass k-1, so after the first pass's reduce-scatter a pass costs the slower of the two, and the
+    last pass's allgather follows."""
+    h, l_ = servers, per_server
+    if h * l_ <= 1:
+        return 0.0
+    y = x / passes
+    gather = (l_ - 1) * (hops.host_a + y / l_ * hops.host_b)  # one half of the ring inside the server
+    scatter = gather + (l_ - 1) / l_ * y * hops.sum_b
+    across = sum(hierarchical_parts(y, h, l_, hops, wire).values()) - scatter - gather
+    return scatter + across + (passes - 1) * max(across, scatter + gather) + gather
+
+
 def doubling_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> dict[str, float]:
     """rdkeras's latency-optimal allreduce for small tensors (recursive doubling, the "tree"): log2(P) steps, P
     the largest power of 2 <= N, each exchanging all x bytes with the partner 2^k positions away (inside the
@@ -560,8 +575,9 @@ def rdkeras_step(
     produces the gradients (`tensors`: see gradient_buckets); each bucket, once its gradients exist, is copied
     to the host (`staging`: the numpy_function hop; on the GPU's own PCIe link, one bucket after another) and
     allreduced by the communication thread, one bucket at a time, in passes of at most `pass_bytes` (the ring's
-    bucket_bytes); after the last one, every averaged gradient is copied back to the GPU, which nothing hides.
-    Without `overlap` every bucket waits for the end of backprop."""
+    bucket_bytes; the hierarchical allreduce's are smaller and pipelined: hierarchical_seconds); after the last
+    one, every averaged gradient is copied back to the GPU, which nothing hides. Without `overlap` every bucket
+    waits for the end of backprop."""
     hops, servers, per_server = Hops.of(testbed), testbed.servers, testbed.gpus_per_server
     parts, calls = _parts(), dict[str, int]()
     if testbed.workers <= 1:
@@ -574,13 +590,20 @@ def rdkeras_step(
             copied = max(at, copied) + staging_seconds(nbytes, testbed)
             parts["pcie"] += staging_seconds(nbytes, testbed)
             at = copied
-        passes = max(1, math.ceil(nbytes / pass_bytes))
         used = pick_algorithm(algorithm, nbytes, servers, per_server, hops)  # by the call's bytes, as the code
+        # The hierarchical allreduce's passes are shorter (as the code sizes them), and pipelined.
+        short = collectives.hierarchy_pass_bytes(testbed.workers, hops.net_a, hops.net_b)
+        size = min(pass_bytes, short) if used == "hierarchical" else pass_bytes
+        passes = max(1, math.ceil(nbytes / size))
         used, cost = allreduce_parts(used, nbytes / passes, servers, per_server, hops, wire)
         for k, v in cost.items():
             parts[k] += passes * v
         calls[used] = calls.get(used, 0) + passes
-        free = max(at, free) + passes * sum(cost.values())
+        if used == "hierarchical":
+            seconds = hierarchical_seconds(nbytes, passes, servers, per_server, hops, wire)
+        else:
+            seconds = passes * sum(cost.values())
+        free = max(at, free) + seconds
     end = max(compute_s, free)
     if staging:
         back = staging_seconds(sum(b for _, b in tensors), testbed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import queue
 import sys
@@ -298,6 +299,22 @@ class Collectives:
         return summed.astype(array.dtype)
 
 
+# The hierarchical allreduce's passes, at least: the engine sums pass k across hosts while the ring inside the
+# host reduce-scatters pass k+1 and allgathers pass k-1, so the links between hosts wait only for the first
+# pass's reduce-scatter and the last one's allgather.
+HIERARCHY_PASS_BYTES = 4 << 20
+MESSAGE_SHARE = 1 / 8  # of a message's byte cost, the most its per-message cost may add across hosts
+
+
+def hierarchy_pass_bytes(members: int, message_s: float, byte_s: float) -> int:
+    """The hierarchical allreduce's pass over `members` ranks in all, whose messages across hosts cost
+    `message_s` + `byte_s` per byte: HIERARCHY_PASS_BYTES, or more (whole MiB) where each of the ring's
+    messages across hosts -- 1/members of a pass -- would otherwise spend more than MESSAGE_SHARE of its
+    bytes' time on its per-message cost (many hosts: short passes pay 2(H-1) message costs each)."""
+    needed = members * message_s / (MESSAGE_SHARE * byte_s)
+    return max(HIERARCHY_PASS_BYTES, math.ceil(needed / (1 << 20)) << 20)
+
+
 class HierarchicalAllreduce:
     """A sum over hosts of L members each, in the engine (``hierarchicalAllreduce``, csrc/engine/collectives.cc):
     a ring inside each host reduce-scatters every pass (shared memory), the members holding the same chunk on
@@ -310,7 +327,9 @@ class HierarchicalAllreduce:
         host = next(h for h, g in enumerate(groups) if me in g)
         self.position, self.locals_ = groups[host].index(me), len(groups[host])
         base, size = collectives.name, collectives.bucket_bytes
-        self.inside = Collectives(collectives.engine, size, groups[host], name=f"{base}host{host}/")
+        message_s, byte_s, _ = transports.get(collectives.engine.transport).costs
+        passes = min(size, hierarchy_pass_bytes(collectives.size, message_s, byte_s))
+        self.inside = Collectives(collectives.engine, passes, groups[host], name=f"{base}host{host}/")
         self.across = Collectives(
             collectives.engine, size, [g[self.position] for g in groups], name=f"{base}shard{self.position}/"
         )

@@ -151,7 +151,8 @@ def test_the_readmes_multi_node_command_trains_across_two_hosts(tmp_path):
     with netns.hosts(2) as (a, b):
         procs = []
         for node, host in enumerate((a, b)):
-            argv = command("python", "rdkeras.launch", overrides=[*small, f"hydra.run.dir={tmp_path}/node{node}"])
+            overrides = [*small, f"hydra.run.dir={tmp_path}/node{node}"]
+            argv = command("python", "rdkeras.launch --nnodes", overrides=overrides)
             for flag, value in (("--node-rank", str(node)), ("--master-addr", a.addr), ("--master-port", "29512")):
                 argv[argv.index(flag) + 1] = value
             procs.append(

@@ -195,6 +195,32 @@ def test_hierarchical_sends_fewer_bytes_across_servers_by_the_expected_ratio():
     assert scale_model.hierarchical_parts(x, 128, 4, hops)["latency"] == pytest.approx(2 * 3 * 1e-6 + 2 * 127 * 3e-6)
 
 
+def test_hierarchical_passes_overlap_the_servers_links_with_the_work_inside_them():
+    hops = scale_model.Hops(net_a=3e-6, net_b=1e-9, host_a=1e-6, host_b=0.1e-9, sum_b=0.2e-9)
+    x = 256 * MB
+    serial = sum(scale_model.hierarchical_parts(x, 16, 4, hops).values())
+    assert scale_model.hierarchical_seconds(x, 1, 16, 4, hops) == pytest.approx(serial)  # one pass: nothing overlaps
+    # 64 passes: the network's part (the slower stage here) runs back to back; inside the server, only the first
+    # pass's reduce-scatter and the last one's allgather add to it.
+    per_pass = scale_model.hierarchical_parts(x / 64, 16, 4, hops)
+    inside = 2 * 3 * (1e-6 + x / 64 / 4 * 0.1e-9) + 3 / 4 * x / 64 * 0.2e-9
+    across = sum(per_pass.values()) - inside
+    assert across > inside
+    assert scale_model.hierarchical_seconds(x, 64, 16, 4, hops) == pytest.approx(64 * across + inside)
+    assert scale_model.hierarchical_seconds(x, 64, 16, 4, hops) < serial
+
+
+def test_hierarchical_passes_grow_with_the_ranks_where_messages_cost_more_than_their_bytes():
+    from rdkeras.parallel import collectives
+
+    assert collectives.hierarchy_pass_bytes(4, 1e-6, 1e-10) == collectives.HIERARCHY_PASS_BYTES
+    # 512 ranks over RDMA at 25 Gbit/s: each message across carries 1/512 of a pass and must carry 8x the bytes
+    # its 3 us cost moves: 512 * 8 * 3e-6 * 25e9 / 8 bytes, in whole MiB.
+    big = collectives.hierarchy_pass_bytes(512, 3e-6, 8 / 25e9)
+    assert big == math.ceil(512 * 8 * 3e-6 * 25e9 / 8 / MB) * MB
+    assert collectives.hierarchy_pass_bytes(1024, 3e-6, 8 / 25e9) >= 2 * big - MB
+
+
 def test_compression_halves_the_bytes_between_servers():
     hops = scale_model.Hops(net_a=3e-6, net_b=1e-9, host_a=1e-6, host_b=0.1e-9, sum_b=0.2e-9)
     x = 64 * MB
