@@ -44,7 +44,9 @@ cited constants alone: each allreduce algorithm's steps priced by the hops they 
 NIC, which its GPUs share, or inside it over shared memory -- with the sums on a CPU core (rdkeras) or on
 the GPU (NCCL, by NVIDIA's own cost model); gradients appear during backprop in its layers' order and at
 the times their FLOPs say, and are fused into buckets (rdkeras: fixed 4 MiB ones, in passes of at most
-64 MiB; Horovod: whatever exists when its thread is free, up to 64 MB), one allreduce at a time.
+64 MiB, the hierarchical allreduce's shorter and pipelined, each bucket's sums back on the GPU while the
+next buckets are exchanged; Horovod: whatever exists when its thread is free, up to 64 MB), one allreduce
+at a time.
 """
 
 from __future__ import annotations
@@ -575,15 +577,16 @@ def rdkeras_step(
     produces the gradients (`tensors`: see gradient_buckets); each bucket, once its gradients exist, is copied
     to the host (`staging`: the numpy_function hop; on the GPU's own PCIe link, one bucket after another) and
     allreduced by the communication thread, one bucket at a time, in passes of at most `pass_bytes` (the ring's
-    bucket_bytes; the hierarchical allreduce's are smaller and pipelined: hierarchical_seconds); after the last
-    one, every averaged gradient is copied back to the GPU, which nothing hides. Without `overlap` every bucket
-    waits for the end of backprop."""
+    bucket_bytes; the hierarchical allreduce's are smaller and pipelined: hierarchical_seconds); once a bucket
+    is done (a wait op per bucket), its averaged gradients are copied back to the GPU while later buckets are
+    still exchanged, the last bucket's copy after everything. Without `overlap` every bucket waits for the end
+    of backprop."""
     hops, servers, per_server = Hops.of(testbed), testbed.servers, testbed.gpus_per_server
     parts, calls = _parts(), dict[str, int]()
     if testbed.workers <= 1:
         return Step(compute_s, compute_s, parts, calls)
     forward, backward = compute_s / 3, 2 * compute_s / 3
-    copied = free = 0.0
+    copied = free = returned = 0.0
     for ready, nbytes in gradient_buckets(tensors, bucket_bytes):
         at = forward + ready * backward if overlap else compute_s
         if staging:
@@ -604,12 +607,10 @@ def rdkeras_step(
         else:
             seconds = passes * sum(cost.values())
         free = max(at, free) + seconds
-    end = max(compute_s, free)
-    if staging:
-        back = staging_seconds(sum(b for _, b in tensors), testbed)
-        parts["pcie"] += back
-        end += back
-    return Step(compute_s, end, parts, calls)
+        if staging:  # the bucket's sums back to the GPU once its wait op returns (the link's other direction)
+            returned = max(free, returned) + staging_seconds(nbytes, testbed)
+            parts["pcie"] += staging_seconds(nbytes, testbed)
+    return Step(compute_s, max(compute_s, free, returned), parts, calls)
 
 
 def horovod_step(

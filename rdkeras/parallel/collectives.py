@@ -508,12 +508,17 @@ class BucketPipeline:
 
     def wait(self, exchange: int, count: int) -> list[Any]:
         """Every bucket's result, in bucket order; fails after `timeout` seconds without progress."""
+        return [self.wait_bucket(exchange, b, count) for b in range(count)]
+
+    def wait_bucket(self, exchange: int, bucket: int, count: int) -> Any:
+        """Bucket `bucket`'s result (of `count`), once it is done; the buckets must be waited for in order. Fails
+        after `timeout` seconds without progress."""
         marks = self._current.get(exchange)
-        if marks is not None:
+        if marks is not None and bucket == 0:
             marks[2] = time.perf_counter()
         with self._done:
             done, since = -1, time.monotonic()
-            while len(self._results.get(exchange, {})) < count:
+            while bucket not in self._results.get(exchange, {}):
                 if self._error is not None:
                     raise self._error
                 if len(self._results.get(exchange, {})) != done:
@@ -521,15 +526,19 @@ class BucketPipeline:
                 left = since + self._timeout - time.monotonic()
                 if left <= 0:
                     raise errors.TimeoutError(
-                        f"{self._name}: {count - done} of {count} buckets not done after {self._timeout:g} s"
+                        f"{self._name}: bucket {bucket} of {count} not done after {self._timeout:g} s "
+                        f"({bucket + done} done)"
                     )
                 self._done.wait(min(left, 1.0))
-            results = self._results.pop(exchange)
+            result = self._results[exchange].pop(bucket)
+            if bucket < count - 1:
+                return result
+            del self._results[exchange]
             self._expected[exchange] = 0
         if marks is not None:
             marks[3] = time.perf_counter()
             self.timeline.append(marks)
-        return [results[b] for b in range(count)]
+        return result
 
 
 _PIPELINES: weakref.WeakSet[BucketPipeline] = weakref.WeakSet()
@@ -548,9 +557,10 @@ class GradientAllreduce:
 
     With `overlap_bytes` > 0 (inside a compiled function) the gradients go in buckets of that many
     bytes, last layer first: each bucket's allreduce starts as soon as backprop has produced its
-    gradients (a start op hands it to a communication thread) and one wait op collects them all before
-    the update. Each element is still reduced by exactly one ring (bucket boundaries fall between
-    tensors), so workers stay bit-identical.
+    gradients (a start op hands it to a communication thread) and a wait op per bucket, in bucket order,
+    collects it, so the update of one bucket's variables need not wait for the later buckets. Each element
+    is still reduced by exactly one ring (bucket boundaries fall between tensors), so workers stay
+    bit-identical.
     """
 
     def __init__(self, collectives: Collectives, average: bool = True, overlap_bytes: int = 0):
@@ -599,18 +609,25 @@ class GradientAllreduce:
         pipeline, exchange = self._pipeline, next(self._exchanges)  # one exchange per trace
         buckets = reverse_buckets([g.shape.num_elements() * g.dtype.size for g in wire], self.overlap_bytes)
         tickets = pipeline.start_ops(exchange, buckets, wire, "rdkeras_allreduce_start")
+        # One wait op per bucket, in bucket order: what follows a bucket (the copy back to a GPU, the optimizer's
+        # update of its variables) may run while later buckets are still on the wire.
+        out: list[Any] = [None] * len(wire)
+        for b, members in enumerate(buckets):
 
-        def wait(*_inputs: np.ndarray) -> list[np.ndarray]:
-            out: list[np.ndarray] = [None] * len(wire)  # type: ignore[list-item]
-            for members, reduced in zip(buckets, pipeline.wait(exchange, len(buckets)), strict=True):
-                for i, r in zip(members, reduced, strict=True):
-                    out[i] = r
-            return out
+            def wait(*_inputs: np.ndarray, b: int = b) -> list[np.ndarray]:
+                return list(pipeline.wait_bucket(exchange, b, len(buckets)))
 
-        # The gradients are inputs too: TensorFlow keeps them alive until every bucket is done.
-        return tf.numpy_function(
-            wait, tickets + wire, Tout=[g.dtype for g in wire], stateful=True, name="rdkeras_allreduce_wait"
-        )
+            # The bucket's gradients are inputs too: TensorFlow keeps them alive until the bucket is done.
+            reduced = tf.numpy_function(
+                wait,
+                [tickets[b]] + [wire[i] for i in members],
+                Tout=[wire[i].dtype for i in members],
+                stateful=True,
+                name=f"rdkeras_allreduce_wait{b}",
+            )
+            for i, r in zip(members, reduced, strict=True):
+                out[i] = r
+        return out
 
     def _reduce_bucket(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         # A ring per bucket: its outputs stay valid until that bucket's next-but-one exchange.

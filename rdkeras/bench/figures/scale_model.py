@@ -228,8 +228,8 @@ def _at_scale_models(at: dict) -> list[str]:
         "measured for it on one P100 (DGX-1, May 2017; ResNet-101 between ResNet-50 and ResNet-152 by FLOPs), "
         "forward + backward = 3 × forward, backprop's gradients appearing in the order and at the times its layers' "
         "FLOPs say. rdkeras's gradients travel GPU → host → GPU through its numpy_function hops: each bucket is "
-        "copied off the GPU as backprop produces it, and every averaged gradient back after the exchange, which "
-        "nothing hides (PCIe at 12 GB/s) — charged until a path without host staging exists.",
+        "copied off the GPU as backprop produces it and back once its exchange is done, the last bucket's after "
+        "everything (PCIe at 12 GB/s) — charged until a path without host staging exists.",
         "",
         "| model | image | forward GFLOPs/image | gradients | P100 share of peak, batch 64 / 32 |",
         "|---|---|---|---|---|",
