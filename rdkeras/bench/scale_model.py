@@ -423,20 +423,30 @@ def ring_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float 
     )
 
 
+def _grid(servers: int, per_server: int) -> tuple[int, int, bool]:
+    """(groups, members per group, whether a group spans servers) of the hierarchical allreduce: the servers and
+    their workers, or with one worker per server a 2D ring (collectives.grid_groups)."""
+    side = collectives.grid_side(servers) if per_server == 1 else None
+    return (servers // side, side, True) if side else (servers, per_server, False)
+
+
 def hierarchical_parts(x: float, servers: int, per_server: int, hops: Hops, wire: float = 1.0) -> dict[str, float]:
     """rdkeras's hierarchical allreduce: a ring inside each server reduce-scatters (L-1 steps of x/L), each local
     rank sums its x/L shard across servers by a ring of the same-position ranks (2(H-1) steps; the L rings share
     the server's NIC, which carries x/H a step: 2(H-1)/H of x across in all), and the ring inside allgathers.
-    `wire` < 1: only the shards crossing servers are cast."""
-    h, l_ = servers, per_server
+    `wire` < 1: only the shards crossing servers are cast. With one worker per server, a 2D ring (_grid): its
+    groups' rings cross the network too, every byte compressed, each worker's NIC carrying its own shard."""
+    h, l_, grid = _grid(servers, per_server)
     if h * l_ <= 1:
         return _parts()
+    inside_bytes = 2 * (l_ - 1) * x / l_
+    across = 2 * (h - 1) * x / h * wire * hops.net_b / (l_ if grid else 1)
     return _parts(
-        latency=2 * (l_ - 1) * hops.host_a + 2 * (h - 1) * hops.net_a,
-        network=2 * (h - 1) * x / h * wire * hops.net_b,
-        in_server=2 * (l_ - 1) * x / l_ * hops.host_b,
+        latency=2 * (l_ - 1) * (hops.net_a if grid else hops.host_a) + 2 * (h - 1) * hops.net_a,
+        network=across + (inside_bytes * wire * hops.net_b if grid else 0.0),
+        in_server=0.0 if grid else inside_bytes * hops.host_b,
         sums=((l_ - 1) / l_ * x + (h - 1) / h * x / l_) * hops.sum_b,
-        casts=_casts(x / l_, wire, hops) if h > 1 else 0.0,
+        casts=_casts(x if grid else x / l_, wire, hops) if h > 1 else 0.0,
     )
 
 
@@ -444,11 +454,13 @@ def hierarchical_seconds(x: float, passes: int, servers: int, per_server: int, h
     """Seconds of one hierarchical allreduce of `x` bytes in `passes` passes, as the engine pipelines them: a
     thread of its own sums pass k across servers while the ring inside the server reduce-scatters pass k+1 and
     allgathers pass k-1, so after the first pass's reduce-scatter a pass costs the slower of the two, and the
-    last pass's allgather follows."""
-    h, l_ = servers, per_server
+    last pass's allgather follows. A 2D ring's two rings share each worker's NIC: no overlap is counted."""
+    h, l_, grid = _grid(servers, per_server)
     if h * l_ <= 1:
         return 0.0
     y = x / passes
+    if grid:
+        return passes * sum(hierarchical_parts(y, servers, per_server, hops, wire).values())
     gather = (l_ - 1) * (hops.host_a + y / l_ * hops.host_b)  # one half of the ring inside the server
     scatter = gather + (l_ - 1) / l_ * y * hops.sum_b
     across = sum(hierarchical_parts(y, h, l_, hops, wire).values()) - scatter - gather
@@ -491,14 +503,16 @@ def doubling_below(servers: int, per_server: int, hops: Hops) -> float:
 
 def pick_algorithm(algorithm: str, nbytes: float, servers: int, per_server: int, hops: Hops) -> str:
     """The algorithm an allreduce call of `nbytes` runs: "auto" is recursive doubling below doubling_below, else
-    hierarchical where there are several servers of more than one worker each, else the ring."""
+    hierarchical where there are several servers of more than one worker each, or a 2D grid of single-worker
+    servers (collectives.choose_algorithm), else the ring."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if algorithm != "auto":
         return algorithm
     if nbytes < doubling_below(servers, per_server, hops):
         return "doubling"
-    return "hierarchical" if servers > 1 and per_server > 1 else "ring"
+    groups, each, _ = _grid(servers, per_server)
+    return "hierarchical" if groups > 1 and each > 1 else "ring"
 
 
 def allreduce_parts(

@@ -54,12 +54,39 @@ def host_groups(hosts: Sequence[str], members: Sequence[int]) -> list[list[int]]
     return list(groups.values())
 
 
+def grid_side(n: int) -> int | None:
+    """The side g of a 2D ring over `n` ranks (n/g groups of g): the largest divisor of n with 2 <= g <= sqrt(n),
+    which makes 2(g-1) + 2(n/g-1) messages in sequence the fewest; None where there is none (n < 4, n prime)."""
+    return next((g for g in range(math.isqrt(n), 1, -1) if n % g == 0), None) if n >= 4 else None
+
+
+def grid_groups(groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`groups` (members by host) as the hierarchical allreduce runs over them: where every host has one worker,
+    a 2D ring (:func:`grid_side`): consecutive members in groups of g, which then stand for hosts -- the ring of
+    a group, then the rings of the members at one position in every group. Otherwise `groups` unchanged."""
+    side = grid_side(len(groups))
+    if side is None or any(len(g) != 1 for g in groups):
+        return [list(g) for g in groups]
+    flat = [g[0] for g in groups]
+    return [flat[i : i + side] for i in range(0, len(flat), side)]
+
+
 def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[str, str]:
     """(the allreduce algorithm for large tensors, why) for members grouped by host. "auto": hierarchical where
     there are several hosts with the same number (> 1) of members each -- only then does reducing inside each
-    host first take bytes off the links between hosts -- else the ring. (Small tensors: :func:`doubling_below`.)"""
+    host first take bytes off the links between hosts -- or one each and a 2D grid of them (:func:`grid_groups`:
+    the same bytes as the flat ring's, 2(g-1) + 2(N/g-1) messages in sequence instead of 2(N-1)), else the ring.
+    (Small tensors: :func:`doubling_below`.)"""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm in ("auto", "hierarchical") and grid_groups(groups) != [list(g) for g in groups]:
+        n, side = len(groups), grid_side(len(groups))
+        assert side is not None  # (grid_groups changed them)
+        steps = 2 * (side - 1) + 2 * (n // side - 1)
+        return "hierarchical", (
+            f"{n} hosts x 1 worker: a 2D ring, {n // side} groups of {side} ({steps} messages in sequence where a "
+            f"flat ring sends {2 * (n - 1)})"
+        )
     sizes = sorted({len(g) for g in groups})
     hosts, each = len(groups), sizes[0]
     shape = (
@@ -178,7 +205,8 @@ class Collectives:
                 self._multi_host = len(groups) > 1
                 self._chosen = choose_algorithm(self.requested, groups)
                 if self._chosen[0] == "hierarchical":
-                    self._hierarchy = HierarchicalAllreduce(self, groups)
+                    grid = grid_groups(groups)
+                    self._hierarchy = HierarchicalAllreduce(self, grid, grid=grid != groups)
                 if self.requested == "auto":
                     message_s, byte_s, add_byte_s = spec.costs
                     if max(len(g) for g in groups) > (os.cpu_count() or 1):  # messages wait to be scheduled
@@ -249,7 +277,8 @@ class Collectives:
             algorithm = self.algorithm_for(nbytes)
             if algorithm == "hierarchical":
                 assert self._hierarchy is not None  # (set with the choice)
-                reduced = self._hierarchy(group, average, purpose, wire, self.compress_within_hosts)
+                within = self.compress_within_hosts or self._hierarchy.grid  # a grid's groups span hosts
+                reduced = self._hierarchy(group, average, purpose, wire, within)
             else:
                 if not (self._multi_host or self.compress_within_hosts):
                     wire = None
@@ -301,8 +330,10 @@ class Collectives:
 
 # The hierarchical allreduce's passes, at least: the engine sums pass k across hosts while the ring inside the
 # host reduce-scatters pass k+1 and allgathers pass k-1, so the links between hosts wait only for the first
-# pass's reduce-scatter and the last one's allgather.
-HIERARCHY_PASS_BYTES = 4 << 20
+# pass's reduce-scatter and the last one's allgather. Each pass costs a hand-off between threads and its rings'
+# messages: ~2.5 ms with 4 workers on 2 cores (bench hosts, unshaped link: 64 MB in 4 MiB passes took 0.127 s,
+# in one 0.088 s), while a 1 Gbit/s link gains as much from 16 MiB passes as from 4 MiB ones.
+HIERARCHY_PASS_BYTES = 16 << 20
 MESSAGE_SHARE = 1 / 8  # of a message's byte cost, the most its per-message cost may add across hosts
 
 
@@ -320,10 +351,12 @@ class HierarchicalAllreduce:
     a ring inside each host reduce-scatters every pass (shared memory), the members holding the same chunk on
     every host (one per position) sum it across hosts -- every host's L links busy at once, each host sending
     2(H-1)/H of the bytes in all where a flat ring sends 2(N-1)/N per rank -- and the ring inside the host
-    allgathers the sums. Every member ends with the same bits."""
+    allgathers the sums. Every member ends with the same bits. With `grid`, the groups are a 2D ring's
+    (:func:`grid_groups`), each of several hosts: the rings of a group cross hosts too."""
 
-    def __init__(self, collectives: Collectives, groups: list[list[int]]):
+    def __init__(self, collectives: Collectives, groups: list[list[int]], grid: bool = False):
         me = collectives.engine.rank
+        self.grid = grid
         host = next(h for h, g in enumerate(groups) if me in g)
         self.position, self.locals_ = groups[host].index(me), len(groups[host])
         base, size = collectives.name, collectives.bucket_bytes

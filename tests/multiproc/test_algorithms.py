@@ -59,6 +59,7 @@ def test_every_algorithm_sums_on_every_rank(algorithm, transport, world):
         ("doubling", 5, ["a", "a", "b", "b", "c"]),
         ("hierarchical", 4, ["a", "a", "b", "b"]),  # only the shards cross hosts compressed
         ("hierarchical", 6, ["a", "b", "a", "b", "c", "c"]),
+        ("auto", 4, ["a", "b", "c", "d"]),  # a 2D ring: its groups span hosts, so every hop is compressed
     ],
 )
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])

@@ -5,12 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rdkeras.parallel.collectives import choose_algorithm, host_groups
+from rdkeras.parallel.collectives import choose_algorithm, grid_groups, grid_side, host_groups
 from tests.conftest import run_ranks, run_threads
 
 SIZES = [1, 7, 1000, 33, 4099, 0, 64]  # odd sizes, an empty tensor, many small ones among larger
-# 2 hosts x 2, 3 hosts x 2 with interleaved ranks, 2 hosts x 3, 2 hosts x 1.
-LAYOUTS = [["a", "a", "b", "b"], ["a", "b", "a", "b", "c", "c"], ["a", "a", "a", "b", "b", "b"], ["a", "b"]]
+# 2 hosts x 2, 3 hosts x 2 with interleaved ranks, 2 hosts x 3, 2 hosts x 1; 4 and 6 hosts x 1 (2D rings).
+LAYOUTS = [
+    ["a", "a", "b", "b"],
+    ["a", "b", "a", "b", "c", "c"],
+    ["a", "a", "a", "b", "b", "b"],
+    ["a", "b"],
+    ["a", "b", "c", "d"],
+    ["a", "b", "c", "d", "e", "f"],
+]
 
 
 def _inputs(rank: int, call: int) -> list[np.ndarray]:
@@ -48,6 +55,15 @@ def test_auto_chooses_by_where_the_workers_run():
     assert choose(["a", "a"]) == ("ring", "1 host x 2 workers: one host")
     assert choose(["a", "b", "c"]) == ("ring", "3 hosts x 1 worker: one worker per host")
     assert choose(["a", "a", "b"]) == ("ring", "hosts of 1 and 2 workers: unequal hosts")
+    # One worker on each of 4 or more hosts: a 2D ring where the count has a divisor, groups of consecutive ranks.
+    assert choose(list("abcd")) == (
+        "hierarchical",
+        "4 hosts x 1 worker: a 2D ring, 2 groups of 2 (4 messages in sequence where a flat ring sends 6)",
+    )
+    assert choose(list("abcde")) == ("ring", "5 hosts x 1 worker: one worker per host")
+    assert grid_groups(host_groups(list("abcdef"), range(6))) == [[0, 1], [2, 3], [4, 5]]
+    assert [grid_side(n) for n in (2, 4, 9, 12, 1024, 1021)] == [None, 2, 3, 3, 32, None]
+    assert grid_groups(host_groups(list("aabb"), range(4))) == [[0, 1], [2, 3]]  # real hosts stay as they are
     with pytest.raises(ValueError, match=r"needs the same number of workers on every host; these hosts have 2, 1"):
         choose_algorithm("hierarchical", host_groups(["a", "a", "b"], range(3)))
     # On one host (every test machine) auto is the flat ring, and says so.

@@ -210,6 +210,21 @@ def test_hierarchical_passes_overlap_the_servers_links_with_the_work_inside_them
     assert scale_model.hierarchical_seconds(x, 64, 16, 4, hops) < serial
 
 
+def test_a_2d_ring_sends_the_flat_rings_bytes_in_far_fewer_steps():
+    hops = scale_model.Hops(net_a=3e-6, net_b=1e-9, host_a=1e-6, host_b=0.1e-9, sum_b=0.2e-9)
+    x = 64 * MB
+    flat, grid = scale_model.ring_parts(x, 1024, 1, hops), scale_model.hierarchical_parts(x, 1024, 1, hops)
+    # 32 groups of 32: each NIC carries 2(31)/32 x inside its group and 2(31)/32 x/32 across: the ring's 2(1023)/1024 x.
+    assert grid["network"] == pytest.approx((2 * 31 / 32 + 2 * 31 / 32 / 32) * x * 1e-9)
+    assert grid["network"] == pytest.approx(flat["network"], rel=1e-3) and grid["in_server"] == 0
+    assert grid["latency"] == pytest.approx((2 * 31 + 2 * 31) * 3e-6) and flat["latency"] == pytest.approx(2046 * 3e-6)
+    # Both of its rings cross the network: everything is compressed, and nothing overlaps between them.
+    assert scale_model.hierarchical_parts(x, 1024, 1, hops, wire=0.5)["network"] == pytest.approx(grid["network"] / 2)
+    assert scale_model.hierarchical_seconds(x, 4, 1024, 1, hops) == pytest.approx(
+        4 * sum(scale_model.hierarchical_parts(x / 4, 1024, 1, hops).values())
+    )
+
+
 def test_hierarchical_passes_grow_with_the_ranks_where_messages_cost_more_than_their_bytes():
     from rdkeras.parallel import collectives
 
@@ -249,7 +264,8 @@ def test_recursive_doubling_takes_log2_steps_and_auto_takes_it_for_small_calls()
         ring, tree = (sum(f(x, 1024, 1, hops).values()) for f in (scale_model.ring_parts, scale_model.doubling_parts))
         assert (tree < ring) == (x < below)
     assert scale_model.pick_algorithm("auto", below / 2, 1024, 1, hops) == "doubling"
-    assert scale_model.pick_algorithm("auto", 64 * MB, 1024, 1, hops) == "ring"
+    assert scale_model.pick_algorithm("auto", 64 * MB, 1024, 1, hops) == "hierarchical"  # a 2D ring, 32 x 32
+    assert scale_model.pick_algorithm("auto", 64 * MB, 1021, 1, hops) == "ring"  # a prime: no grid
     assert scale_model.pick_algorithm("auto", 64 * MB, 128, 4, hops) == "hierarchical"
     assert scale_model.pick_algorithm("ring", 8, 128, 4, hops) == "ring"
     with pytest.raises(ValueError, match="algorithm must be one of"):
@@ -357,7 +373,8 @@ def test_the_projections_charge_rdkeras_the_host_staging_and_the_report_prints_t
     assert auto["vgg16"]["calls"].get("hierarchical")  # several servers of 4: hierarchical
     seed = {r["model"]: r for r in at["seed"]}
     assert [s["workers"] for s in seed["vgg16"]["sizes"]] == [8, 64, 256, 1024]
-    assert seed["vgg16"]["sizes"][0]["vs_first"] == 1 and "hierarchical" not in seed["vgg16"]["sizes"][-1]["calls"]
+    # One GPU per server: a 2D ring (32 groups of 32 at 1024).
+    assert seed["vgg16"]["sizes"][0]["vs_first"] == 1 and "hierarchical" in seed["vgg16"]["sizes"][-1]["calls"]
     lines, targets = figure.render({"scale_model": {"at_scale": at}}, tmp_path)
     text = "\n".join(lines)
     assert "| 512 (128 × 4) | VGG-16 |" in text and "68% |" in text

@@ -298,8 +298,9 @@ def _seed(at: dict) -> list[str]:
     sizes = [s["workers"] for s in at["seed"][0]["sizes"]]
     lines = [
         "",
-        "rdkeras `auto` on the seed's testbed (one P100 and one 100 Gb/s NIC a server, so the flat ring, or "
-        "recursive doubling where it costs less), batch 32: per-worker mini-batches/s, and against "
+        "rdkeras `auto` on the seed's testbed (one P100 and one 100 Gb/s NIC a server, so a 2D ring of √N-ish "
+        "groups where N has a divisor, else the flat ring, or recursive doubling where it costs less), batch 32: "
+        "per-worker mini-batches/s, and against "
         f"{sizes[0]} workers':",
         "",
         "| model | " + " | ".join(f"{n} workers" for n in sizes) + f" | {sizes[-1]} ÷ {sizes[0]} | "
@@ -351,9 +352,9 @@ def _at_scale_targets(at: dict) -> list[Target]:
                 ),
                 [
                     f"{LABELS.get(r['model'], r['model'])}: step {r['step_s'] * 1e3:.0f} ms for "
-                    f"{r['compute_s'] * 1e3:.0f} ms of compute; its exchange spends {_spent(r['parts'], 5)}, one "
-                    "phase after another in each pass (NCCL's sums and copies run on the GPU, pipelined with the "
-                    f"network); without host staging {_pct(r['no_staging'])}, with bf16 {_pct(r['bf16']['efficiency'])}"
+                    f"{r['compute_s'] * 1e3:.0f} ms of compute; its exchange spends {_spent(r['parts'], 5)} "
+                    "(NCCL's sums and copies run on the GPU); without host staging "
+                    f"{_pct(r['no_staging'])}, with bf16 {_pct(r['bf16']['efficiency'])}"
                     for r in below
                 ],
             )
@@ -372,8 +373,9 @@ def _at_scale_targets(at: dict) -> list[Target]:
                 [
                     f"{LABELS.get(r['model'], r['model'])}: at {last} workers the exchange spends "
                     f"{_spent(r['sizes'][-1]['parts'], 4)} (at {first}: {_spent(r['sizes'][0]['parts'], 4)}); "
-                    f"{r['sizes'][-1]['calls'].get('ring', 0)} ring allreduces a step, of 2({last}-1) steps each, "
-                    f"each step a message latency: {r['sizes'][-1]['parts']['latency'] * 1e3:.0f} ms a step"
+                    f"{sum(r['sizes'][-1]['calls'].values())} allreduces a step "
+                    f"({', '.join(f'{k}: {v}' for k, v in r['sizes'][-1]['calls'].items())}), each step of them a "
+                    f"message latency: {r['sizes'][-1]['parts']['latency'] * 1e3:.0f} ms a step"
                     for r in low
                 ],
             )
