@@ -67,3 +67,33 @@ def test_scale_model_names_each_run_beyond_the_bound_with_its_compute_and_that_m
     assert "each of its 2 groups of 2 workers in this run: 49.7-69.4 ms" in lines[0]
     assert lines[1].startswith("lstm ps rdkeras shm, 2 workers (-28%)")
     assert "49.7 ms compute + 21.4 ms beyond it (blocked on peers 3.5 ms); predicted 1.2 ms" in lines[1]
+
+
+def test_recurrent_models_are_held_to_their_own_undistributed_compute_and_a_miss_is_split():
+    gru = {**_run("shm", "allreduce", 0.0508, 0.0443, wait_seconds_per_step=0.0069), "model": "gru"}
+    lstm = {**_run("shm", "ps", 0.0459, 0.0532, wait_seconds_per_step=0.0031), "model": "lstm"}
+    other = {**_run("rpc+shm", "ps", 0.2, 0.05), "model": "lstm"}  # not rdkeras: not held to it
+    (target,) = throughput._recurrent_target({"runs": [gru, lstm, other]})
+    assert target.met is False and target.measured == "gru allreduce 0.87×, lstm ps 1.16×"
+    # 50.8 ms = 44.3 compute + 6.9 blocked - 0.4 the rest; the LSTM, above 0.9x, gets no line.
+    assert target.why == [
+        "gru allreduce: 50.8 ms a step = 44.3 ms compute + 6.9 ms blocked on the peer (its share of the exchange "
+        "and the slower worker's compute) + -0.4 ms the rest"
+    ]
+    assert throughput._recurrent_target({"runs": [other]}) == []
+
+
+def test_the_data_parallel_step_is_bounded_by_compute_and_the_predicted_exchange():
+    def v(model, measured, wait):  # compute 40 ms, exchange 2 ms, fixed cost 1 ms: the bound is 1.05 x 42 ms
+        shm = {"model": model, "mode": "allreduce", "transport": "shm", "workers": 2, "compute_s": 0.040}
+        return {**shm, "measured_s": measured, "predicted_s": 0.043, "fixed_s": 0.001, "wait_seconds_per_step": wait}
+
+    (target,) = scale_model._step_target([v("a", 0.044, 0.002), v("b", 0.0462, 0.004)])
+    assert target.met is False and target.measured == "step ÷ (compute + exchange): a allreduce 1.05, b allreduce 1.10"
+    (why,) = target.why
+    # Blocked (4 ms, the slower peer included) outlasts the predicted exchange (2 ms): 46.2 = 40 + 4 + 2.2.
+    assert why.startswith("b allreduce: 46.2 ms a step = 40.0 ms compute + 4.0 ms exchanging (predicted 2.0 ms;")
+    assert "blocked on the peer 4.0 ms" in why and "+ 2.2 ms beyond both" in why and "fixed cost" in why
+    (why,) = scale_model._step_target([v("c", 0.0462, 0.0005)])[0].why  # the exchange's own work, not blocked
+    assert "= 40.0 ms compute + 2.0 ms exchanging" in why and "+ 4.2 ms beyond both" in why
+    assert scale_model._step_target([v("a", 0.044, 0.002)])[0].met is True
