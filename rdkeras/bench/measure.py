@@ -102,7 +102,9 @@ def fit_group(
         # in their steps (4 and 8 workers on 2 cores: scaling one per core's compute by N/cores missed by 35%).
         "compute_around": transport is not None,
     }
-    env = {"RDKERAS_TRANSPORT": transport} if transport else {"RDKERAS_WORLD_SIZE": ""}
+    # Undistributed groups keep their ranks too: each process pins its own core (pin_and_thread), so "N processes
+    # at once" computes on N cores, as a distributed step's workers do.
+    env = {"RDKERAS_TRANSPORT": transport} if transport else None
     print(f"[paper] {label} ...", flush=True)
     t0 = time.time()
     if hosts is not None:

@@ -724,3 +724,10 @@ def connect_and_count_threads(timeout_s: float) -> dict:
             return {"error": None, "threads": threading.active_count()}
     except EngineError as e:
         return {"error": [type(e).__name__, str(e)], "threads": threading.active_count()}
+
+
+def resolved_rank() -> dict:
+    """This process's rank as rdkeras resolves it (what the benchmarks pin a core by)."""
+    from rdkeras import cluster
+
+    return {"rank": cluster.resolve().rank}
