@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -145,6 +146,7 @@ class Engine:
 
         self._names: set[str] = set()
         self._closed = False
+        self._exchange_s = 0.0  # inside the training step's exchange ops (timed_exchange)
         self._stop_watching: Callable[[], None] = _nothing
         # RDKERAS_STORE=launcher: the launcher hosts the store (and reports workers that die), else rank 0.
         hosted_by = settings.store
@@ -302,8 +304,23 @@ class Engine:
     def traffic(self) -> dict[str, float]:
         """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags (as the
         initiator), bytes_received (what arrived here for it: channel messages, ring chunks,
-        reads) and wait_seconds (blocked on peers)."""
-        return self.backend.traffic()
+        reads), wait_seconds (blocked on peers) and exchange_seconds (inside the training step's exchange
+        ops: their work and waits, see :meth:`timed_exchange`)."""
+        return {**self.backend.traffic(), "exchange_seconds": self._exchange_s}
+
+    def timed_exchange(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` (the body of an exchange op a training step runs: an allreduce, a push, a pull), counting its
+        seconds in ``traffic()["exchange_seconds"]``: what a step spends beyond it and its compute is the hops
+        into and out of TensorFlow, the assignments and Keras."""
+
+        def timed(*args: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._exchange_s += time.perf_counter() - began
+
+        return timed
 
     # -- channels ----------------------------------------------------------------
 

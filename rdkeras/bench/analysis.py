@@ -76,7 +76,7 @@ def _validation(
                 "fixed_s": overhead,  # of predicted_s: the rest is compute_s and the exchange
                 "error": predicted / r["step_seconds"] - 1,
                 # Where the measured step went besides compute (what the transports timed, rank 0's).
-                **{k: r[k] for k in STEP_PARTS if r.get(k) is not None},
+                **{k: r[k] for k in (*STEP_PARTS, "exchange_seconds_per_step") if r.get(k) is not None},
             }
         )
     return validation

@@ -169,7 +169,8 @@ def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any =
     }
     if engine is not None:
         after = engine.traffic()
-        for key in ("bytes_written", "bytes_received", "wait_seconds", "copy_seconds", "wire_seconds"):
+        for key in ("bytes_written", "bytes_received", "wait_seconds", "copy_seconds", "wire_seconds",
+                    "exchange_seconds"):  # fmt: skip
             if key in after:
                 out[f"{key}_per_step"] = (after[key] - marks["before"][key]) / marks["steps"]
     return out

@@ -613,7 +613,11 @@ class GradientAllreduce:
             reduced = self._overlapped(wire)
         else:
             reduced = tf.numpy_function(
-                self._reduce, wire, Tout=[g.dtype for g in wire], stateful=True, name="rdkeras_allreduce"
+                self.collectives.engine.timed_exchange(self._reduce),
+                wire,
+                Tout=[g.dtype for g in wire],
+                stateful=True,
+                name="rdkeras_allreduce",
             )
             if not isinstance(reduced, (list, tuple)):  # run eagerly, one output comes back bare
                 reduced = [reduced]
@@ -652,7 +656,7 @@ class GradientAllreduce:
 
             # The bucket's gradients are inputs too: TensorFlow keeps them alive until the bucket is done.
             reduced = tf.numpy_function(
-                wait,
+                self.collectives.engine.timed_exchange(wait),
                 [tickets[b]] + [wire[i] for i in members],
                 Tout=[wire[i].dtype for i in members],
                 stateful=True,

@@ -231,7 +231,11 @@ class ParameterServer:
 
         # The gradients are inputs too: TensorFlow keeps them alive until they are pushed.
         return tf.numpy_function(
-            reduce, tickets + grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_reduce"
+            self.engine.timed_exchange(reduce),
+            tickets + grads,
+            Tout=[grads[i].dtype for i in mine],
+            stateful=True,
+            name="rdkeras_ps_reduce",
         )
 
     def publish_and_pull(self, *owned_values: np.ndarray) -> list[np.ndarray]:
@@ -300,7 +304,11 @@ class ParameterServer:
             averaged = self._overlapped_push_and_reduce(grads, mine)
         else:
             averaged = tf.numpy_function(
-                self.push_and_reduce, grads, Tout=[grads[i].dtype for i in mine], stateful=True, name="rdkeras_ps_push"
+                self.engine.timed_exchange(self.push_and_reduce),
+                grads,
+                Tout=[grads[i].dtype for i in mine],
+                stateful=True,
+                name="rdkeras_ps_push",
             )
         if mine:
             for i, g in zip(mine, averaged, strict=True):
@@ -309,7 +317,7 @@ class ParameterServer:
         else:
             optimizer.iterations.assign_add(1)  # keep the step count in line with the owners
         fresh = tf.numpy_function(
-            self.publish_and_pull,
+            self.engine.timed_exchange(self.publish_and_pull),
             [variables[i].value for i in mine],
             Tout=[tf.as_dtype(variables[i].dtype) for i in others],
             stateful=True,

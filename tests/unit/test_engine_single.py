@@ -328,3 +328,18 @@ def test_the_rdkeras_command_runs_each_entry_point_by_name(tmp_path):
     assert train.returncode == 2 and "did you mean trainer.epochs?" in train.stderr, train.stderr
     unknown = run("nope")
     assert unknown.returncode == 2 and "choose from 'train', 'launch', 'bench', 'doctor'" in unknown.stderr
+
+
+def test_exchange_ops_count_their_seconds_failures_too(solo):
+    import time
+
+    before = solo.traffic()["exchange_seconds"]
+    assert solo.timed_exchange(lambda x: (time.sleep(0.02), x)[1])(7) == 7
+
+    def fails():
+        time.sleep(0.01)
+        raise ValueError("peer gone")
+
+    with pytest.raises(ValueError, match="peer gone"):
+        solo.timed_exchange(fails)()
+    assert 0.03 <= solo.traffic()["exchange_seconds"] - before < 1.0

@@ -77,10 +77,14 @@ def test_recurrent_models_are_held_to_their_own_undistributed_compute_and_a_miss
     assert target.met is False and target.measured == "gru allreduce 0.87×, lstm ps 1.16×"
     # 50.8 ms = 44.3 compute + 6.9 blocked - 0.4 the rest; the LSTM, above 0.9x, gets no line.
     assert target.why == [
-        "gru allreduce: 50.8 ms a step = 44.3 ms compute + 6.9 ms blocked on the peer (its share of the exchange "
-        "and the slower worker's compute) + -0.4 ms the rest"
+        "gru allreduce: 50.8 ms a step = 44.3 ms compute + 6.9 ms blocked on the peer (the exchange and the wait "
+        "for the slower worker's compute) + -0.4 ms the rest"
     ]
     assert throughput._recurrent_target({"runs": [other]}) == []
+    # Where the exchange ops timed themselves, their work and waits are what the step spent exchanging.
+    gru["exchange_seconds_per_step"] = 0.0045
+    (target,) = throughput._recurrent_target({"runs": [gru, lstm]})
+    assert "+ 4.5 ms inside the exchange ops (" in target.why[0] and "+ 2.0 ms the rest" in target.why[0]
 
 
 def test_the_data_parallel_step_is_bounded_by_compute_and_the_predicted_exchange():
@@ -92,8 +96,11 @@ def test_the_data_parallel_step_is_bounded_by_compute_and_the_predicted_exchange
     assert target.met is False and target.measured == "step ÷ (compute + exchange): a allreduce 1.05, b allreduce 1.10"
     (why,) = target.why
     # Blocked (4 ms, the slower peer included) outlasts the predicted exchange (2 ms): 46.2 = 40 + 4 + 2.2.
-    assert why.startswith("b allreduce: 46.2 ms a step = 40.0 ms compute + 4.0 ms exchanging (predicted 2.0 ms;")
-    assert "blocked on the peer 4.0 ms" in why and "+ 2.2 ms beyond both" in why and "fixed cost" in why
+    assert why.startswith("b allreduce: 46.2 ms a step = 40.0 ms compute + 4.0 ms exchanging (the larger of")
+    assert "predicted 2.0 ms; blocked on the peer 4.0 ms" in why and "+ 2.2 ms beyond both" in why
     (why,) = scale_model._step_target([v("c", 0.0462, 0.0005)])[0].why  # the exchange's own work, not blocked
     assert "= 40.0 ms compute + 2.0 ms exchanging" in why and "+ 4.2 ms beyond both" in why
+    # Measured inside the exchange ops (work and waits), that is what it spent exchanging.
+    (why,) = scale_model._step_target([{**v("d", 0.0462, 0.0005), "exchange_seconds_per_step": 0.005}])[0].why
+    assert "+ 5.0 ms exchanging (measured inside the exchange ops;" in why and "+ 1.2 ms beyond both" in why
     assert scale_model._step_target([v("a", 0.044, 0.002)])[0].met is True
