@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -305,22 +304,13 @@ class Engine:
         """What this rank moved so far: bytes_written, bytes_read, writes, reads, flags (as the
         initiator), bytes_received (what arrived here for it: channel messages, ring chunks,
         reads), wait_seconds (blocked on peers) and exchange_seconds (inside the training step's exchange
-        ops: their work and waits, see :meth:`timed_exchange`)."""
+        ops: their work and waits, see :meth:`count_exchange`)."""
         return {**self.backend.traffic(), "exchange_seconds": self._exchange_s}
 
-    def timed_exchange(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` (the body of an exchange op a training step runs: an allreduce, a push, a pull), counting its
-        seconds in ``traffic()["exchange_seconds"]``: what a step spends beyond it and its compute is the hops
-        into and out of TensorFlow, the assignments and Keras."""
-
-        def timed(*args: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self._exchange_s += time.perf_counter() - began
-
-        return timed
+    def count_exchange(self, seconds: float) -> None:
+        """Adds `seconds` spent inside a training step's exchange op to ``traffic()["exchange_seconds"]``
+        (:func:`rdkeras.parallel.collectives.timed_exchange`)."""
+        self._exchange_s += seconds
 
     # -- channels ----------------------------------------------------------------
 

@@ -582,6 +582,23 @@ def pipelines() -> list[BucketPipeline]:
     return list(_PIPELINES)
 
 
+def timed_exchange(fn: Callable[..., Any], engine_of: Callable[[], Engine]) -> Callable[..., Any]:
+    """`fn` (the body of an exchange op a training step runs: an allreduce, a bucket's wait, a push, a pull),
+    adding its seconds, work and waits, to the engine of the moment's ``traffic()["exchange_seconds"]``: what a
+    step spends beyond them and its compute is the hops into and out of TensorFlow, the assignments and Keras.
+    `engine_of` is asked at each call, never kept: a traced step outlives an elastic group's engine, which must
+    be freed once the group re-forms."""
+
+    def timed(*args: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            engine_of().count_exchange(time.perf_counter() - began)
+
+    return timed
+
+
 class GradientAllreduce:
     """Averages (or sums) a list of tensors across members inside a compiled function.
 
@@ -613,7 +630,7 @@ class GradientAllreduce:
             reduced = self._overlapped(wire)
         else:
             reduced = tf.numpy_function(
-                self.collectives.engine.timed_exchange(self._reduce),
+                timed_exchange(self._reduce, lambda: self.collectives.engine),
                 wire,
                 Tout=[g.dtype for g in wire],
                 stateful=True,
@@ -656,7 +673,7 @@ class GradientAllreduce:
 
             # The bucket's gradients are inputs too: TensorFlow keeps them alive until the bucket is done.
             reduced = tf.numpy_function(
-                self.collectives.engine.timed_exchange(wait),
+                timed_exchange(wait, lambda: self.collectives.engine),
                 [tickets[b]] + [wire[i] for i in members],
                 Tout=[wire[i].dtype for i in members],
                 stateful=True,

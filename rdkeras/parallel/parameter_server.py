@@ -28,7 +28,7 @@ from rdkeras import keras_internals
 from rdkeras.engine import Engine
 from rdkeras.errors import EngineError
 from rdkeras.parallel import collectives
-from rdkeras.parallel.collectives import BucketPipeline, reverse_buckets
+from rdkeras.parallel.collectives import BucketPipeline, reverse_buckets, timed_exchange
 
 _FLAG = 64  # one cache line per flag word
 # Gradients smaller than this go to their owner together: gathered into a registered staging buffer and written
@@ -231,7 +231,7 @@ class ParameterServer:
 
         # The gradients are inputs too: TensorFlow keeps them alive until they are pushed.
         return tf.numpy_function(
-            self.engine.timed_exchange(reduce),
+            timed_exchange(reduce, lambda: self.engine),
             tickets + grads,
             Tout=[grads[i].dtype for i in mine],
             stateful=True,
@@ -304,7 +304,7 @@ class ParameterServer:
             averaged = self._overlapped_push_and_reduce(grads, mine)
         else:
             averaged = tf.numpy_function(
-                self.engine.timed_exchange(self.push_and_reduce),
+                timed_exchange(self.push_and_reduce, lambda: self.engine),
                 grads,
                 Tout=[grads[i].dtype for i in mine],
                 stateful=True,
@@ -317,7 +317,7 @@ class ParameterServer:
         else:
             optimizer.iterations.assign_add(1)  # keep the step count in line with the owners
         fresh = tf.numpy_function(
-            self.engine.timed_exchange(self.publish_and_pull),
+            timed_exchange(self.publish_and_pull, lambda: self.engine),
             [variables[i].value for i in mine],
             Tout=[tf.as_dtype(variables[i].dtype) for i in others],
             stateful=True,

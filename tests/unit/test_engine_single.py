@@ -333,13 +333,15 @@ def test_the_rdkeras_command_runs_each_entry_point_by_name(tmp_path):
 def test_exchange_ops_count_their_seconds_failures_too(solo):
     import time
 
+    from rdkeras.parallel.collectives import timed_exchange
+
     before = solo.traffic()["exchange_seconds"]
-    assert solo.timed_exchange(lambda x: (time.sleep(0.02), x)[1])(7) == 7
+    assert timed_exchange(lambda x: (time.sleep(0.02), x)[1], lambda: solo)(7) == 7
 
     def fails():
         time.sleep(0.01)
         raise ValueError("peer gone")
 
     with pytest.raises(ValueError, match="peer gone"):
-        solo.timed_exchange(fails)()
+        timed_exchange(fails, lambda: solo)()
     assert 0.03 <= solo.traffic()["exchange_seconds"] - before < 1.0
