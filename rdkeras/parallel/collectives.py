@@ -64,11 +64,16 @@ def grid_groups(groups: Sequence[Sequence[int]]) -> list[list[int]]:
     """`groups` (members by host) as the hierarchical allreduce runs over them: where every host has one worker,
     a 2D ring (:func:`grid_side`): consecutive members in groups of g, which then stand for hosts -- the ring of
     a group, then the rings of the members at one position in every group. Otherwise `groups` unchanged."""
-    side = grid_side(len(groups))
-    if side is None or any(len(g) != 1 for g in groups):
+    side = _grid_of(groups)
+    if side is None:
         return [list(g) for g in groups]
     flat = [g[0] for g in groups]
     return [flat[i : i + side] for i in range(0, len(flat), side)]
+
+
+def _grid_of(groups: Sequence[Sequence[int]]) -> int | None:
+    """The side of the 2D ring over `groups` (members by host), where every host has one worker; else None."""
+    return grid_side(len(groups)) if all(len(g) == 1 for g in groups) else None
 
 
 def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[str, str]:
@@ -79,9 +84,9 @@ def choose_algorithm(algorithm: str, groups: Sequence[Sequence[int]]) -> tuple[s
     (Small tensors: :func:`doubling_below`.)"""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    if algorithm in ("auto", "hierarchical") and grid_groups(groups) != [list(g) for g in groups]:
-        n, side = len(groups), grid_side(len(groups))
-        assert side is not None  # (grid_groups changed them)
+    side = _grid_of(groups)
+    if algorithm in ("auto", "hierarchical") and side is not None:
+        n = len(groups)
         steps = 2 * (side - 1) + 2 * (n // side - 1)
         return "hierarchical", (
             f"{n} hosts x 1 worker: a 2D ring, {n // side} groups of {side} ({steps} messages in sequence where a "
