@@ -106,7 +106,8 @@ def _engine_seconds(
         if compute:
             model, x = _model_and_data(nbytes, reps, 32 // engine.world_size)
             engine.barrier()  # every worker computing at once, as in a distributed step
-            out["compute"] = _fit_seconds(model, x, 32 // engine.world_size)
+            alone = _fit_seconds(model, x, 32 // engine.world_size)
+            out["compute"], out["compute_cpu"] = alone["step"], alone["cpu"]
         engine.barrier()
     return out
 
@@ -124,21 +125,38 @@ def _model_and_data(nbytes: int, reps: int, batch: int) -> tuple[Any, np.ndarray
     return model, np.random.default_rng(0).standard_normal((batch * (reps + 1), width)).astype(np.float32)
 
 
-def _fit_seconds(model: Any, x: np.ndarray, batch: int) -> list[float]:
-    """Seconds per training step of one epoch of `x` (the first step, tracing, left out)."""
+def _fit_seconds(model: Any, x: np.ndarray, batch: int, engine: Any = None) -> dict[str, list]:
+    """Per training step of one epoch of `x` (the first step, tracing, left out): its seconds ("step"), the
+    machine's CPU seconds by kind over it ("cpu", :func:`machine_cpu_seconds`), and with `engine` its seconds
+    inside its exchange ops, their work and waits ("inside")."""
     import keras
 
-    times: list[float] = []
+    out: dict[str, list] = {"step": [], "cpu": [], "inside": []}
 
     class Timer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.cpu = machine_cpu_seconds()
+            self.exchanged = engine.traffic()["exchange_seconds"] if engine is not None else 0.0
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            times.append(time.perf_counter() - self.began)
+            out["step"].append(time.perf_counter() - self.began)
+            cpu = machine_cpu_seconds()
+            out["cpu"].append({k: cpu[k] - self.cpu[k] for k in cpu})
+            if engine is not None:
+                out["inside"].append(engine.traffic()["exchange_seconds"] - self.exchanged)
 
     model.fit(x, x, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return times[1:]
+    return {k: v[1:] for k, v in out.items() if v}
+
+
+def machine_cpu_seconds() -> dict[str, float]:
+    """CPU seconds the whole machine has spent so far in user code, in the kernel for processes, and in
+    interrupts and softirqs (/proc/stat; the emulated hosts share these cores, their network stack included)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return {"user": (user + nice) / hz, "system": system / hz, "interrupts": (irq + softirq) / hz}
 
 
 def _step_seconds(
@@ -149,12 +167,16 @@ def _step_seconds(
     strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes, compression=compression)
     with strategy.scope():
         model, x = _model_and_data(nbytes, reps, 32)  # the global batch, whatever the number of workers
-    times = _fit_seconds(model, x, 32)
+    timed = _fit_seconds(model, x, 32, strategy.engine)
     plan = strategy.plan
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     strategy.close()
     # A strided sample of the weights: enough to compare runs, small enough for JSON.
-    return {"step": times, "plan": plan.algorithm if plan else None, "weights": weights[::997].tolist()}
+    return {
+        **timed,
+        "plan": plan.algorithm if plan else None,
+        "weights": weights[::997].tolist(),
+    }
 
 
 def measure(
@@ -225,6 +247,11 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
                 step, exchange, compute = (statistics.median(by[label][k]) for k in ("step", "allreduce", "compute"))
                 parts[label] = {"step": step, "allreduce": exchange, "compute": compute,
                                 "beyond_sum": step - exchange - compute}  # fmt: skip
+                if by[label].get("inside"):  # the step's own exchange ops, timed in the step
+                    parts[label]["inside"] = statistics.median(by[label]["inside"])
+                for key, cpu in (("step_cpu", by[label].get("cpu")), ("compute_cpu", by[label].get("compute_cpu"))):
+                    if cpu:  # the machine's CPU seconds per step, by kind
+                        parts[label][key] = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
             summary[f"{link}/parts"] = parts
         if one is not None:
             reference = np.asarray(one["weights"])
@@ -234,6 +261,20 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
                 if "weights" in by[label]
             }
     return summary
+
+
+def describe_parts(p: dict[str, Any]) -> str:
+    """Where one configuration's step goes (a `summarize` parts entry), in seconds: the step = its allreduce alone
+    + the model's compute alone + the rest; then, measured in the step, its exchange ops' time and everything
+    else, and the machine's CPU seconds by kind per step against compute alone's."""
+    text = (f"step {p['step']:.3f} s = allreduce {p['allreduce']:.3f} + compute {p['compute']:.3f} "
+            f"{'+' if p['beyond_sum'] >= 0 else '-'} the rest {abs(p['beyond_sum']):.3f}")  # fmt: skip
+    if "inside" in p:
+        text += f"; in the step: exchange ops {p['inside']:.3f}, everything else {p['step'] - p['inside']:.3f}"
+    for key, what in (("step_cpu", "a step"), ("compute_cpu", "compute alone")):
+        if key in p:
+            text += f"; {what} kept the cores busy for " + ", ".join(f"{v:.2f} s {k}" for k, v in p[key].items())
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,10 +306,7 @@ def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
         if parts:
             print(f"\n{link}, where a step goes: step = allreduce + compute alone (4 workers at once) + the rest")
             for label, p in parts.items():
-                print(
-                    f"  {label:<14} {p['step']:.3f} s = {p['allreduce']:.3f} + {p['compute']:.3f} "
-                    f"{'+' if p['beyond_sum'] >= 0 else '-'} {abs(p['beyond_sum']):.3f}"
-                )
+                print(f"  {label:<14} {describe_parts(p)}")
         for label, diff in summary.get(f"{link}/weights", {}).items():
             print(f"  {label}: weights differ from one process's by at most {diff:.1e}")
     out = Path(args.out)

@@ -109,6 +109,9 @@ def test_every_figure_in_a_tiny_run(tmp_path):
         hosts = results["hosts"]["rows"]["unshaped"]
         assert set(hosts) == {"flat ring", "auto", "auto + bf16", "RPC over tcp", "gRPC"}
         assert hosts["auto"]["plan"][0] == "hierarchical" and hosts["flat ring"]["plan"][0] == "ring"
+        for label in ("flat ring", "auto", "gRPC"):  # each step's exchange ops, timed inside it
+            steps, inside = hosts[label]["step"], hosts[label]["inside"]
+            assert len(inside) == len(steps) and all(0 < i < s for i, s in zip(inside, steps, strict=True)), label
         assert _png(tmp_path / "hosts.png") and "## Across hosts" in (tmp_path / "report.md").read_text()
     sm = results["scale_model"]
     assert {(v["model"], v["transport"]) for v in sm["validation"]} >= {("fcn5", "shm"), ("fcn5", "grpc")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rdkeras.bench.figures.common import Section, Target, load_note, pyplot, save_png, section
-from rdkeras.bench.hosts import BOUNDS, summarize
+from rdkeras.bench.hosts import BOUNDS, describe_parts, summarize
 
 COLORS = {
     "flat ring": "tab:red",
@@ -71,12 +71,7 @@ def targets(summary: dict, link: str) -> list[Target]:
             why = [f"the allreduce alone: {allreduce['speedup'][label]:.2f}x (bound {BOUNDS[label]:g}x)"]
             parts = summary.get(f"{link}/parts") or {}
             for k in ("flat ring", label) if parts else ():
-                p = parts[k]
-                why.append(
-                    f"{k}: step {p['step'] * 1e3:.0f} ms = allreduce {p['allreduce'] * 1e3:.0f} + the model's compute "
-                    f"alone, every worker at once, {p['compute'] * 1e3:.0f} + the rest {p['beyond_sum'] * 1e3:+.0f} "
-                    "(negative: overlap hid that much)"
-                )
+                why.append(f"{k}: {describe_parts(parts[k])} (compute: the model alone, every worker at once)")
             out.append(Target(f"{link}: {label} step >= {goal}x the flat ring's", x >= goal, f"{x:.2f}x", why))
     weights = summary.get(f"{link}/weights")
     if weights:
