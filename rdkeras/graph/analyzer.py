@@ -16,7 +16,8 @@ Rules, in the order they apply:
 - model inputs are read by one stage, the *reader* (stage 0), and sent to every
   other stage that consumes them; labels and sample weights go straight from
   the reader to the *loss stage* (the one that owns the model's outputs), never
-  through the stages in between;
+  through the stages in between, the whole batch once a step (the loss stage
+  splits them into micro-batches);
 - every pattern must match a layer, every stage must own a layer, and the
   stages must form a pipeline without cycles -- otherwise a ValueError says
   what is wrong before any process waits on another.
@@ -52,7 +53,7 @@ class Edge:
     static: bool
     reason: str
     tensor: Any = field(default=None, compare=False, repr=False)  # the KerasTensor (None for labels)
-    transfers: int = 1  # per step: one per micro-batch
+    transfers: int = 1  # per step: one per micro-batch (labels and sample weights: one, the whole batch)
 
     @property
     def bytes_per_transfer(self) -> int | None:
@@ -327,8 +328,11 @@ def analyze(
         needs_grad: bool,
         tensor: Any = None,
         note: str = "",
+        transfers: int = micro_batches,
     ) -> None:
-        full, static, reason = _spec(shape, rows, "tensor" if kind in ("activation", "input") else kind)
+        # An edge sent once a step carries the whole batch; one per micro-batch carries its rows.
+        batch = rows if transfers == micro_batches else batch_size
+        full, static, reason = _spec(shape, batch, "tensor" if kind in ("activation", "input") else kind)
         edges.append(
             Edge(
                 name,
@@ -343,7 +347,7 @@ def analyze(
                 static,
                 reason + note,
                 tensor,
-                transfers=micro_batches,
+                transfers=transfers,
             )
         )
 
@@ -400,7 +404,8 @@ def analyze(
                     str(np.dtype(dtype)),
                     kind,
                     False,
-                    note=" (straight from the reader to the loss stage)",
+                    note=" (straight from the reader to the loss stage, once a step)",
+                    transfers=1,  # the loss stage splits them: M-1 fewer hops on both ends
                 )
     activation_bytes: dict[int, int] = {}
     if rows is not None:

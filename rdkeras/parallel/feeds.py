@@ -67,9 +67,13 @@ class Feeds:
         self.graph = keras_internals.functional_of(model)
         self.y_struct, self.sw_struct = y, sw
         reader = self.stage.is_reader
-        self.inputs = [self._split(t) for t in keras_internals.standardize_inputs(self.graph, x)] if reader else []
-        self.labels = [self._split(t) for t in keras.tree.flatten(y)] if reader and y is not None else []
-        self.weights = [self._split(t) for t in keras.tree.flatten(sw)] if reader and sw is not None else []
+        self.inputs = [self.split(t) for t in keras_internals.standardize_inputs(self.graph, x)] if reader else []
+        # The reader sends the loss stage the whole batch's labels and weights once a step.
+        self.whole_labels = keras.tree.flatten(y) if reader and y is not None else []
+        self.whole_weights = keras.tree.flatten(sw) if reader and sw is not None else []
+        self.labels = [self.split(t) for t in self.whole_labels]
+        self.weights = [self.split(t) for t in self.whole_weights]
+        self.split_received: dict[str, list[Any]] = {}  # loss stage: edge name -> the micro-batches' rows
         # Every worker iterates the same batches (only the reader's contents are used), so
         # each knows the batch's row count locally.
         first = keras.tree.flatten(x)[0]
@@ -82,7 +86,8 @@ class Feeds:
         unknown length it would wait for a step that no worker runs."""
         return [self.rows]
 
-    def _split(self, t: Any) -> list[Any]:
+    def split(self, t: Any) -> list[Any]:
+        """`t`'s rows in the step's micro-batches (as every stage splits the batch)."""
         import tensorflow as tf
 
         m = self.plan.micro_batches

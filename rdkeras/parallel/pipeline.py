@@ -53,7 +53,7 @@ class Pipeline:
             src, dst = rank_of(e.src), rank_of(e.dst)
             if me not in (src, dst):
                 continue
-            for m in range(plan.micro_batches):
+            for m in range(e.transfers):
                 base = f"mp{serial}/replica{replica}/{e.name}/{m}"
                 self.fwd[(e.name, m)] = self._channel(f"{base}/fwd", src, dst, e.shape, e.dtype, e.static)
                 if e.needs_grad:

@@ -84,7 +84,7 @@ def _forward_one(
     stage, plan = run.stage, run.plan
     loss = None
     chain = _send_data(run, feeds, m, chain)
-    received, chain = _receive(run, m, chain)
+    received, chain = _receive(run, feeds, m, chain)
     tape = tf.GradientTape() if training else None
     with tape or contextlib.nullcontext():
         if tape is not None:
@@ -272,17 +272,25 @@ def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[An
     for pos, e in stage.data_edges:
         t = tf.cast(feeds.inputs[pos][m], e.dtype)
         chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
-    for e in stage.label_edges:
-        parts = feeds.labels if e.kind == "labels" else feeds.weights
-        t = tf.cast(parts[int(e.producer.split("[")[1].rstrip("]"))][m], e.dtype)
-        chain = [rdma_send(run.fwd[(e.name, m)], t, f"{e.name}/{m}", chain)]
+    for e in stage.label_edges if m == 0 else ():  # the whole batch's, once a step
+        whole = feeds.whole_labels if e.kind == "labels" else feeds.whole_weights
+        t = tf.cast(whole[int(e.producer.split("[")[1].rstrip("]"))], e.dtype)
+        chain = [rdma_send(run.fwd[(e.name, 0)], t, e.name, chain)]
     return chain
 
 
-def _receive(run: Pipeline, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Micro-batch m's activations (and data, labels) from the other stages."""
+def _receive(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Micro-batch m's activations (and data, labels) from the other stages. Labels and sample weights come once
+    a step, the whole batch's, at the first micro-batch; each micro-batch takes its rows of them."""
     received = {}
     for e in run.stage.received:
+        if e.transfers == 1 and run.plan.micro_batches > 1:
+            if m == 0:
+                t = rdma_recv(run.fwd[(e.name, 0)], e.shape, e.dtype, e.name, chain)
+                feeds.split_received[e.name] = feeds.split(t)
+                chain = [t]
+            received[e.name] = feeds.split_received[e.name][m]
+            continue
         t = rdma_recv(run.fwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}", chain)
         received[e.name] = t
         chain = [t]

@@ -125,7 +125,16 @@ def train_and_compare(
         "history": history,
         "evaluate": ev,
         "plan": [
-            {"name": e.name, "src": e.src, "dst": e.dst, "transfer": e.transfer, "kind": e.kind, "grad": e.needs_grad}
+            {
+                "name": e.name,
+                "src": e.src,
+                "dst": e.dst,
+                "transfer": e.transfer,
+                "kind": e.kind,
+                "grad": e.needs_grad,
+                "shape": list(e.shape),
+                "transfers": e.transfers,
+            }
             for e in strategy.plan.edges
         ],
         "plan_text": strategy.plan_text(),

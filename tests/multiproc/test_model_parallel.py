@@ -128,6 +128,9 @@ def test_split_model_matches_one_process(case, request):
     first = _check(results)
     rows = 16 // micro
     assert all(e["transfer"] == "static" for e in first["plan"])
+    # Activations cross once per micro-batch; the labels once a step, the whole batch (the loss stage splits them).
+    assert all(e["transfers"] == micro and e["shape"][0] == rows for e in first["plan"] if e["kind"] != "labels")
+    assert [(e["transfers"], e["shape"]) for e in first["plan"] if e["kind"] == "labels"] == [(1, [16])]
     if kind == "cnn":
         assert _edges(first) == [("flatten:0->1", "static", True), ("labels[0]->1", "static", False)]
         assert f"({rows}, 72)" in first["plan_text"]

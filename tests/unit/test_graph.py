@@ -46,9 +46,15 @@ def test_vgg16_features_classifier_plan(vgg16):
 
 def test_vgg16_with_micro_batches_and_no_fixed_batch(vgg16):
     placement = {"block*": 0, "flatten": 1, "fc*": 1, "predictions": 1}
-    plan = analyze(vgg16, placement, 2, batch_size=32, micro_batches=4)
-    assert plan.edges[0].shape == (8, 7, 7, 512)  # a micro-batch per transfer
-    assert plan.edges[0].bytes_per_step == 4 * plan.edges[0].bytes_per_transfer == 32 * 7 * 7 * 512 * 4
+    plan = analyze(vgg16, placement, 2, batch_size=32, micro_batches=4, label_specs=[((None,), "int64")])
+    act, labels = plan.edges
+    assert act.shape == (8, 7, 7, 512) and act.transfers == 4  # a micro-batch per transfer
+    assert act.bytes_per_step == 4 * act.bytes_per_transfer == 32 * 7 * 7 * 512 * 4
+    # The labels cross once a step, the whole batch: the loss stage splits them (M-1 fewer hops each end).
+    assert (labels.shape, labels.transfers, labels.static, labels.bytes_per_step) == ((32,), 1, True, 32 * 8)
+    assert "once a step" in labels.reason
+    plan = analyze(vgg16, placement, 2, batch_size=None, micro_batches=4, label_specs=[((None,), "int64")])
+    assert [(e.shape[0], e.transfers, e.static) for e in plan.edges] == [(None, 4, False), (None, 1, False)]
     plan = analyze(vgg16, placement, 2, batch_size=None)
     (edge,) = plan.edges
     assert not edge.static and edge.shape == (None, 7, 7, 512) and "drop_remainder" in edge.reason
