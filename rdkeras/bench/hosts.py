@@ -10,6 +10,8 @@ run must equal. rdkeras's transport is what ``auto`` picks there: shm inside a h
 ``python -m rdkeras.bench paper`` runs it as its "hosts" figure. The flat ring sends 2(N-1)/N of the bytes over
 every link, so 1.5x the gradient each way between the hosts at 2 x 2; the hierarchical one sends each host's
 sum once (1.0x), in bf16 half that (0.5x): the bounds on their speed-ups over a saturated link are 1.5x and 3x.
+``--rounds N`` runs the configurations N times in turn: this machine's speed moves ±15% between runs, so the
+speed-ups are then the median of each round's ratio, measured minutes apart rather than across the whole run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="1gbit", help="the link between the hosts, in tc's units (then unshaped)")
     p.add_argument("--mb", type=float, default=64.0, help="megabytes of float32 gradients the allreduce sums")
     p.add_argument("--reps", type=int, default=5, help="timed allreduces (and training steps) per configuration")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every configuration this many times in turn; speed-ups are the "
+        "median of the rounds' ratios (the machine's speed drifts between runs)",
+    )  # fmt: skip
     p.add_argument("--no-fit", action="store_true", help="the allreduce only, no training step")
     p.add_argument(
         "--overlap-bytes", type=int, default=None, help="the step's gradient buckets (0: one exchange after backprop)"
@@ -188,10 +194,12 @@ def measure(
     overlap_bytes: int | None = None,
     baselines: bool = True,
     timeout: float = 900,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Every configuration on each link (None: unshaped), then one process: {"rows": link -> label -> rank 0's
-    figures, "one_process": ..., "mb", "reps"}; {"skipped": why} where namespaces cannot be made, {"error": ...}
-    where a run failed."""
+    """Every configuration on each link (None: unshaped), `rounds` times in turn, then one process: {"rows": link ->
+    label -> rank 0's figures, each round's appended (and "rounds": each round's median allreduce and step),
+    "one_process": ..., "mb", "reps"}; {"skipped": why} where namespaces cannot be made, {"error": ...} where a
+    run failed."""
     from rdkeras.bench import run_ranks, run_ranks_on_hosts
     from rdkeras.testing import netns
 
@@ -203,7 +211,7 @@ def measure(
     for rate in rates:
         link = rate or "unshaped"
         with netns.hosts(2, rate=rate) as hosts:
-            for label, algorithm, compression, transport in CONFIGS:
+            for label, algorithm, compression, transport in [c for _ in range(rounds) for c in CONFIGS]:
                 if label in BASELINES and not baselines:
                     continue
                 kwargs = {"algorithm": algorithm, "nbytes": nbytes, "reps": reps, "fit": fit,
@@ -215,7 +223,7 @@ def measure(
                 )  # fmt: skip
                 if ranks is None:
                     return {"error": f"{label} at {link} failed (its output is printed above)"}
-                rows.setdefault(link, {})[label] = ranks[0].value
+                _add_round(rows.setdefault(link, {}).setdefault(label, {"rounds": []}), ranks[0].value)
     one = None
     if fit:  # the same training in one process: what every float32 run must equal
         kwargs = {"algorithm": "auto", "nbytes": nbytes, "reps": reps, "fit": True, "allreduce": False}
@@ -226,9 +234,36 @@ def measure(
     return {"rows": rows, "one_process": one, "mb": mb, "reps": reps}
 
 
+_PER_STEP = ("allreduce", "step", "inside", "cpu", "compute", "compute_cpu")  # lists a round appends to
+
+
+def _add_round(row: dict[str, Any], value: dict[str, Any]) -> None:
+    """One round of a configuration into its row: the per-step lists extended, the rest (plan, weights)
+    replaced, and the round's medians kept for the speed-ups."""
+    row["rounds"].append({k: statistics.median(value[k]) for k in ("allreduce", "step") if value.get(k)})
+    for key, v in value.items():
+        if key in _PER_STEP:
+            row.setdefault(key, []).extend(v)
+        else:
+            row[key] = v
+
+
+def _speedups(by: dict[str, Any], labels: list[str], what: str, seconds: dict[str, float]) -> dict[str, float]:
+    """Each configuration's speed-up over the first: over several rounds, the median of each round's ratio (the
+    machine's speed drifts between rounds, less within one); else the ratio of the medians."""
+    rounds = min(len(by[label].get("rounds", [])) for label in labels)
+    if rounds < 2 or not all(what in r for label in labels for r in by[label]["rounds"]):
+        return {label: seconds[labels[0]] / seconds[label] for label in labels}
+    first = by[labels[0]]["rounds"]
+    return {
+        label: statistics.median(first[i][what] / by[label]["rounds"][i][what] for i in range(rounds))
+        for label in labels
+    }
+
+
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
     """Per link and part ("allreduce", "step"): each configuration's median seconds and speed-up over the flat
-    ring; per link and configuration: the largest weight difference from one process."""
+    ring (:func:`_speedups`); per link and configuration: the largest weight difference from one process."""
     summary: dict[str, Any] = {}
     one = measured.get("one_process")
     for link, by in measured.get("rows", {}).items():
@@ -237,7 +272,7 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
             if what not in by[labels[0]]:
                 continue
             seconds = {label: statistics.median(by[label][what]) for label in labels}
-            speedup = {label: seconds[labels[0]] / seconds[label] for label in labels}
+            speedup = _speedups(by, labels, what, seconds)
             summary[f"{link}/{what}"] = {"seconds": seconds, "speedup": speedup}
         if all("compute" in by[label] and "step" in by[label] for label in labels):
             # Where each step goes: its allreduce, the same model's compute alone (every worker at once), and
@@ -280,7 +315,7 @@ def describe_parts(p: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     rates = [r or None for r in args.rates.split(",")] if args.rates else [args.rate, None]
     measured = measure(
-        rates, args.mb, args.reps, fit=not args.no_fit, overlap_bytes=args.overlap_bytes,
+        rates, args.mb, args.reps, fit=not args.no_fit, overlap_bytes=args.overlap_bytes, rounds=args.rounds,
         baselines=not args.no_baselines, timeout=args.timeout,
     )  # fmt: skip
     if "skipped" in measured or "error" in measured:
@@ -292,7 +327,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
     summary = summarize(measured)
-    print(f"\n2 hosts x 2 workers (network namespaces), {args.mb:g} MB of float32 gradients; median of {args.reps}")
+    rounds = (
+        f" in each of {args.rounds} rounds (speed-ups: the median of the rounds' ratios)" if args.rounds > 1 else ""
+    )
+    print(f"\n2 hosts x 2 workers (network namespaces), {args.mb:g} MB of float32 gradients; median of {args.reps}"
+          f"{rounds}")  # fmt: skip
     for link in measured["rows"]:
         for what in ("allreduce", "step"):
             part = summary.get(f"{link}/{what}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rdkeras.bench.hosts import describe_parts, machine_cpu_seconds, summarize
+from rdkeras.bench.hosts import _add_round, describe_parts, machine_cpu_seconds, summarize
 
 
 def _row(step: list[float], allreduce: list[float], inside: list[float], busy: float) -> dict:
@@ -37,3 +37,19 @@ def test_the_machine_s_cpu_seconds_only_grow():
     after = machine_cpu_seconds()
     assert set(before) == {"user", "system", "interrupts"}
     assert all(after[k] >= before[k] >= 0 for k in before)
+
+
+def test_over_rounds_a_speed_up_is_the_median_of_each_round_s_ratio():
+    rows: dict = {"flat ring": {"rounds": []}, "auto": {"rounds": []}}
+    # The machine slows down in round 2 and the rounds' ratios are ~1.48, 1.48 and 1.18: their median, not the
+    # ratio of medians taken over steps from different minutes.
+    for flat, auto in ((0.90, 0.60), (1.20, 0.80), (0.84, 0.70)):
+        _add_round(rows["flat ring"], {"step": [flat, flat], "allreduce": [flat], "plan": ["ring", ""]})
+        _add_round(rows["auto"], {"step": [auto, auto + 0.02], "allreduce": [auto], "plan": ["hierarchical", ""]})
+    assert rows["auto"]["step"] == pytest.approx([0.60, 0.62, 0.80, 0.82, 0.70, 0.72])  # every step kept
+    assert rows["auto"]["plan"] == ["hierarchical", ""]  # replaced, not appended
+    assert [r["step"] for r in rows["auto"]["rounds"]] == pytest.approx([0.61, 0.81, 0.71])
+    step = summarize({"rows": {"1gbit": rows}})["1gbit/step"]
+    assert step["seconds"]["auto"] == pytest.approx(0.71)  # the median of all steps
+    ratios = sorted([0.90 / 0.61, 1.20 / 0.81, 0.84 / 0.71])
+    assert step["speedup"]["auto"] == pytest.approx(ratios[1]) and step["speedup"]["flat ring"] == 1.0
