@@ -417,12 +417,16 @@ def share_new_variables(collectives: Collectives, variables: Sequence[Any], wher
 BUCKET_BYTES = 4 << 20  # the bucket size where overlap is on
 
 
-def overlap_bytes(transport: str) -> int:
-    """The default gradient bucket size for overlapping the exchange with backprop on `transport`: 0 (off)
-    where the bytes are moved by this process's own cores while they also compute (a transport whose spec
-    sets ``copies_on_own_cores``, with no GPU: the exchange would only take turns with backprop on the same
-    core -- measured 20% slower), else ``BUCKET_BYTES``. ``RDMAStrategy(overlap_bytes=...)`` overrides it."""
-    if transports.get(transport).copies_on_own_cores:
+def overlap_bytes(transport: str, hierarchical: bool = False) -> int:
+    """The default gradient bucket size for overlapping the exchange with backprop on `transport`, with no GPU
+    doing the compute: 0 (off) where the bytes are moved by this process's own cores while they also compute (a
+    transport whose spec sets ``copies_on_own_cores``: the exchange would only take turns with backprop on the
+    same core -- measured 20% slower) or where the gradients go by the `hierarchical` allreduce (each bucket's
+    call fills and drains its own pipeline of passes, and the sums inside each host are these cores' work: on
+    2 emulated hosts x 2 at 1 Gbit/s, 3 rounds, a step took 0.727 s in 4 MiB buckets against 0.696 s in one
+    exchange after backprop, bf16 0.427 s against 0.401 s), else ``BUCKET_BYTES``. With a GPU, ``BUCKET_BYTES``.
+    ``RDMAStrategy(overlap_bytes=...)`` overrides it."""
+    if transports.get(transport).copies_on_own_cores or hierarchical:
         tf = sys.modules.get("tensorflow")  # not imported: no TensorFlow compute (the engine-only tests)
         if tf is None or not tf.config.list_physical_devices("GPU"):
             return 0

@@ -97,6 +97,7 @@ class DataParallel(Parallelism):
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
         self.batch_norm = SynchronizedMoments(self.collectives)
         self._models: list[Any] = []
+        self._overlap = 0  # the last attached model's gradient bucket bytes (0: one exchange after backprop)
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
         self._gathered_at: dict[int, tuple] = {}  # id(model) -> (optimizer step, PS step) last checked
 
@@ -121,11 +122,16 @@ class DataParallel(Parallelism):
         if model.jit_compile:
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
         optimizer = model.optimizer
+        hierarchical = False
         if self.num_workers > 1 and self.mode == "allreduce":
             described = self.collectives.describe()  # collective (every worker attaches); the plan reads it later
             if self.engine.rank == 0 and (self.collectives.requested != "ring" or self.collectives.compression):
                 logger.info(f"allreduce: {described}")
-        overlap = collectives.overlap_bytes(self.engine.transport) if self.overlap_bytes is None else self.overlap_bytes
+            hierarchical = self.collectives.algorithm[0] == "hierarchical"
+        overlap = self.overlap_bytes
+        if overlap is None:
+            overlap = collectives.overlap_bytes(self.engine.transport, hierarchical)
+        self._overlap = overlap  # the plan says it
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
 
@@ -454,7 +460,7 @@ class DataParallel(Parallelism):
             algorithm = (self.collectives.algorithm_for(gradients), self.collectives.describe())
         return ExchangePlan(
             self.mode, self.num_workers, self.engine.transport, self.global_batch_size, variables,
-            self.collectives.bucket_bytes, algorithm,
+            self.collectives.bucket_bytes, algorithm, self._overlap,
         )  # fmt: skip
 
 
@@ -469,6 +475,7 @@ class ExchangePlan:
     variables: list[tuple[str, tuple, str, int]]  # (path, shape, dtype, bytes) of each trainable variable
     bucket_bytes: int
     algorithm: tuple[str, str] = ("ring", "")  # (allreduce algorithm, why it was chosen)
+    overlap_bytes: int = 0  # gradient buckets exchanged as backprop produces them (0: one exchange after it)
 
     @property
     def gradient_bytes(self) -> int:
@@ -499,6 +506,12 @@ class ExchangePlan:
             else:
                 shown = "recursive-doubling" if name == "doubling" else name
                 lines.append(f"Each step: a {shown} allreduce of {total:,} gradient bytes ({why}).")
+            if workers > 1:
+                lines[-1] += (
+                    f" Overlap: buckets of {self.overlap_bytes:,} bytes start as backprop produces them."
+                    if self.overlap_bytes > 0
+                    else " One exchange after backprop (overlap off: `overlap_bytes` turns it on)."
+                )
         else:
             lines.append(
                 f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "

@@ -96,5 +96,8 @@ def test_the_plan_says_which_allreduce_and_why():
         "allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26, ("hierarchical", why)
     )
     assert f"Each step: a hierarchical allreduce of 64 gradient bytes ({why})." in plan.text()
-    flat = ExchangePlan("allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26)
+    assert "One exchange after backprop (overlap off" in plan.text()
+    flat = ExchangePlan("allreduce", 4, "shm+tcp", 64, [("d/kernel", (4, 4), "float32", 64)], 1 << 26,
+                        overlap_bytes=4 << 20)  # fmt: skip
     assert "one ring allreduce of 64 gradient bytes" in flat.text()
+    assert "Overlap: buckets of 4,194,304 bytes start as backprop produces them." in flat.text()

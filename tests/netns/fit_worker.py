@@ -12,7 +12,7 @@ from tests.multiproc.keras_workers import _fit_model_with
 out, batch = sys.argv[1], int(sys.argv[2])
 strategy = rdkeras.RDMAStrategy()
 result = _fit_model_with(strategy, "mlp", batch)
-result.update(rank=strategy.worker_index, traffic=strategy.engine.traffic())
+result.update(rank=strategy.worker_index, traffic=strategy.engine.traffic(), plan_text=strategy.plan_text())
 strategy.close()
 if sys.argv[3:] == ["reference"] and result["rank"] == 0:
     result["reference"] = _fit_model_with(None, "mlp", batch)["weights"]

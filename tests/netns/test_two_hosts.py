@@ -112,6 +112,8 @@ def test_auto_picks_tcp_between_hosts_and_shm_within_one(two_host_job):
     # host sums shard l across the hosts over tcp: every rank writes over both, and the bytes between the hosts
     # are spread evenly over its workers (a flat ring would send them all from ranks 1 and 3).
     assert "allreduce: hierarchical (2 hosts x 2 workers: sum inside each host" in two_host_job["logs"][0]
+    # On CPUs the hierarchical allreduce runs once after backprop: its passes pipeline inside the one call.
+    assert "One exchange after backprop (overlap off" in two_host_job["across"][0]["plan_text"]
     remote = []
     for r in two_host_job["across"]:
         traffic = r["traffic"]

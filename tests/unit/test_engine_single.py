@@ -185,6 +185,8 @@ def test_overlap_is_off_where_this_process_copies_the_bytes(monkeypatch):
     monkeypatch.delitem(sys.modules, "tensorflow", raising=False)  # no TensorFlow compute here, so no GPU
     on = collectives.BUCKET_BYTES
     assert [collectives.overlap_bytes(n) for n in ("shm", "rpc+shm", "tcp", "rpc+tcp", "grpc")] == [0, 0, on, on, on]
+    # Across hosts, the hierarchical allreduce runs once after backprop (its passes pipeline inside the call).
+    assert [collectives.overlap_bytes("shm+tcp"), collectives.overlap_bytes("shm+tcp", hierarchical=True)] == [on, 0]
 
 
 def test_the_face_has_no_transport_branch():
