@@ -330,8 +330,7 @@ def analyze(
         note: str = "",
         transfers: int = micro_batches,
     ) -> None:
-        # An edge sent once a step carries the whole batch; one per micro-batch carries its rows.
-        batch = rows if transfers == micro_batches else batch_size
+        batch = None if batch_size is None else batch_size // transfers  # the rows each transfer carries
         full, static, reason = _spec(shape, batch, "tensor" if kind in ("activation", "input") else kind)
         edges.append(
             Edge(
