@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="configurations (cut names, or 'auto'/'none') also run with every weight gradient per micro-batch, "
         "as before Dense layers' were deferred to the step's end",
     )
+    p.add_argument(
+        "--cuts", default=None, help="comma-separated: 'auto' and/or layer names to cut after (default: auto and the "
+        "model's hand cut)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     p.add_argument("--quick", action="store_true", help="fewer steps, M in 4/8, 1F1B, the automatic cut only")
@@ -156,12 +160,17 @@ def stage_rank(
     assert plan is not None
     from rdkeras.graph import build_stage
 
-    stage = build_stage(m, plan, rank)  # this worker's layers as a model (the same layers, not copies)
-    sends_grads = any(e.needs_grad for e in stage.received)
+    # This worker's layers as a model (the same layers, not copies); where layers alternate, each micro-batch
+    # plan's, run for as many micro-batches as follow it.
+    uses = plan.micro_plans or [plan] * micro
     compute = 0.0
     for turn in range(STAGES):  # one stage at a time: alone on the machine, as one process was
-        if turn == rank and stage.model is not None:
-            compute = _compute(stage.model, batch // micro, micro, sends_grads)
+        if turn == rank:
+            for p in {id(p): p for p in uses}.values():
+                stage = build_stage(m, p, rank)
+                if stage.model is not None:
+                    sends_grads = any(e.needs_grad for e in stage.received)
+                    compute += _compute(stage.model, batch // micro, sum(q is p for q in uses), sends_grads)
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()
     if rank == 0:
@@ -173,6 +182,7 @@ def stage_rank(
         "compute": compute,
         "waiting": timed["wait_seconds_per_step"],
         "layers": plan.layers_of(rank),
+        "alternates": sorted(plan.partition.alternates) if plan.micro_plans and plan.partition else [],
         "stashed": plan.stashed.get(rank),
         "deferred": plan.deferred.get(rank, []),
         "activation_bytes": plan.activation_bytes.get(rank),
@@ -204,7 +214,10 @@ def run(args: argparse.Namespace) -> int:
         alone = ranks[0].value
         alone["compute"] = {int(k): v for k, v in alone["compute"].items()}
         rows = []
-        cuts = ["auto"] if args.quick or model not in HAND_CUTS else ["auto", HAND_CUTS[model]]
+        if args.cuts:
+            cuts = args.cuts.split(",")
+        else:
+            cuts = ["auto"] if args.quick or model not in HAND_CUTS else ["auto", HAND_CUTS[model]]
         both = args.per_micro_batch.split(",")
         configs = [(cut, schedule, True) for cut in cuts for schedule in schedules]
         configs += [(cut, schedules[0], False) for cut in cuts if cut in both]
@@ -268,10 +281,14 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
         print(f"{row['cut']:<12} {row['schedule']:<9} {row['micro']:>3} {s['step'] * ms:>8.1f} "
               f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
               f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
-    first = rows[0]["stages"] if rows else []
-    for st in first:
-        shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
-        print(f"  cut {rows[0]['cut']}: stage {st['stage']}: {shown}")
+    for row in rows:
+        if row["cut"] != "auto" or row["schedule"] != rows[0]["schedule"]:
+            continue  # the automatic cut (chosen per number of micro-batches: the layers are timed at its rows)
+        for st in row["stages"]:
+            shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
+            shared = (st.get("alternates") or []) if st["stage"] == 0 else []
+            alternates = f" ({', '.join(shared)} alternating with the next stage)" if shared else ""
+            print(f"  cut auto, {row['micro']} micro-batches: stage {st['stage']}: {shown}{alternates}")
 
 
 def _plot(results: dict, path: Path) -> None:

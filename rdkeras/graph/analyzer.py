@@ -99,6 +99,14 @@ class Plan:
     # (keeping each one's inputs and output gradients until then: deferred_bytes).
     deferred: dict[int, list[str]] = field(default_factory=dict)
     deferred_bytes: dict[int, int] = field(default_factory=dict)
+    # Where the automatic cut alternates layers between stages: each micro-batch's plan (this one, or one that
+    # differs in those layers' stages and the edges around them); empty: this plan for every micro-batch.
+    micro_plans: list[Plan] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def group(self) -> int:
+        """1F1B's unit of micro-batches: 2 where layers alternate between stages (a turn of each per unit)."""
+        return 2 if any(p is not self for p in self.micro_plans) else 1
 
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
@@ -134,26 +142,38 @@ class Plan:
             shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
             lines.append(f"  stage {s}: {len(names)} layers: {shown}")
         header = ("edge", "src->dst", "shape (per transfer)", "dtype", "bytes/step", "grad", "transfer", "reason")
+        # (edge, its share of the micro-batches, which ones): where micro-batches follow different plans, an edge
+        # carries only those whose plan has it.
+        edges = [(e, 1.0, "") for e in self.edges]
+        if self.micro_plans:
+            count: dict[str, tuple[Edge, int]] = {}
+            for p in self.micro_plans:
+                for e in p.edges:
+                    count[e.name] = (e, count.get(e.name, (e, 0))[1] + 1)
+            whole = len(self.micro_plans)
+            edges = [
+                (e, k / whole, "" if k == whole else f" ({k} of {whole} micro-batches)") for e, k in count.values()
+            ]
         rows = [
             (
                 f"{e.producer} -> {','.join(e.consumers)}",
                 f"{e.src}->{e.dst}",
                 "(" + ", ".join("?" if d is None else str(d) for d in e.shape) + ")",
                 e.dtype,
-                "?" if e.bytes_per_step is None else _human(e.bytes_per_step),
+                "?" if e.bytes_per_step is None else _human(e.bytes_per_step * share),
                 "yes" if e.needs_grad else "no",
                 e.transfer,
-                e.reason,
+                e.reason + which,
             )
-            for e in self.edges
+            for e, share, which in edges
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, *rows]:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        known = [e.bytes_per_step for e in self.edges if e.bytes_per_step is not None]
-        total = sum(known) + sum(e.bytes_per_step or 0 for e in self.edges if e.needs_grad)
-        dynamic = " + the dynamic edges, sized per step" if len(known) < len(self.edges) else ""
-        lines.append(f"  {len(self.edges)} edges; {_human(total)}{dynamic} per step over the wire (with gradients)")
+        known = [(e.bytes_per_step or 0) * share * (2 if e.needs_grad else 1) for e, share, _ in edges]
+        total = sum(known)
+        dynamic = " + the dynamic edges, sized per step" if any(e.bytes_per_step is None for e, _, _ in edges) else ""
+        lines.append(f"  {len(edges)} edges; {_human(total)}{dynamic} per step over the wire (with gradients)")
         return "\n".join(lines)
 
 

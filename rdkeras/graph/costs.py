@@ -88,6 +88,29 @@ def _order(model: Any, rows: int) -> tuple[list[str], list[int | None], Any]:
     return names, cut_bytes, graph
 
 
+def alternable(model: Any, names: list[str]) -> list[int | None]:
+    """Per layer of `names`: the bytes of its trainable weights where it may alternate between two pipeline
+    stages by micro-batch (:mod:`rdkeras.parallel.partition`), else None. It may where running it on either
+    stage changes nothing but where it runs: it is called once, keeps no state beside its trainable weights
+    (no moving statistics, no random seed: two copies would drift apart) and computes no model output (the loss
+    stage owns those)."""
+    graph = functional_of(model)
+    calls: dict[str, list[Any]] = {}
+    for n in nodes_in_order(graph):
+        if not n.is_input:
+            calls.setdefault(n.operation.name, []).append(n)
+    outputs = {id(t) for t in graph.outputs}
+    out: list[int | None] = []
+    for name in names:
+        layer, nodes = graph.get_layer(name), calls.get(name, [])
+        if len(nodes) != 1 or layer.non_trainable_weights or any(id(t) in outputs for t in nodes[0].output_tensors):
+            out.append(None)
+            continue
+        weights = layer.trainable_weights
+        out.append(sum(int(np.prod(v.shape, dtype=np.int64)) * np.dtype(str(v.dtype)).itemsize for v in weights))
+    return out
+
+
 def measure(model: Any, rows: int = DRY_RUN_ROWS, repeats: int = 5) -> LayerCosts:
     """Times every layer's forward and backward (median of `repeats`, after one warm-up) on a synthetic batch."""
     names, cut_bytes, graph = _order(model, rows)
@@ -95,6 +118,62 @@ def measure(model: Any, rows: int = DRY_RUN_ROWS, repeats: int = 5) -> LayerCost
     saved = [(v, np.array(v.numpy())) for v in model.variables]
     try:
         return LayerCosts(names, _time_layers(graph, names, rows, repeats), cut_bytes, rows)
+    finally:
+        for v, value in saved:
+            v.assign(value)
+
+
+def stage_seconds(
+    model: Any, placement: dict[str, int], stages: int, rows: int, micro_batches: int, repeats: int = 5
+) -> list[float]:
+    """Per stage of `placement`: the median seconds of its whole sub-model's forward and backward over
+    `micro_batches` micro-batches of `rows` rows, gradients of what it receives included (as the stage computes
+    them in a step). Layers timed alone miss what a stage's sequence of them costs on a CPU (caches, the small
+    ops between them): this is what the automatic cut scales their times to."""
+    import keras
+    import tensorflow as tf
+
+    from rdkeras.graph.analyzer import analyze
+    from rdkeras.graph.rewriter import build_stage
+
+    plan = analyze(model, placement, stages, rows * micro_batches, micro_batches)
+    rng = np.random.default_rng(0)
+    saved = [(v, np.array(v.numpy())) for v in model.variables]  # BatchNormalization's statistics move
+    try:
+        seconds = []
+        for s in range(stages):
+            stage = build_stage(model, plan, s)
+            if stage.model is None:
+                seconds.append(0.0)
+                continue
+            sub = stage.model
+            feed = []
+            for t in sub.inputs:
+                shape, dtype = _shape(tuple(t.shape), rows), np.dtype(str(t.dtype))
+                value = rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+                feed.append(tf.constant(value))
+            # What a stage receives with a gradient to send back: the stage computes that gradient too.
+            back = [t for t, f in zip(feed, stage.feeds, strict=True) if f.edge is not None and f.edge.needs_grad]
+
+            def passes(*feed: Any, sub: Any = sub, back: list = back) -> Any:
+                results = []
+                for _ in range(micro_batches):
+                    with tf.GradientTape() as tape:
+                        tape.watch(back)
+                        out = sub(list(feed), training=True)
+                        total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in keras.tree.flatten(out)])
+                    grads = tape.gradient(total, sub.trainable_variables + back)
+                    results += [g for g in grads if g is not None] or [total]
+                return results
+
+            step = tf.function(passes, jit_compile=False)
+            times = []
+            for _ in range(repeats + 2):  # (the first traces)
+                start = time.perf_counter()
+                _ = [t.numpy() for t in step(*feed)]
+                times.append(time.perf_counter() - start)
+            seconds.append(statistics.median(times[2:]))
+        return seconds
     finally:
         for v, value in saved:
             v.assign(value)

@@ -9,6 +9,7 @@ user's model: nothing is copied, and training the stage trains the model.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,10 +150,11 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
     return Stage(index, plan, stage_model, feeds, sends, outputs, data_edges, label_edges, deferred, tapped, taps)
 
 
-def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, int]]:
+def deferrable(model: Any, plan: Plan, exclude: Collection[str] = ()) -> tuple[dict[int, list[str]], dict[int, int]]:
     """Per stage of `plan`: its layers whose weight gradients wait for the step's end
     (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph), and the bytes of
-    their inputs and outputs over the whole batch (what waiting keeps)."""
+    their inputs and outputs over the whole batch (what waiting keeps); never the layers in `exclude` (those
+    that alternate between stages: each stage sees only some micro-batches of them)."""
     import numpy as np
 
     graph = functional_of(model)
@@ -165,7 +167,7 @@ def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, 
     for layer in graph.layers:
         s = plan.layer_stage.get(layer.name)
         once = len(calls.get(id(layer), [])) == 1
-        if s is None or not once or not defers_weight_gradients(layer):
+        if s is None or not once or layer.name in exclude or not defers_weight_gradients(layer):
             continue
         names.setdefault(s, []).append(layer.name)
         (node,) = calls[id(layer)]

@@ -63,7 +63,7 @@ class Feeds:
         import keras
         import tensorflow as tf
 
-        self.model, self.stage, self.plan = model, run.stage, run.plan
+        self.model, self.run, self.stage, self.plan = model, run, run.stage, run.plan
         self.graph = keras_internals.functional_of(model)
         self.y_struct, self.sw_struct = y, sw
         reader = self.stage.is_reader
@@ -98,15 +98,17 @@ class Feeds:
         n = tf.shape(t)[0]
         return tf.split(t, tf.stack([(n + m - 1 - i) // m for i in range(m)]), num=m, axis=0)
 
-    def model_outputs(self, outs: list[Any], received: dict[str, Any]) -> list[Any]:
-        return [outs[ref] if kind == "local" else received[ref.name] for kind, ref in self.stage.outputs]
+    def model_outputs(self, outs: list[Any], received: dict[str, Any], m: int = 0) -> list[Any]:
+        """The model's outputs for micro-batch m, from its stage model's outputs and what it received."""
+        where = self.run.stage_for(m).outputs
+        return [outs[ref] if kind == "local" else received[ref.name] for kind, ref in where]
 
     def loss(self, m: int, outs: list[Any], received: dict[str, Any], training: bool) -> Any:
         """Loss worker: micro-batch m's share of the full batch's loss."""
         import keras
         import tensorflow as tf
 
-        flat_pred = self.model_outputs(outs, received)
+        flat_pred = self.model_outputs(outs, received, m)
         y_pred = keras.tree.pack_sequence_as(keras_internals.outputs_struct(self.graph), flat_pred)
         if self.stage.is_reader:
             ys, ws = [p[m] for p in self.labels], [p[m] for p in self.weights]

@@ -31,7 +31,7 @@ from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.feeds import data_specs
-from rdkeras.parallel.partition import Partition, balanced_cut
+from rdkeras.parallel.partition import ALTERNATION_GAIN, Partition, balanced_cut
 from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
 
@@ -73,6 +73,7 @@ class ModelParallel(Parallelism):
         self.engine, self.stages = engine, k
         self.placement: dict[str, int] = dict(placement or {})
         self.partition: Partition | None = None  # the automatic cut, when there was no placement
+        self._pair_sums: dict[int, GradientAllreduce] = {}  # cut -> the sum between the stages that share a layer
         self._cut_rows = 0  # the batch its layers were timed on
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
@@ -114,8 +115,7 @@ class ModelParallel(Parallelism):
         if self._model is not None:
             raise ValueError("a model-parallel RDMAStrategy distributes one model; create another strategy")
         if not self.placement:
-            self.partition = self._balanced_cut(model)
-            self.placement = self.partition.stage_of()
+            self._place(self._balanced_cut(model))
         self._layer_stage = assign_layers(model, self.placement, self.stages)
         # Cycles and the like are found now, with no data yet.
         self.loss_stage = analyze(model, self.placement, self.stages).loss_stage
@@ -127,16 +127,55 @@ class ModelParallel(Parallelism):
         """The cost-balanced cut of `model`, its layers timed on batches of `rows` (default: the dry run's).
         Every worker times the layers (the same dry run everywhere, so nothing it creates differs between
         workers) and all take rank 0's times, so they choose the same cut; a transfer is priced at the
-        transport's cost per byte."""
+        transport's cost per byte. With micro-batches, where a layer could alternate between stages, the cut
+        is then timed stage by stage as whole sub-models, and so is the best cut with an alternating layer the
+        layers' times (scaled to their stages') predict: the faster by ``ALTERNATION_GAIN`` is kept."""
         from rdkeras.graph import costs
 
         rows = rows or costs.DRY_RUN_ROWS
         self._cut_rows = rows
         names, cut_bytes, _ = costs.layer_order(model, rows)
-        seconds = [float("nan")] * len(names)
+        seconds = self._rank0_seconds(model, "the layers", len(names), lambda: costs.measure(model, rows).seconds)
+        per_byte = transports.get(self.engine.transport).costs[1]
+        micro = self.micro_batches
+        try:
+            cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)
+            alternable = costs.alternable(model, names)
+            if micro % 2 or self.stages == 1 or all(a is None for a in alternable):
+                return dataclasses.replace(cut, rows=rows)
+            whole = self._stage_seconds(model, cut, rows)
+            scale = [w / c if c > 0 else 1.0 for w, c in zip(whole, cut.compute, strict=True)]
+            stage = [s for s in range(self.stages) for _ in range(cut.bounds[s], cut.bounds[s + 1])]
+            scaled = [t * scale[stage[i]] for i, t in enumerate(seconds)]
+            mixed = balanced_cut(names, scaled, cut_bytes, self.stages, per_byte, alternable, micro, 0.0)
+            measured = self._stage_seconds(model, mixed, rows) if mixed.shares else whole
+            slowest = max(w + t for w, t in zip(whole, cut.transfer, strict=True))
+            if max(m + t for m, t in zip(measured, mixed.transfer, strict=True)) < slowest * (1 - ALTERNATION_GAIN):
+                cut, whole = mixed, measured
+            return dataclasses.replace(cut, compute=tuple(whole), rows=rows)
+        except ValueError as e:
+            raise ValueError(f"model {model.name!r}: {e}") from None
+
+    def _stage_seconds(self, model: Any, cut: Partition, rows: int) -> list[float]:
+        """Per stage of `cut`: its whole sub-model's forward and backward per micro-batch, measured (with an
+        alternating layer, each plan's for half the micro-batches); rank 0's."""
+        from rdkeras.graph import costs
+
+        half = self.micro_batches // 2
+        plans = [cut.stage_of(), cut.stage_of(cut.moved(1))] if cut.shares else [cut.stage_of()]
+
+        def measure() -> list[float]:
+            times = [costs.stage_seconds(model, p, self.stages, rows, half) for p in plans]
+            return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
+
+        return self._rank0_seconds(model, "the stages", self.stages, measure)
+
+    def _rank0_seconds(self, model: Any, what: str, count: int, measure: Any) -> list[float]:
+        """`measure()` (`count` seconds) on every worker, rank 0's taken by all (collective)."""
+        seconds = [float("nan")] * count
         failure: Exception | None = None
         try:
-            seconds = costs.measure(model, rows).seconds
+            seconds = list(measure())
         except Exception as e:  # the others still take part in the broadcast, and fail with it
             failure = e
         if self.num_workers > 1:
@@ -145,21 +184,28 @@ class ModelParallel(Parallelism):
         if failure is not None:
             raise failure
         if any(np.isnan(seconds)):
-            raise RuntimeError(f"worker 0 could not time the layers of {model.name!r} for the automatic placement")
-        try:
-            cut = balanced_cut(names, seconds, cut_bytes, self.stages, transports.get(self.engine.transport).costs[1])
-            return dataclasses.replace(cut, rows=rows)
-        except ValueError as e:
-            raise ValueError(f"model {model.name!r}: {e}") from None
+            raise RuntimeError(f"worker 0 could not time {what} of {model.name!r} for the automatic placement")
+        return seconds
 
     def _recut(self, model: Any, rows: int) -> None:
         """The automatic cut again, its layers timed at the micro-batches' rows (the first training data tell
         them; collective), before any pipeline is built on the cut made at compile time."""
         if rows == self._cut_rows:
             return
-        self.partition = self._balanced_cut(model, rows)
-        self.placement = self.partition.stage_of()
+        self._place(self._balanced_cut(model, rows))
         self._layer_stage = assign_layers(model, self.placement, self.stages)
+
+    def _place(self, partition: Partition) -> None:
+        self.partition = partition
+        self.placement = partition.stage_of()
+
+    def _pair_sum(self, cut: int) -> GradientAllreduce:
+        """The sum of an alternating layer's gradients between this replica's stages `cut` and `cut` + 1."""
+        if cut not in self._pair_sums:
+            members = [self.rank_of(cut), self.rank_of(cut + 1)]
+            collectives = Collectives(self.engine, self.collectives.bucket_bytes, members, name=f"alternate{cut}/")
+            self._pair_sums[cut] = GradientAllreduce(collectives, average=False)
+        return self._pair_sums[cut]
 
     @property
     def models(self) -> list[Any]:
@@ -185,17 +231,33 @@ class ModelParallel(Parallelism):
         pipeline = self._pipelines.get(key)
         if pipeline is None:
             plan = analyze(model, self.placement, self.stages, rows, micro, label_specs, weight_specs)
+            cut = self.partition
+            if cut is not None and cut.shares and micro == cut.micro_batches:
+                # Layers alternate: each micro-batch follows the plan of the cuts it moves them at.
+                variants: dict[tuple[int, ...], Plan] = {(): plan}
+                for m in range(micro):
+                    moved = cut.moved(m)
+                    if moved not in variants:
+                        variants[moved] = analyze(
+                            model, cut.stage_of(moved), self.stages, rows, micro, label_specs, weight_specs
+                        )
+                    plan.micro_plans.append(variants[moved])
             plan.replicas = self.replicas
             plan.partition = self.partition
             plan.schedule = self.schedule
             plan.stashed = {
-                s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro))
+                s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro, plan.group))
                 for p, s in enumerate(plan.stage_order)
             }
             if self.defer_weight_gradients and micro > 1:
-                plan.deferred, plan.deferred_bytes = deferrable(model, plan)
+                shared = set(self.partition.alternates) if plan.micro_plans and self.partition else set()
+                plan.deferred, plan.deferred_bytes = deferrable(model, plan, exclude=shared)
+                for variant in plan.micro_plans:
+                    variant.deferred, variant.deferred_bytes = plan.deferred, plan.deferred_bytes
             self._serial += 1
-            pipeline = Pipeline(self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial)
+            pipeline = Pipeline(
+                self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
+            )
             self._pipelines[key] = pipeline
             if not self._printed and self.engine.rank == 0:
                 self._printed = True

@@ -8,15 +8,34 @@ inside a layer used twice). A stage's time is its compute plus the transfers at
 its two cuts; the cut minimising the slowest stage is found by a dynamic
 programme over the order, as PipeDream's planner does for a chain -- O(S * L^2).
 :mod:`rdkeras.graph.costs` measures the inputs for a Keras model.
+
+Cuts between layers balance only as finely as the layers are: one expensive layer at
+the balance point leaves a stage up to half its cost slower than the other. Where the
+caller marks layers `alternable` and the batch has an even number M of micro-batches,
+the layer just before a cut may **alternate**: the stage after the cut runs it for the
+odd micro-batches (:meth:`Partition.moved`), the stage before for the even ones (both
+hold its weights; their partial gradients are summed between them at the step's end,
+so both apply the same update), and each stage is charged half of it. Half, because
+1F1B then runs in pairs of micro-batches (:func:`rdkeras.parallel.schedule.passes_in_order`):
+each pair holds one turn of the layer on each stage, so neither waits on the other's
+turn -- alternating one micro-batch at a time, the two stages would pay the layer by
+turns and gain nothing. After the programme, each cut in turn tries every position
+between its neighbours with and without alternating (exact for two stages, a local
+search for more); :func:`balanced_cut` keeps the alternation only where it makes the
+slowest stage ``ALTERNATION_GAIN`` faster than the best cut between layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 # Seconds per byte assumed for a transfer when the caller has no measurement: about 1 GB/s.
 DEFAULT_SECONDS_PER_BYTE = 1e-9
+# How much faster (a share of the slowest stage) alternating layers must make the cut to be chosen: below it,
+# the extra channels, the gradient sum and the weights held twice are not worth their measured gain.
+ALTERNATION_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -29,6 +48,10 @@ class Partition:
     transfer: tuple[float, ...]  # per stage: seconds of the transfers at its cuts (in and out)
     cut_bytes: tuple[int, ...]  # per cut (S - 1): bytes crossing it each step
     rows: int = 0  # the batch the layers were timed on (0: not said)
+    # Per cut (S - 1; empty: none alternates): of `micro_batches`, how many run the layer just before it on the
+    # stage after it (0 or half).
+    shares: tuple[int, ...] = ()
+    micro_batches: int = 1
 
     @property
     def stages(self) -> int:
@@ -57,9 +80,24 @@ class Partition:
         m = max(1, micro_batches)
         return self.speedup * m / (m + self.stages - 1)
 
-    def stage_of(self) -> dict[str, int]:
-        """unit name -> stage: the placement this cut makes (exact names, so the analyzer runs unchanged)."""
-        return {name: s for s in range(self.stages) for name in self.names[self.bounds[s] : self.bounds[s + 1]]}
+    def stage_of(self, moved: Collection[int] = ()) -> dict[str, int]:
+        """unit name -> stage: the placement this cut makes (exact names, so the analyzer runs unchanged); the
+        layers alternating at the cuts in `moved` on their later stage (:meth:`moved`: a micro-batch's)."""
+        placement = {name: s for s in range(self.stages) for name in self.names[self.bounds[s] : self.bounds[s + 1]]}
+        for c in moved:
+            placement[self.names[self.cuts[c] - 1]] = c + 1
+        return placement
+
+    @property
+    def alternates(self) -> dict[str, tuple[int, int]]:
+        """Each alternating layer -> (the stage before its cut, the one after), which share it."""
+        return {self.names[self.cuts[c] - 1]: (c, c + 1) for c, k in enumerate(self.shares) if k}
+
+    def moved(self, m: int) -> tuple[int, ...]:
+        """The cuts whose alternating layer micro-batch m runs on the later stage: k of every M, spread evenly
+        (where the running count m * k // M steps up), so that the two stages take turns."""
+        whole = self.micro_batches
+        return tuple(c for c, k in enumerate(self.shares) if k and (m + 1) * k // whole > m * k // whole)
 
     def text(self, micro_batches: int = 1) -> str:
         lines = [
@@ -80,6 +118,12 @@ class Partition:
                 f"  cut {i}: after {self.names[at - 1]}, before {self.names[at]}: "
                 f"{nbytes} bytes cross it per measured batch (activations and gradients)"
             )
+            k = self.shares[i] if self.shares else 0
+            if k:
+                lines[-1] += (
+                    f"; {self.names[at - 1]} alternates: stage {i + 1} runs it for {k} of {self.micro_batches} "
+                    f"micro-batches, stage {i} for the rest (each charged its share), its gradients summed between them"
+                )
         return "\n".join(lines)
 
 
@@ -93,6 +137,9 @@ def balanced_cut(
     cut_bytes: Sequence[int | None],
     stages: int,
     seconds_per_byte: float = DEFAULT_SECONDS_PER_BYTE,
+    alternable: Sequence[int | None] | None = None,
+    micro_batches: int = 1,
+    alternation_gain: float = ALTERNATION_GAIN,
 ) -> Partition:
     """The contiguous cut of `names` into `stages` stages whose slowest stage (compute + transfers) is fastest.
 
@@ -103,9 +150,15 @@ def balanced_cut(
             ``names[i + 1]`` each step, or None where no cut may go.
         stages: S >= 1.
         seconds_per_byte: what one byte's transfer costs.
+        alternable: per unit, None where it may not alternate between two stages, else the bytes of its
+            weights (their gradients are summed between the two stages each step). None: no unit may.
+        micro_batches: M, the micro-batches an alternating layer's are shared out of (odd: none alternates).
+        alternation_gain: how much faster (a share) alternating must make the slowest stage to be chosen.
     """
     n = len(names)
     _check(names, costs, cut_bytes, stages, seconds_per_byte)
+    if alternable is not None and len(alternable) != n:
+        raise ValueError(f"{len(alternable)} alternation entries for {n} layers: give one per layer")
     allowed = [i + 1 for i, b in enumerate(cut_bytes) if b is not None]  # cut positions
     if stages - 1 > len(allowed):
         where = f" ({n - 1 - len(allowed)} of the {n - 1} gaps lie inside layers that cannot be split)"
@@ -147,7 +200,71 @@ def balanced_cut(
         bounds.append(back[s][bounds[-1]])
     bounds.append(0)
     bounds.reverse()
-    return _partition(names, bounds, costs, cut_bytes, edge)
+    plain = _partition(names, bounds, costs, cut_bytes, edge)
+    if alternable is None or stages == 1 or micro_batches < 2 or all(a is None for a in alternable):
+        return plain
+    mixed = _alternate(plain, costs, cut_bytes, seconds_per_byte, alternable, micro_batches)
+    return mixed if mixed.slowest < plain.slowest * (1 - alternation_gain) else plain
+
+
+def _alternate(
+    plain: Partition,
+    costs: Sequence[float],
+    cut_bytes: Sequence[int | None],
+    seconds_per_byte: float,
+    alternable: Sequence[int | None],
+    micro: int,
+) -> Partition:
+    """`plain` with layers alternating at its cuts: each cut in turn (twice over) moves to the position, alternating
+    or not, that makes the slower of its two stages fastest, its neighbours held."""
+    bounds = list(plain.bounds)
+    shares = [0] * (len(bounds) - 2)
+
+    def side(p: int, k: int) -> tuple[float, float]:
+        """(compute the later stage takes, transfer seconds) at a cut at p whose layer p - 1 runs there for k of
+        the micro-batches: each micro-batch sends what crosses where it cuts."""
+        q = k / micro
+        sent = (1 - q) * float(cut_bytes[p - 1] or 0) + (q * float(cut_bytes[p - 2] or 0) if k else 0.0)
+        sync = float(alternable[p - 1] or 0) if k else 0.0  # the layer's gradients, summed between the two
+        return q * float(costs[p - 1]), (sent + sync) * seconds_per_byte
+
+    def stage(s: int) -> tuple[float, float]:
+        a, b = bounds[s], bounds[s + 1]
+        compute, transfer = float(sum(costs[a:b])), 0.0
+        if s > 0:
+            taken, t = side(a, shares[s - 1])
+            compute, transfer = compute + taken, transfer + t
+        if s < len(shares):
+            handed, t = side(b, shares[s])
+            compute, transfer = compute - handed, transfer + t
+        return compute, transfer
+
+    def possible(c: int, p: int, k: int) -> bool:
+        lo, hi = bounds[c], bounds[c + 2]
+        if cut_bytes[p - 1] is None or (c + 1 < len(shares) and shares[c + 1] and p >= hi - 1):
+            return False  # (the next cut's alternating layer must leave its first stage a layer of its own)
+        # An alternating layer: both cuts around it possible, its first stage keeping a layer of its own.
+        return not k or (alternable[p - 1] is not None and p - 1 > lo and cut_bytes[p - 2] is not None)
+
+    for _ in range(2):
+        for c in range(len(shares)):
+            options = []
+            for p in range(bounds[c] + 1, bounds[c + 2]):
+                for k in (0, micro // 2) if micro % 2 == 0 else (0,):
+                    if possible(c, p, k):
+                        bounds[c + 1], shares[c] = p, k
+                        options.append((max(sum(stage(c)), sum(stage(c + 1))), k, p))
+            _, shares[c], bounds[c + 1] = min(options)  # ties: fewer micro-batches moved, then the earlier cut
+    parts = [stage(s) for s in range(len(bounds) - 1)]
+    return dataclasses.replace(
+        plain,
+        bounds=tuple(bounds),
+        compute=tuple(c for c, _ in parts),
+        transfer=tuple(t for _, t in parts),
+        cut_bytes=tuple(int(cut_bytes[p - 1] or 0) for p in bounds[1:-1]),
+        shares=tuple(shares) if any(shares) else (),
+        micro_batches=micro,
+    )
 
 
 def evaluate_cut(

@@ -3,7 +3,10 @@
 A plan (:mod:`rdkeras.graph`) depends on the batch's rows, the micro-batches and
 the labels' shapes, so model parallelism keeps one :class:`Pipeline` per plan and
 makes one current for each of train, eval and predict; the schedule
-(:mod:`rdkeras.parallel.schedule`) runs a step of it.
+(:mod:`rdkeras.parallel.schedule`) runs a step of it. Where the automatic cut
+alternates a layer between two stages (:mod:`rdkeras.parallel.partition`), the
+micro-batches follow two (or more) plans, and a Pipeline holds this worker's
+stage of each: they share the layers, so they share the weights.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from typing import Any
 
 from rdkeras.channels import DynamicChannel, StaticChannel
 from rdkeras.engine import Engine
-from rdkeras.graph import Plan, build_stage
+from rdkeras.graph import Plan, Stage, build_stage
+from rdkeras.keras_internals import functional_of
 
 
 class Pipeline:
-    """A plan's stage on this worker and one channel per cut edge, micro-batch and direction.
+    """A plan's stage on this worker and one channel per cut edge, micro-batch and direction (where micro-batches
+    follow different plans, ``plan.micro_plans``, each plan's stage, and each micro-batch's edges).
 
     Args:
         engine: The job's engine.
@@ -27,6 +32,7 @@ class Pipeline:
         replica: This worker's pipeline replica (hybrid parallelism; 0 for one pipeline).
         rank_of: This replica's worker running a stage.
         serial: A number no other Pipeline of this strategy has (it keeps the channels' names apart).
+        pair_sum: Where layers alternate between stages: the sum between stages c and c + 1, which share one.
     """
 
     def __init__(
@@ -38,10 +44,31 @@ class Pipeline:
         replica: int,
         rank_of: Callable[[int], int],
         serial: int,
+        pair_sum: Callable[[int], Callable[[list], list]] | None = None,
     ):
         self.engine, self.plan, self.serial = engine, plan, serial
-        self.stage = build_stage(model, plan, stage)
+        uses = plan.micro_plans or [plan] * plan.micro_batches  # each micro-batch's plan
+        self.plans: list[Plan] = []
+        for p in uses:
+            if all(p is not q for q in self.plans):
+                self.plans.append(p)
+        self._plan_of = [next(i for i, q in enumerate(self.plans) if q is p) for p in uses]
+        self.stages = [build_stage(model, p, stage) for p in self.plans]
+        self.stage = self.stages[0]  # (the reader, the loss stage and the deferred layers are the same in all)
         self.replica, self.rank_of = replica, rank_of
+        # Every variable either variant trains, in order.
+        self.trainable_variables: list[Any] = []
+        for variant in self.stages:
+            known = {id(v) for v in self.trainable_variables}
+            self.trainable_variables += [v for v in variant.trainable_variables if id(v) not in known]
+        # (the sum between the two stages, indices into trainable_variables) per alternating layer this worker runs.
+        self.shared: list[tuple[Callable[[list], list], list[int]]] = []
+        if len(self.plans) > 1 and plan.partition is not None and pair_sum is not None:
+            index = {id(v): i for i, v in enumerate(self.trainable_variables)}
+            for name, (first, second) in plan.partition.alternates.items():
+                if stage in (first, second):
+                    layer = functional_of(model).get_layer(name)
+                    self.shared.append((pair_sum(first), [index[id(v)] for v in layer.trainable_variables]))
         # (edge name, micro-batch) -> this worker's end of the channel carrying it forward / its gradient back.
         self.fwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
         self.bwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
@@ -49,15 +76,23 @@ class Pipeline:
         me = engine.rank
         # Every worker creates its channels in plan order: each creation waits for the
         # peer's, and one global order cannot deadlock.
-        for e in plan.edges:
-            src, dst = rank_of(e.src), rank_of(e.dst)
-            if me not in (src, dst):
-                continue
-            for m in range(e.transfers):
-                base = f"mp{serial}/replica{replica}/{e.name}/{m}"
-                self.fwd[(e.name, m)] = self._channel(f"{base}/fwd", src, dst, e.shape, e.dtype, e.static)
-                if e.needs_grad:
-                    self.bwd[(e.name, m)] = self._channel(f"{base}/bwd", dst, src, e.shape, e.dtype, e.static)
+        for p in self.plans:
+            for e in p.edges:
+                src, dst = rank_of(e.src), rank_of(e.dst)
+                if me not in (src, dst):
+                    continue
+                # An edge once a step (labels) is every plan's; one per micro-batch, only where it follows p.
+                for m in range(e.transfers):
+                    if (e.name, m) in self.fwd or (e.transfers > 1 and uses[m] is not p):
+                        continue
+                    base = f"mp{serial}/replica{replica}/{e.name}/{m}"
+                    self.fwd[(e.name, m)] = self._channel(f"{base}/fwd", src, dst, e.shape, e.dtype, e.static)
+                    if e.needs_grad:
+                        self.bwd[(e.name, m)] = self._channel(f"{base}/bwd", dst, src, e.shape, e.dtype, e.static)
+
+    def stage_for(self, m: int) -> Stage:
+        """This worker's stage for micro-batch m."""
+        return self.stages[self._plan_of[m]] if m < len(self._plan_of) else self.stage
 
     def ensure_predict_channels(self, stages: int) -> None:
         """Loss worker -> every other stage of its replica: predictions (every worker returns them)."""

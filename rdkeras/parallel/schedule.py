@@ -35,19 +35,25 @@ from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import unpack
 
 
-def passes_in_order(schedule: str, position: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+def passes_in_order(
+    schedule: str, position: int, stages: int, micro_batches: int, group: int = 1
+) -> list[tuple[str, int]]:
     """The forward ("F", m) and backward ("B", m) passes of the stage at `position` in a pipeline of
-    `stages` (0: the first), in the order it runs them."""
+    `stages` (0: the first), in the order it runs them. 1F1B in `group`s of micro-batches alternates a group's
+    forwards with a group's backwards (where a layer alternates between two stages by micro-batch, each group
+    holds its share of both, so that neither stage waits on the other's turn)."""
     m_all = range(micro_batches)
     if schedule == "gpipe":
         return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
     if schedule != "1f1b":
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    warmup = min(stages - 1 - position, micro_batches)  # forwards in flight before the first backward
-    order = [("F", m) for m in range(warmup)]
-    for m in range(micro_batches - warmup):
-        order += [("F", warmup + m), ("B", m)]
-    return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+    units = -(-micro_batches // group)
+    warmup = min(stages - 1 - position, units)  # forwards in flight before the first backward
+    order = [("F", u) for u in range(warmup)]
+    for u in range(units - warmup):
+        order += [("F", warmup + u), ("B", u)]
+    order += [("B", u) for u in range(units - warmup, units)]
+    return [(kind, m) for kind, u in order for m in range(u * group, min((u + 1) * group, micro_batches))]
 
 
 def most_stashed(order: list[tuple[str, int]]) -> int:
@@ -81,7 +87,7 @@ def _forward_one(
     """
     import tensorflow as tf
 
-    stage, plan = run.stage, run.plan
+    stage, plan = run.stage_for(m), run.plan
     loss = None
     chain = _send_data(run, feeds, m, chain)
     received, chain = _receive(run, feeds, m, chain)
@@ -115,13 +121,13 @@ def train_step(
     stage, plan = run.stage, run.plan
     feeds = Feeds(model, run, *unpack(data))
     chain = feeds.after_data()
-    variables = stage.trainable_variables
+    variables = run.trainable_variables
     summed: list[Any] = [None] * len(variables)
     passes: dict[int, tuple] = {}
     kept: dict[int, tuple] = {}  # micro-batch -> (inputs, pre-activation gradients) of each deferred layer
     total_loss = None
     position = plan.stage_order.index(stage.index)
-    for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches):
+    for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches, plan.group):
         if kind == "F":
             passes[m], loss, chain = _forward_one(run, feeds, m, chain, training=True)
             total_loss = _sum(total_loss, loss)
@@ -129,6 +135,14 @@ def train_step(
             chain, kept[m] = _backward_one(run, m, passes.pop(m), variables, summed, chain)
     if stage.deferred:
         chain = _deferred_weight_gradients(stage, [kept[m] for m in sorted(kept)], variables, summed, chain)
+    for pair_sum, members in run.shared:
+        # A layer alternating with a neighbour stage: the two partial sums become the whole, on both, in cut
+        # order (a middle stage's first pair, then its second), after every transfer of the step.
+        with tf.control_dependencies(chain):
+            whole = pair_sum([_or_zeros(summed[i], variables[i]) for i in members])
+        for i, g in zip(members, whole, strict=True):
+            summed[i] = g
+        chain = [*chain, _computed(whole)]
     if average is not None and variables:
         summed = average(summed)
     pairs = [(g, v) for g, v in zip(summed, variables, strict=True) if g is not None]
@@ -149,7 +163,7 @@ def _backward_one(
     layers', whose inputs and pre-activation gradients it returns instead; returns (chain, those)."""
     import tensorflow as tf
 
-    stage = run.stage
+    stage = run.stage_for(m)
     tape, outs, received, objective, taps = forward
     targets, output_grads = [], []
     for pos, edges in enumerate(stage.sends):
@@ -266,7 +280,7 @@ def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[An
     """Reader: micro-batch m's model inputs to the stages that consume them, labels to the loss worker."""
     import tensorflow as tf
 
-    stage = run.stage
+    stage = run.stage_for(m)
     if not stage.is_reader:
         return chain
     for pos, e in stage.data_edges:
@@ -283,7 +297,7 @@ def _receive(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> tuple[dic
     """Micro-batch m's activations (and data, labels) from the other stages. Labels and sample weights come once
     a step, the whole batch's, at the first micro-batch; each micro-batch takes its rows of them."""
     received = {}
-    for e in run.stage.received:
+    for e in run.stage_for(m).received:
         if e.transfers == 1 and run.plan.micro_batches > 1:
             if m == 0:
                 t = rdma_recv(run.fwd[(e.name, 0)], e.shape, e.dtype, e.name, chain)
@@ -302,6 +316,13 @@ def _send_outputs(run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: l
         for e in edges:
             chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
     return chain
+
+
+def _or_zeros(gradient: Any, variable: Any) -> Any:
+    """A summed gradient, or zeros where no micro-batch of this worker's reached the variable."""
+    import tensorflow as tf
+
+    return tf.zeros(variable.shape, variable.dtype) if gradient is None else gradient
 
 
 def _sum(total: Any, loss: Any) -> Any:

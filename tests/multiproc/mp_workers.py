@@ -28,6 +28,12 @@ def build(kind: str):
         h = L.Flatten(name="flatten")(h)
         h = L.Dense(16, activation="relu", name="fc1")(h)
         return keras.Model(x, L.Dense(4, activation="softmax", name="out")(h), name="cnn")
+    if kind == "dominant":  # one layer costs far more than the rest: the automatic cut alternates it
+        x = keras.Input((8,), name="x")
+        h = L.Dense(1024, activation="relu", name="widen")(x)
+        h = L.Dense(1024, activation="relu", name="big")(h)
+        h = L.Dense(8, activation="tanh", name="narrow")(h)
+        return keras.Model(x, L.Dense(5, activation="softmax", name="out")(h), name="dominant")
     if kind == "skip":  # a -> b -> add(a, b) -> out: with 3 workers, a's output crosses two boundaries
         x = keras.Input((20,), name="x")
         a = L.Dense(24, activation="tanh", name="a")(x)
@@ -54,6 +60,8 @@ def data(kind: str, samples: int):
     y = rng.integers(0, 5 if kind != "cnn" else 4, samples)
     if kind == "cnn":
         return rng.standard_normal((samples, 12, 12, 3)).astype("float32"), y
+    if kind == "dominant":
+        return rng.standard_normal((samples, 8)).astype("float32"), y
     if kind == "two_inputs":
         xa, xb = rng.standard_normal((samples, 10)), rng.standard_normal((samples, 6))
         return (xa.astype("float32"), xb.astype("float32")), y
@@ -127,6 +135,7 @@ def train_and_compare(
         "plan": [
             {
                 "name": e.name,
+                "producer": e.producer,
                 "src": e.src,
                 "dst": e.dst,
                 "transfer": e.transfer,

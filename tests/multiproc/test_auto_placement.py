@@ -3,6 +3,8 @@ cut model trains exactly like one process would."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import run_ranks
@@ -29,3 +31,18 @@ def test_an_automatically_cut_pipeline_trains_like_one_process():
     assert "with 2 (layers timed on batches of 8 rows)" in text
     for r in results:  # every worker chose the same cut (rank 0's timings are shared)
         assert r.value["plan_text"] == text
+
+
+def test_a_layer_too_large_to_balance_alternates_between_the_stages():
+    # widen | big | narrow | out: between layers, one stage gets `big` whole. Alternating it by micro-batch gives
+    # each stage half; both keep its weights, sum their partial gradients and apply the same update.
+    results = run_ranks(
+        "train_and_compare", 2, module=TARGET, timeout=300, kind="dominant", placement=None, micro_batches=4
+    )
+    first = _check(results, tol=1e-5)
+    text = first["plan_text"]
+    assert re.search(r"big alternates: stage 1 runs it for 2 of 4 micro-batches, stage 0 for the rest", text), text
+    # Micro-batches 0 and 2 send big's output over; 1 and 3 widen's, to big on stage 1.
+    assert [e["producer"] for e in first["plan"] if e["kind"] == "activation"] == ["big:0"], text
+    assert re.search(r"big:0 -> narrow +0->1 +\(4, 1024\) +float32 +32.8 KB .*\(2 of 4 micro-batches\)", text), text
+    assert re.search(r"widen:0 -> big +0->1 +\(4, 1024\) +float32 +32.8 KB .*\(2 of 4 micro-batches\)", text), text

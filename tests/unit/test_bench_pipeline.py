@@ -28,7 +28,11 @@ def test_the_breakdown_names_each_stage_s_compute_waiting_and_rest(capsys):
     out = capsys.readouterr().out
     assert "M=8 160.0 ms (0.94x)" in out  # what micro-batching costs one process
     assert "s0 70.0/45.0/10.0; 2  s1 100.0/10.0/15.0; 1" in out  # compute / waiting / rest, stashed
-    assert "cut auto: stage 0: a, b, ..., c" in out
+    assert "cut auto, 8 micro-batches: stage 0: a, b, ..., c\n" in out
+    stages[0]["alternates"] = ["c"]  # c also runs on stage 1, for half the micro-batches
+    _print("vggstyle", alone, [row], 64)
+    out = capsys.readouterr().out
+    assert "cut auto, 8 micro-batches: stage 0: a, b, ..., c (c alternating with the next stage)" in out
 
 
 def test_a_configuration_is_compared_with_its_own_one_process_reference():

@@ -138,3 +138,45 @@ def test_hybrid_settings_without_a_placement_need_stages():
     with pytest.raises(ValueError, match=r"placement must be layer-name globs .* or 'auto'; got 'balanced'"):
         check_settings("model", placement="balanced", stages=2)
     check_settings("model", placement={"a*": 0, "b*": 1}, workers=2)  # a user placement needs no stages
+
+
+def test_an_expensive_layer_at_the_balance_point_alternates():
+    # Between layers the best cut is 7 | 3 (or 3 | 7); c on stage 1 for 4 of 8 micro-batches: 5 | 5.
+    costs = [2, 1, 4, 1, 2]
+    p = balanced_cut(NAMES[:5], costs, [0] * 4, 2, seconds_per_byte=0, alternable=[0] * 5, micro_batches=8)
+    assert p.cuts == (3,) and p.shares == (4,) and p.micro_batches == 8
+    assert p.compute == (5.0, 5.0)
+    assert p.alternates == {"c": (0, 1)}
+    assert [m for m in range(8) if p.moved(m)] == [1, 3, 5, 7]  # the stages take turns
+    assert p.stage_of() == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
+    assert p.stage_of(p.moved(1)) == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1}
+    assert "c alternates: stage 1 runs it for 4 of 8 micro-batches, stage 0 for the rest" in p.text()
+    # Layers that may not alternate (None), one micro-batch, or no alternation asked for: a cut between layers.
+    assert balanced_cut(NAMES[:5], costs, [0] * 4, 2, 0, [0, 0, None, 0, 0], micro_batches=8).slowest == 7.0
+    assert balanced_cut(NAMES[:5], costs, [0] * 4, 2, 0, [0] * 5, micro_batches=1).shares == ()
+    assert balanced_cut(NAMES[:5], costs, [0] * 4, 2, seconds_per_byte=0).shares == ()
+
+
+def test_alternating_pays_each_cut_by_its_share_and_the_gradient_sum():
+    # c on stage 1 for half the micro-batches: those send c's input (30 bytes each way), the others its output
+    # (10): 20 on average; both stages also send c's 4 bytes of weight gradients.
+    costs, sizes = [2, 1, 4, 1, 2], [0, 30, 10, 0]
+    p = balanced_cut(NAMES[:5], costs, sizes, 2, seconds_per_byte=0.01, alternable=[0, 0, 4, 0, 0], micro_batches=2)
+    assert p.shares == (1,)
+    assert p.transfer == pytest.approx((0.24, 0.24))
+
+
+def test_a_small_gain_keeps_the_cut_between_layers():
+    # Alternating b would balance 2.9 | 3.1 into 3 | 3: under ALTERNATION_GAIN, not worth it.
+    p = balanced_cut(["a", "b", "c"], [2.7, 0.4, 2.9], [0, 0], 2, 0, alternable=[0, 0, 0], micro_batches=8)
+    assert p.shares == () and p.cuts == (2,)
+
+
+def test_three_stages_may_alternate_at_each_cut():
+    # Between layers: a b | c d | e f = 2 | 5 | 6; c and e each on their later stage for half the micro-batches:
+    # a b + c/2 | c/2 d + e/2 | e/2 f = 4 | 5 | 4.
+    p = balanced_cut(NAMES, [1, 1, 4, 1, 4, 2], [0] * 5, 3, seconds_per_byte=0, alternable=[0] * 6, micro_batches=2)
+    assert p.shares == (1, 1)
+    assert p.alternates == {"c": (0, 1), "e": (1, 2)}
+    assert p.compute == pytest.approx((4.0, 5.0, 4.0))
+    assert p.stage_of(p.moved(1)) == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 2, "f": 2}

@@ -9,11 +9,12 @@ from rdkeras.parallel import check_settings
 from rdkeras.parallel.schedule import most_stashed, passes_in_order
 
 
+@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 1), (2, 8), (3, 2), (4, 4), (4, 16)])
-def test_every_pass_once_and_each_forward_before_its_backward(schedule, stages, micro_batches):
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 1), (2, 8), (3, 2), (4, 4), (4, 16), (3, 5)])
+def test_every_pass_once_and_each_forward_before_its_backward(schedule, stages, micro_batches, group):
     for position in range(stages):
-        order = passes_in_order(schedule, position, stages, micro_batches)
+        order = passes_in_order(schedule, position, stages, micro_batches, group)
         assert sorted(order) == sorted(
             [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
         )
@@ -33,6 +34,19 @@ def test_1f1b_alternates_after_filling_the_pipeline():
                                                 ("B", 2), ("B", 3)]  # fmt: skip
     assert passes_in_order("1f1b", 1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
     assert passes_in_order("gpipe", 1, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+
+
+def test_1f1b_in_pairs_runs_a_pair_of_forwards_then_a_pair_of_backwards():
+    # Where a layer alternates between two stages by micro-batch, each pair holds one turn of it on each stage.
+    assert passes_in_order("1f1b", 0, 2, 6, group=2) == [
+        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1), ("F", 4), ("F", 5), ("B", 2), ("B", 3),
+        ("B", 4), ("B", 5),
+    ]  # fmt: skip
+    assert passes_in_order("1f1b", 1, 2, 4, group=2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("F", 2), ("F", 3),
+                                                         ("B", 2), ("B", 3)]  # fmt: skip
+    # Twice the stash of single micro-batches: the stages left, in pairs.
+    assert most_stashed(passes_in_order("1f1b", 0, 2, 8, group=2)) == 4
+    assert most_stashed(passes_in_order("1f1b", 1, 2, 8, group=2)) == 2
 
 
 def test_an_unknown_schedule_is_refused_and_pipeline_names_model_parallelism():
