@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as before Dense layers' were deferred to the step's end",
     )
     p.add_argument(
-        "--cuts", default=None, help="comma-separated: 'auto' and/or layer names to cut after (default: auto and the "
-        "model's hand cut)",
+        "--cuts", default=None, help="comma-separated: 'auto', 'alternate' (the automatic cut with alternate_layers) "
+        "and/or layer names to cut after (default: auto and the model's hand cut)",
     )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
@@ -140,7 +140,7 @@ def stage_rank(
     if rank == 0:  # (rank 1 waits in the rendezvous meanwhile)
         alone.append(timed_fit(build(model), x, y, batch, warmup)["step_seconds"])
     placement: Any = "auto"
-    if cut != "auto":
+    if cut not in ("auto", "alternate"):
         import keras
 
         names = [layer.name for layer in build(model).layers if not isinstance(layer, keras.layers.InputLayer)]
@@ -152,6 +152,7 @@ def stage_rank(
         micro_batches=micro,
         schedule=schedule,
         defer_weight_gradients=defer,
+        alternate_layers=cut == "alternate",
     )
     with strategy.scope():
         m = build(model)
@@ -282,13 +283,13 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
               f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
               f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
     for row in rows:
-        if row["cut"] != "auto" or row["schedule"] != rows[0]["schedule"]:
+        if row["cut"] not in ("auto", "alternate") or row["schedule"] != rows[0]["schedule"]:
             continue  # the automatic cut (chosen per number of micro-batches: the layers are timed at its rows)
         for st in row["stages"]:
             shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
             shared = (st.get("alternates") or []) if st["stage"] == 0 else []
             alternates = f" ({', '.join(shared)} alternating with the next stage)" if shared else ""
-            print(f"  cut auto, {row['micro']} micro-batches: stage {st['stage']}: {shown}{alternates}")
+            print(f"  cut {row['cut']}, {row['micro']} micro-batches: stage {st['stage']}: {shown}{alternates}")
 
 
 def _plot(results: dict, path: Path) -> None:

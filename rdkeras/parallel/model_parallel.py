@@ -50,6 +50,7 @@ class ModelParallel(Parallelism):
             (:mod:`rdkeras.parallel.schedule`).
         defer_weight_gradients: with micro-batches, plain Dense layers' weight gradients are computed once a
             step over the whole batch (:func:`rdkeras.graph.deferrable`).
+        alternate_layers: the automatic cut may let a layer alternate between two stages by micro-batch.
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -65,6 +66,7 @@ class ModelParallel(Parallelism):
         global_batch: bool = True,
         schedule: str = "1f1b",
         defer_weight_gradients: bool = True,
+        alternate_layers: bool = False,
     ):
         n = engine.world_size
         k = stages or n
@@ -78,6 +80,7 @@ class ModelParallel(Parallelism):
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
         self.defer_weight_gradients = defer_weight_gradients
+        self.alternate_layers = alternate_layers
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
@@ -127,9 +130,10 @@ class ModelParallel(Parallelism):
         """The cost-balanced cut of `model`, its layers timed on batches of `rows` (default: the dry run's).
         Every worker times the layers (the same dry run everywhere, so nothing it creates differs between
         workers) and all take rank 0's times, so they choose the same cut; a transfer is priced at the
-        transport's cost per byte. With micro-batches, where a layer could alternate between stages, the cut
-        is then timed stage by stage as whole sub-models, and so is the best cut with an alternating layer the
-        layers' times (scaled to their stages') predict: the faster by ``ALTERNATION_GAIN`` is kept."""
+        transport's cost per byte. With `alternate_layers` and micro-batches, where a layer could alternate
+        between stages, the cut is then timed stage by stage as whole sub-models, and so is the best cut with an
+        alternating layer the layers' times (scaled to their stages') predict: the faster by
+        ``ALTERNATION_GAIN`` is kept."""
         from rdkeras.graph import costs
 
         rows = rows or costs.DRY_RUN_ROWS
@@ -141,7 +145,7 @@ class ModelParallel(Parallelism):
         try:
             cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)
             alternable = costs.alternable(model, names)
-            if micro % 2 or self.stages == 1 or all(a is None for a in alternable):
+            if not self.alternate_layers or micro % 2 or self.stages == 1 or all(a is None for a in alternable):
                 return dataclasses.replace(cut, rows=rows)
             whole = self._stage_seconds(model, cut, rows)
             scale = [w / c if c > 0 else 1.0 for w, c in zip(whole, cut.compute, strict=True)]

@@ -45,6 +45,7 @@ def make_strategy(cfg: Any) -> Any:
             micro_batches=parallel.micro_batches,
             schedule=parallel.get("schedule", "1f1b"),
             defer_weight_gradients=parallel.get("defer_weight_gradients", True),
+            alternate_layers=parallel.get("alternate_layers", False),
         )
     if parallel.get("stages") is not None:
         kwargs.update(stages=parallel.stages)

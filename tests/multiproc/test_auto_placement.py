@@ -37,7 +37,14 @@ def test_a_layer_too_large_to_balance_alternates_between_the_stages():
     # widen | big | narrow | out: between layers, one stage gets `big` whole. Alternating it by micro-batch gives
     # each stage half; both keep its weights, sum their partial gradients and apply the same update.
     results = run_ranks(
-        "train_and_compare", 2, module=TARGET, timeout=300, kind="dominant", placement=None, micro_batches=4
+        "train_and_compare",
+        2,
+        module=TARGET,
+        timeout=300,
+        kind="dominant",
+        placement=None,
+        micro_batches=4,
+        alternate_layers=True,
     )
     first = _check(results, tol=1e-5)
     text = first["plan_text"]
