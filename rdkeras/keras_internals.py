@@ -62,6 +62,8 @@ _HOOKS = (
     ("keras.Sequential", "_functional"),
     ("keras.src.models.functional.Functional", "_standardize_inputs"),
     ("keras.src.models.functional.Functional", "_outputs_struct"),
+    ("keras.src.models.functional.Functional", "_inputs_struct"),
+    ("keras.src.models.functional.Functional", "_run_through_graph"),
     ("keras.src.models.functional.Functional", "_nodes_by_depth"),
     ("keras.KerasTensor", "_keras_history"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split"),
@@ -86,6 +88,7 @@ _INSTANCE_ATTRS = {
     "_loss_tracker",
     "_initial_epoch",
     "_outputs_struct",
+    "_inputs_struct",
     "_functional",
     "_weights_path",
     "_training_metadata_path",
@@ -206,6 +209,18 @@ def standardize_inputs(graph: Any, x: Any) -> list[Any]:
 
 def outputs_struct(graph: Any) -> Any:
     return graph._outputs_struct
+
+
+def rebuild(model: Any, call: Callable[..., Any], name: str) -> Any:
+    """A new Functional model over the same layers (so the same weights) on new inputs, each node of `model`'s
+    graph computed by ``call(layer, *args, **kwargs)`` (which may call other layers instead)."""
+    import keras
+
+    graph = functional_of(model)
+    inputs = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name), graph._inputs_struct
+    )
+    return keras.Model(inputs, graph._run_through_graph(inputs, call_fn=call), name=name)
 
 
 def compiled_loss(model: Any) -> Any:

@@ -32,6 +32,7 @@ from rdkeras.bench.workloads import timed_fit
 MODELS = ("vgg16", "vggstyle", "fcn5")
 HAND_CUTS = {"vgg16": "block3_pool", "vggstyle": "pool2"}  # cut after this layer (hand placement)
 STAGES = 2
+AUTOMATIC = ("auto", "alternate", "split")  # --cuts that leave the cut to rdkeras
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as before Dense layers' were deferred to the step's end",
     )
     p.add_argument(
-        "--cuts", default=None, help="comma-separated: 'auto', 'alternate' (the automatic cut with alternate_layers) "
-        "and/or layer names to cut after (default: auto and the model's hand cut)",
+        "--cuts", default=None, help="comma-separated: 'auto', 'alternate' (the automatic cut with alternate_layers), "
+        "'split' (with split_layers) and/or layer names to cut after (default: auto and the model's hand cut)",
     )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
@@ -82,14 +83,19 @@ def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.random(shape, dtype=np.float32), rng.integers(0, 10, rows)
 
 
-def _compute(sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 7) -> float:
+def _compute(
+    sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 7, shapes: list | None = None
+) -> float:
     """Seconds of `sub`'s forward and backward over `micro` micro-batches of `rows` rows (gradients summed;
-    with `input_grads`, also those of the inputs, as a stage that receives activations sends back)."""
+    with `input_grads`, also those of the inputs, as a stage that receives activations sends back); `shapes`:
+    the inputs' where known (a layer split by rows sends a part of them)."""
     import keras
     import tensorflow as tf
 
     rng = np.random.default_rng(1)
-    feeds = [tf.constant(rng.random((rows, *t.shape[1:]), dtype=np.float32)) for t in keras.tree.flatten(sub.inputs)]
+    inputs = keras.tree.flatten(sub.inputs)
+    shapes = [s or (rows, *t.shape[1:]) for s, t in zip(shapes or [None] * len(inputs), inputs, strict=True)]
+    feeds = [tf.constant(rng.random(s, dtype=np.float32)) for s in shapes]
 
     @tf.function(jit_compile=False)
     def passes(*inputs: Any) -> Any:
@@ -140,7 +146,7 @@ def stage_rank(
     if rank == 0:  # (rank 1 waits in the rendezvous meanwhile)
         alone.append(timed_fit(build(model), x, y, batch, warmup)["step_seconds"])
     placement: Any = "auto"
-    if cut not in ("auto", "alternate"):
+    if cut not in AUTOMATIC:
         import keras
 
         names = [layer.name for layer in build(model).layers if not isinstance(layer, keras.layers.InputLayer)]
@@ -153,6 +159,7 @@ def stage_rank(
         schedule=schedule,
         defer_weight_gradients=defer,
         alternate_layers=cut == "alternate",
+        split_layers=cut == "split",
     )
     with strategy.scope():
         m = build(model)
@@ -164,14 +171,16 @@ def stage_rank(
     # This worker's layers as a model (the same layers, not copies); where layers alternate, each micro-batch
     # plan's, run for as many micro-batches as follow it.
     uses = plan.micro_plans or [plan] * micro
+    graph = plan.model  # (the user's model, or the split model over its layers)
     compute = 0.0
     for turn in range(STAGES):  # one stage at a time: alone on the machine, as one process was
         if turn == rank:
             for p in {id(p): p for p in uses}.values():
-                stage = build_stage(m, p, rank)
+                stage = build_stage(graph, p, rank)
                 if stage.model is not None:
                     sends_grads = any(e.needs_grad for e in stage.received)
-                    compute += _compute(stage.model, batch // micro, sum(q is p for q in uses), sends_grads)
+                    shapes = [f.edge.shape if f.edge is not None and f.edge.static else None for f in stage.feeds]
+                    compute += _compute(stage.model, batch // micro, sum(q is p for q in uses), sends_grads, 7, shapes)
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()
     if rank == 0:
@@ -184,6 +193,7 @@ def stage_rank(
         "waiting": timed["wait_seconds_per_step"],
         "layers": plan.layers_of(rank),
         "alternates": sorted(plan.partition.alternates) if plan.micro_plans and plan.partition else [],
+        "splits": sorted(plan.partition.split_layers) if graph is not m and plan.partition else [],
         "stashed": plan.stashed.get(rank),
         "deferred": plan.deferred.get(rank, []),
         "activation_bytes": plan.activation_bytes.get(rank),
@@ -283,12 +293,14 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
               f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
               f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
     for row in rows:
-        if row["cut"] not in ("auto", "alternate") or row["schedule"] != rows[0]["schedule"]:
+        if row["cut"] not in AUTOMATIC or row["schedule"] != rows[0]["schedule"]:
             continue  # the automatic cut (chosen per number of micro-batches: the layers are timed at its rows)
         for st in row["stages"]:
             shown = ", ".join(st["layers"][:2]) + (", ..., " + st["layers"][-1] if len(st["layers"]) > 2 else "")
             shared = (st.get("alternates") or []) if st["stage"] == 0 else []
             alternates = f" ({', '.join(shared)} alternating with the next stage)" if shared else ""
+            split = (st.get("splits") or []) if st["stage"] == 0 else []
+            alternates += f" ({', '.join(split)} split by rows with the next stage)" if split else ""
             print(f"  cut {row['cut']}, {row['micro']} micro-batches: stage {st['stage']}: {shown}{alternates}")
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras.graph.split import part_rows, rows_of_part
 from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
 
 READER = 0
@@ -102,6 +103,8 @@ class Plan:
     # Where the automatic cut alternates layers between stages: each micro-batch's plan (this one, or one that
     # differs in those layers' stages and the edges around them); empty: this plan for every micro-batch.
     micro_plans: list[Plan] = field(default_factory=list, repr=False, compare=False)
+    # The model this plan places: the user's, or a split model over its layers (rdkeras.graph.split).
+    model: Any = field(default=None, repr=False, compare=False)
 
     @property
     def group(self) -> int:
@@ -335,6 +338,7 @@ def analyze(
     loss_stage = max((s for s in output_stages if s is not None), key=order.index, default=READER)
 
     edges: list[Edge] = []
+    parts = part_rows(model)  # (a split model's: rdkeras.graph.split)
 
     def add(
         name: str,
@@ -351,6 +355,8 @@ def analyze(
         transfers: int = micro_batches,
     ) -> None:
         batch = None if batch_size is None else batch_size // transfers  # the rows each transfer carries
+        if batch is not None and tensor is not None and id(tensor) in parts:  # one part of a layer's rows
+            batch = rows_of_part(batch, parts[id(tensor)])
         full, static, reason = _spec(shape, batch, "tensor" if kind in ("activation", "input") else kind)
         edges.append(
             Edge(
@@ -431,7 +437,7 @@ def analyze(
         for n in nodes:
             s = stage[n.operation.name]
             for t in n.output_tensors:
-                shape = (rows, *(d or 0 for d in tuple(t.shape)[1:]))
+                shape = (rows_of_part(rows, parts[id(t)]) if id(t) in parts else rows, *(d or 0 for d in t.shape[1:]))
                 activation_bytes[s] = activation_bytes.get(s, 0) + int(np.prod(shape)) * np.dtype(str(t.dtype)).itemsize
     return Plan(
         model_name=model.name,
@@ -443,6 +449,7 @@ def analyze(
         batch_size=batch_size,
         micro_batches=micro_batches,
         activation_bytes=activation_bytes,
+        model=model,
     )
 
 

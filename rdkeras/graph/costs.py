@@ -148,8 +148,10 @@ def stage_seconds(
                 continue
             sub = stage.model
             feed = []
-            for t in sub.inputs:
+            for t, f in zip(sub.inputs, stage.feeds, strict=True):
                 shape, dtype = _shape(tuple(t.shape), rows), np.dtype(str(t.dtype))
+                if f.edge is not None and f.edge.static:  # (a row split's part has fewer rows)
+                    shape = tuple(int(d or 0) for d in f.edge.shape)
                 value = rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
                 feed.append(tf.constant(value))
             # What a stage receives with a gradient to send back: the stage computes that gradient too.

@@ -51,6 +51,8 @@ class ModelParallel(Parallelism):
         defer_weight_gradients: with micro-batches, plain Dense layers' weight gradients are computed once a
             step over the whole batch (:func:`rdkeras.graph.deferrable`).
         alternate_layers: the automatic cut may let a layer alternate between two stages by micro-batch.
+        split_layers: the automatic cut may split a layer between two stages by the rows of each micro-batch
+            (:mod:`rdkeras.graph.split`).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -67,11 +69,16 @@ class ModelParallel(Parallelism):
         schedule: str = "1f1b",
         defer_weight_gradients: bool = True,
         alternate_layers: bool = False,
+        split_layers: bool = False,
     ):
         n = engine.world_size
         k = stages or n
         if k < 1 or n % k:  # (RDMAStrategy checked the placement itself: rdkeras.parallel.check_settings)
             raise ValueError(f"{n} workers cannot run replicas of a {k}-stage pipeline: world size must be a multiple")
+        if alternate_layers and split_layers:
+            raise ValueError(
+                "alternate_layers and split_layers both share the layer at a cut between two stages: choose one"
+            )
         self.engine, self.stages = engine, k
         self.placement: dict[str, int] = dict(placement or {})
         self.partition: Partition | None = None  # the automatic cut, when there was no placement
@@ -80,7 +87,8 @@ class ModelParallel(Parallelism):
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
         self.defer_weight_gradients = defer_weight_gradients
-        self.alternate_layers = alternate_layers
+        self.alternate_layers, self.split_layers = alternate_layers, split_layers
+        self._split_models: dict[tuple, Any] = {}  # split_layers -> the split model
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
@@ -131,10 +139,10 @@ class ModelParallel(Parallelism):
         Every worker times the layers (the same dry run everywhere, so nothing it creates differs between
         workers) and all take rank 0's times, so they choose the same cut; a transfer is priced at the
         transport's cost per byte. With `alternate_layers` and micro-batches, where a layer could alternate
-        between stages, the cut is then timed stage by stage as whole sub-models, and so is the best cut with an
-        alternating layer the layers' times (scaled to their stages') predict: the faster by
-        ``ALTERNATION_GAIN`` is kept."""
-        from rdkeras.graph import costs
+        between stages (with `split_layers`, be split by rows), the cut is then timed stage by stage as whole
+        sub-models, and so is the best cut sharing a layer that the layers' times (scaled to their stages')
+        predict: the faster by ``ALTERNATION_GAIN`` is kept."""
+        from rdkeras.graph import costs, split
 
         rows = rows or costs.DRY_RUN_ROWS
         self._cut_rows = rows
@@ -145,34 +153,62 @@ class ModelParallel(Parallelism):
         try:
             cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)
             alternable = costs.alternable(model, names)
-            if not self.alternate_layers or micro % 2 or self.stages == 1 or all(a is None for a in alternable):
+            if self.split_layers:
+                splittable = split.splittable(model, names)
+                alternable = [a if ok else None for a, ok in zip(alternable, splittable, strict=True)]
+            elif not self.alternate_layers or micro % 2:
+                alternable = [None] * len(names)
+            if self.stages == 1 or all(a is None for a in alternable):
                 return dataclasses.replace(cut, rows=rows)
             whole = self._stage_seconds(model, cut, rows)
             scale = [w / c if c > 0 else 1.0 for w, c in zip(whole, cut.compute, strict=True)]
             stage = [s for s in range(self.stages) for _ in range(cut.bounds[s], cut.bounds[s + 1])]
             scaled = [t * scale[stage[i]] for i, t in enumerate(seconds)]
-            mixed = balanced_cut(names, scaled, cut_bytes, self.stages, per_byte, alternable, micro, 0.0)
-            measured = self._stage_seconds(model, mixed, rows) if mixed.shares else whole
+            split_rows = rows if self.split_layers else 0
+            mixed = balanced_cut(names, scaled, cut_bytes, self.stages, per_byte, alternable, micro, 0.0, split_rows)
+            if not mixed.alternates:
+                return dataclasses.replace(cut, compute=tuple(whole), rows=rows)
+            measured = self._stage_seconds(model, mixed, rows)
             slowest = max(w + t for w, t in zip(whole, cut.transfer, strict=True))
-            if max(m + t for m, t in zip(measured, mixed.transfer, strict=True)) < slowest * (1 - ALTERNATION_GAIN):
-                cut, whole = mixed, measured
-            return dataclasses.replace(cut, compute=tuple(whole), rows=rows)
+            sharing = max(m + t for m, t in zip(measured, mixed.transfer, strict=True))
+            how = "split by rows" if mixed.splits else "alternating"
+            trial = (
+                f"{', '.join(mixed.alternates)} {how} measured {' | '.join(f'{m * 1e3:.3f}' for m in measured)} ms "
+                f"against {' | '.join(f'{w * 1e3:.3f}' for w in whole)} ms between layers"
+            )
+            if sharing < slowest * (1 - ALTERNATION_GAIN):
+                return dataclasses.replace(mixed, compute=tuple(measured), rows=rows, trial=trial + ": kept")
+            return dataclasses.replace(cut, compute=tuple(whole), rows=rows, trial=trial + ": not 5% faster")
         except ValueError as e:
             raise ValueError(f"model {model.name!r}: {e}") from None
 
     def _stage_seconds(self, model: Any, cut: Partition, rows: int) -> list[float]:
         """Per stage of `cut`: its whole sub-model's forward and backward per micro-batch, measured (with an
-        alternating layer, each plan's for half the micro-batches); rank 0's."""
+        alternating layer, each plan's for half the micro-batches; with a layer split by rows, the split
+        model's); rank 0's."""
         from rdkeras.graph import costs
 
-        half = self.micro_batches // 2
-        plans = [cut.stage_of(), cut.stage_of(cut.moved(1))] if cut.shares else [cut.stage_of()]
+        half = max(1, self.micro_batches // 2)
+        graph, plans = model, [cut.stage_of()]
+        if cut.shares:
+            plans.append(cut.stage_of(cut.moved(1)))
+        elif cut.splits:
+            graph, plans = self._split_model(model, cut), [cut.split_placement()]
 
         def measure() -> list[float]:
-            times = [costs.stage_seconds(model, p, self.stages, rows, half) for p in plans]
+            times = [costs.stage_seconds(graph, p, self.stages, rows, half) for p in plans]
             return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
 
         return self._rank0_seconds(model, "the stages", self.stages, measure)
+
+    def _split_model(self, model: Any, cut: Partition) -> Any:
+        """`model` with the layers `cut` splits by rows split (:func:`rdkeras.graph.split.split_model`)."""
+        from rdkeras.graph.split import split_model
+
+        key = tuple(sorted(cut.split_layers.items()))
+        if key not in self._split_models:
+            self._split_models[key] = split_model(model, cut.split_layers)
+        return self._split_models[key]
 
     def _rank0_seconds(self, model: Any, what: str, count: int, measure: Any) -> list[float]:
         """`measure()` (`count` seconds) on every worker, rank 0's taken by all (collective)."""
@@ -234,8 +270,12 @@ class ModelParallel(Parallelism):
         key = (rows, micro, str(label_specs), str(weight_specs))
         pipeline = self._pipelines.get(key)
         if pipeline is None:
-            plan = analyze(model, self.placement, self.stages, rows, micro, label_specs, weight_specs)
             cut = self.partition
+            # A layer split by rows: where every micro-batch has rows to split, the split model runs.
+            graph, placement = model, self.placement
+            if cut is not None and cut.splits and rows is not None and rows // micro >= 2:
+                graph, placement = self._split_model(model, cut), cut.split_placement()
+            plan = analyze(graph, placement, self.stages, rows, micro, label_specs, weight_specs)
             if cut is not None and cut.shares and micro == cut.micro_batches:
                 # Layers alternate: each micro-batch follows the plan of the cuts it moves them at.
                 variants: dict[tuple[int, ...], Plan] = {(): plan}
@@ -254,13 +294,13 @@ class ModelParallel(Parallelism):
                 for p, s in enumerate(plan.stage_order)
             }
             if self.defer_weight_gradients and micro > 1:
-                shared = set(self.partition.alternates) if plan.micro_plans and self.partition else set()
-                plan.deferred, plan.deferred_bytes = deferrable(model, plan, exclude=shared)
+                shared = set(cut.alternates) if cut is not None and (graph is not model or plan.micro_plans) else set()
+                plan.deferred, plan.deferred_bytes = deferrable(graph, plan, exclude=shared)
                 for variant in plan.micro_plans:
                     variant.deferred, variant.deferred_bytes = plan.deferred, plan.deferred_bytes
             self._serial += 1
             pipeline = Pipeline(
-                self.engine, model, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
+                self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
             )
             self._pipelines[key] = pipeline
             if not self._printed and self.engine.rank == 0:

@@ -23,6 +23,11 @@ turns and gain nothing. After the programme, each cut in turn tries every positi
 between its neighbours with and without alternating (exact for two stages, a local
 search for more); :func:`balanced_cut` keeps the alternation only where it makes the
 slowest stage ``ALTERNATION_GAIN`` faster than the best cut between layers.
+
+A layer that computes each row on its own may instead be **split by rows**
+(:mod:`rdkeras.graph.split`): the stage after the cut runs it for k of every n rows of each
+micro-batch, the stage before for the rest, so every micro-batch is balanced and 1F1B needs
+no pairs. The same search prices it, k among 0..n-1 of the micro-batch's n rows.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class Partition:
     # stage after it (0 or half).
     shares: tuple[int, ...] = ()
     micro_batches: int = 1
+    # Per cut (S - 1; empty: none is split): of each micro-batch's `rows`, how many the stage after it runs the
+    # layer just before it for (:mod:`rdkeras.graph.split`; 0: none).
+    splits: tuple[int, ...] = ()
+    trial: str = ""  # how a cut sharing a layer measured against this one's, where one was tried
 
     @property
     def stages(self) -> int:
@@ -90,8 +99,24 @@ class Partition:
 
     @property
     def alternates(self) -> dict[str, tuple[int, int]]:
-        """Each alternating layer -> (the stage before its cut, the one after), which share it."""
-        return {self.names[self.cuts[c] - 1]: (c, c + 1) for c, k in enumerate(self.shares) if k}
+        """Each layer two stages share (alternating or split by rows) -> (the stage before its cut, the one
+        after)."""
+        return {self.names[self.cuts[c] - 1]: (c, c + 1) for c, k in enumerate(self.shares or self.splits) if k}
+
+    @property
+    def split_layers(self) -> dict[str, tuple[int, int]]:
+        """Each layer split by rows -> (rows the later stage runs it for, of every `rows`)."""
+        return {self.names[self.cuts[c] - 1]: (k, self.rows) for c, k in enumerate(self.splits) if k}
+
+    def split_placement(self) -> dict[str, int]:
+        """The placement of the split model (:func:`rdkeras.graph.split.split_model` of :attr:`split_layers`):
+        a split layer and its rows' layer on the stage before its cut, its twin and join on the one after."""
+        from rdkeras.graph.split import JOIN, ROWS, TWIN
+
+        placement = self.stage_of()
+        for name, (first, second) in self.alternates.items():
+            placement.update({name + ROWS: first, name + TWIN: second, name + JOIN: second})
+        return placement
 
     def moved(self, m: int) -> tuple[int, ...]:
         """The cuts whose alternating layer micro-batch m runs on the later stage: k of every M, spread evenly
@@ -113,12 +138,20 @@ class Partition:
                 f"  stage {s}: {span} ({self.bounds[s + 1] - self.bounds[s]} layers): "
                 f"{_ms(self.compute[s])} compute + {_ms(self.transfer[s])} transfers"
             )
+        if self.trial:
+            lines.append(f"  tried: {self.trial}")
         for i, (at, nbytes) in enumerate(zip(self.cuts, self.cut_bytes, strict=True)):
             lines.append(
                 f"  cut {i}: after {self.names[at - 1]}, before {self.names[at]}: "
                 f"{nbytes} bytes cross it per measured batch (activations and gradients)"
             )
             k = self.shares[i] if self.shares else 0
+            rows = self.splits[i] if self.splits else 0
+            if rows:
+                lines[-1] += (
+                    f"; {self.names[at - 1]} split by rows: stage {i + 1} runs it for {rows} of every {self.rows} "
+                    f"rows of each micro-batch, stage {i} for the rest, its gradients summed between them"
+                )
             if k:
                 lines[-1] += (
                     f"; {self.names[at - 1]} alternates: stage {i + 1} runs it for {k} of {self.micro_batches} "
@@ -140,6 +173,7 @@ def balanced_cut(
     alternable: Sequence[int | None] | None = None,
     micro_batches: int = 1,
     alternation_gain: float = ALTERNATION_GAIN,
+    split_rows: int = 0,
 ) -> Partition:
     """The contiguous cut of `names` into `stages` stages whose slowest stage (compute + transfers) is fastest.
 
@@ -154,6 +188,8 @@ def balanced_cut(
             weights (their gradients are summed between the two stages each step). None: no unit may.
         micro_batches: M, the micro-batches an alternating layer's are shared out of (odd: none alternates).
         alternation_gain: how much faster (a share) alternating must make the slowest stage to be chosen.
+        split_rows: where >= 2, the `alternable` layer at a cut is split by the rows of each micro-batch (these
+            many: :mod:`rdkeras.graph.split`) instead of alternating by micro-batch.
     """
     n = len(names)
     _check(names, costs, cut_bytes, stages, seconds_per_byte)
@@ -201,31 +237,45 @@ def balanced_cut(
     bounds.append(0)
     bounds.reverse()
     plain = _partition(names, bounds, costs, cut_bytes, edge)
-    if alternable is None or stages == 1 or micro_batches < 2 or all(a is None for a in alternable):
+    if alternable is None or stages == 1 or all(a is None for a in alternable):
         return plain
-    mixed = _alternate(plain, costs, cut_bytes, seconds_per_byte, alternable, micro_batches)
+    if split_rows >= 2:  # k of every `split_rows` rows, in every micro-batch
+        mixed = _share(
+            plain, costs, cut_bytes, seconds_per_byte, alternable, split_rows, range(split_rows), micro_batches
+        )
+        mixed = dataclasses.replace(mixed, splits=mixed.shares, shares=(), micro_batches=1, rows=split_rows)
+    elif micro_batches >= 2:  # k of every M micro-batches, k = 0 or M / 2
+        whole = (0, micro_batches // 2) if micro_batches % 2 == 0 else (0,)
+        mixed = _share(plain, costs, cut_bytes, seconds_per_byte, alternable, micro_batches, whole, micro_batches)
+        mixed = dataclasses.replace(mixed, micro_batches=micro_batches)
+    else:
+        return plain
     return mixed if mixed.slowest < plain.slowest * (1 - alternation_gain) else plain
 
 
-def _alternate(
+def _share(
     plain: Partition,
     costs: Sequence[float],
     cut_bytes: Sequence[int | None],
     seconds_per_byte: float,
     alternable: Sequence[int | None],
-    micro: int,
+    whole: int,
+    options: Sequence[int],
+    micro_batches: int,
 ) -> Partition:
-    """`plain` with layers alternating at its cuts: each cut in turn (twice over) moves to the position, alternating
-    or not, that makes the slower of its two stages fastest, its neighbours held."""
+    """`plain` with the layer before each cut shared with the stage after it, which takes k of every `whole` parts
+    of it (micro-batches or rows), k among `options`: each cut in turn (twice over) moves to the position and k
+    that make the slower of its two stages fastest, its neighbours held. The result's `shares` are those k. A
+    stage's costs are per micro-batch: the shared layer's gradient sum, once a step, counts 1/M."""
     bounds = list(plain.bounds)
     shares = [0] * (len(bounds) - 2)
 
     def side(p: int, k: int) -> tuple[float, float]:
         """(compute the later stage takes, transfer seconds) at a cut at p whose layer p - 1 runs there for k of
-        the micro-batches: each micro-batch sends what crosses where it cuts."""
-        q = k / micro
+        every `whole` parts: each part sends what crosses where it cuts."""
+        q = k / whole
         sent = (1 - q) * float(cut_bytes[p - 1] or 0) + (q * float(cut_bytes[p - 2] or 0) if k else 0.0)
-        sync = float(alternable[p - 1] or 0) if k else 0.0  # the layer's gradients, summed between the two
+        sync = float(alternable[p - 1] or 0) / max(1, micro_batches) if k else 0.0  # its gradients' sum, per step
         return q * float(costs[p - 1]), (sent + sync) * seconds_per_byte
 
     def stage(s: int) -> tuple[float, float]:
@@ -248,13 +298,13 @@ def _alternate(
 
     for _ in range(2):
         for c in range(len(shares)):
-            options = []
+            tried = []
             for p in range(bounds[c] + 1, bounds[c + 2]):
-                for k in (0, micro // 2) if micro % 2 == 0 else (0,):
+                for k in options:
                     if possible(c, p, k):
                         bounds[c + 1], shares[c] = p, k
-                        options.append((max(sum(stage(c)), sum(stage(c + 1))), k, p))
-            _, shares[c], bounds[c + 1] = min(options)  # ties: fewer micro-batches moved, then the earlier cut
+                        tried.append((max(sum(stage(c)), sum(stage(c + 1))), k, p))
+            _, shares[c], bounds[c + 1] = min(tried)  # ties: fewer parts moved, then the earlier cut
     parts = [stage(s) for s in range(len(bounds) - 1)]
     return dataclasses.replace(
         plain,
@@ -263,7 +313,6 @@ def _alternate(
         transfer=tuple(t for _, t in parts),
         cut_bytes=tuple(int(cut_bytes[p - 1] or 0) for p in bounds[1:-1]),
         shares=tuple(shares) if any(shares) else (),
-        micro_batches=micro,
     )
 
 

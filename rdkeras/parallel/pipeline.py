@@ -26,7 +26,8 @@ class Pipeline:
 
     Args:
         engine: The job's engine.
-        model: The user's whole model (every worker builds it; this one trains `stage`).
+        model: The user's whole model (every worker builds it; this one trains `stage`), or the split model over
+            its layers (:mod:`rdkeras.graph.split`) that `plan` places.
         plan: The plan (batch rows, micro-batches, cut edges).
         stage: This worker's stage index.
         replica: This worker's pipeline replica (hybrid parallelism; 0 for one pipeline).
@@ -61,14 +62,18 @@ class Pipeline:
         for variant in self.stages:
             known = {id(v) for v in self.trainable_variables}
             self.trainable_variables += [v for v in variant.trainable_variables if id(v) not in known]
-        # (the sum between the two stages, indices into trainable_variables) per alternating layer this worker runs.
+        # (the sum between the two stages, indices into trainable_variables) per layer it shares with a neighbour.
         self.shared: list[tuple[Callable[[list], list], list[int]]] = []
-        if len(self.plans) > 1 and plan.partition is not None and pair_sum is not None:
-            index = {id(v): i for i, v in enumerate(self.trainable_variables)}
-            for name, (first, second) in plan.partition.alternates.items():
-                if stage in (first, second):
-                    layer = functional_of(model).get_layer(name)
-                    self.shared.append((pair_sum(first), [index[id(v)] for v in layer.trainable_variables]))
+        # Both stages train it in every step, whether this plan shares it or not (one that does not split a layer
+        # by rows, as a batch too small to split, leaves it to the earlier stage: the later adds zeros).
+        shares = plan.partition.alternates if plan.partition is not None and pair_sum is not None else {}
+        for name, (first, second) in shares.items():
+            if stage in (first, second) and pair_sum is not None:
+                layer = functional_of(model).get_layer(name)
+                known = {id(v) for v in self.trainable_variables}
+                self.trainable_variables += [v for v in layer.trainable_variables if id(v) not in known]
+                index = {id(v): i for i, v in enumerate(self.trainable_variables)}
+                self.shared.append((pair_sum(first), [index[id(v)] for v in layer.trainable_variables]))
         # (edge name, micro-batch) -> this worker's end of the channel carrying it forward / its gradient back.
         self.fwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
         self.bwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}

@@ -46,6 +46,7 @@ def make_strategy(cfg: Any) -> Any:
             schedule=parallel.get("schedule", "1f1b"),
             defer_weight_gradients=parallel.get("defer_weight_gradients", True),
             alternate_layers=parallel.get("alternate_layers", False),
+            split_layers=parallel.get("split_layers", False),
         )
     if parallel.get("stages") is not None:
         kwargs.update(stages=parallel.stages)

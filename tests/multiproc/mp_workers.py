@@ -122,7 +122,10 @@ def train_and_compare(
     kind: str, placement: dict, micro_batches: int = 1, batch: int = 16, epochs: int = 2, samples: int = 96, **kw
 ) -> dict:
     import rdkeras
+    from rdkeras.parallel import model_parallel
 
+    if "sharing_gain" in kw:  # what measured gain keeps a cut that shares a layer (the default: 5%)
+        model_parallel.ALTERNATION_GAIN = kw.pop("sharing_gain")
     strategy = rdkeras.RDMAStrategy(
         parallelism=kw.pop("parallelism", "model"), placement=placement, micro_batches=micro_batches, **kw
     )

@@ -53,3 +53,33 @@ def test_a_layer_too_large_to_balance_alternates_between_the_stages():
     assert [e["producer"] for e in first["plan"] if e["kind"] == "activation"] == ["big:0"], text
     assert re.search(r"big:0 -> narrow +0->1 +\(4, 1024\) +float32 +32.8 KB .*\(2 of 4 micro-batches\)", text), text
     assert re.search(r"widen:0 -> big +0->1 +\(4, 1024\) +float32 +32.8 KB .*\(2 of 4 micro-batches\)", text), text
+
+
+def test_a_layer_too_large_to_balance_is_split_by_rows_between_the_stages():
+    # The same model; `big` split by the rows of every micro-batch instead: stage 0 runs it for the first rows,
+    # stage 1 (under the name big__twin) for the rest; the two sum their partial gradients of its weights. Batches
+    # of 64 in 2 micro-batches are split where they were timed (32 rows); the predictions' (64 rows, one
+    # micro-batch) at the same share; the validation data's partial batch (dynamic) runs the cut between layers.
+    results = run_ranks(
+        "train_and_compare",
+        2,
+        module=TARGET,
+        timeout=300,
+        kind="dominant",
+        placement=None,
+        micro_batches=2,
+        batch=64,
+        samples=128,
+        split_layers=True,
+        sharing_gain=-1.0,  # kept whatever it measures (the 5% rule is test_partition's): the split is the subject
+    )
+    first = _check(results, tol=1e-5)
+    text = first["plan_text"]
+    found = re.search(r"big split by rows: stage 1 runs it for (\d+) of every 32 rows of each micro-batch", text)
+    assert found, text
+    moved = int(found.group(1))
+    assert 8 <= moved <= 24, text  # (about half: the measured layers decide)
+    assert re.search(r"tried: big split by rows measured [\d.]+ \| [\d.]+ ms against [\d.]+ \| [\d.]+ ms", text), text
+    shapes = {e["producer"]: e["shape"] for e in first["plan"] if e["kind"] == "activation"}
+    assert shapes == {"big:0": [32 - moved, 1024], "big__rows:1": [moved, 1024]}, text
+    assert "stage 1: 4 layers: big__twin, big__join, narrow, out" in text, text

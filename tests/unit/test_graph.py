@@ -139,3 +139,34 @@ def test_subclassed_models_cannot_be_cut():
 
     with pytest.raises(ValueError, match=r"needs a Functional or Sequential model.*Net is subclassed"):
         analyze(Net(), {"*": 0}, 1)
+
+
+def test_a_layer_split_by_rows_computes_what_the_model_does():
+    from rdkeras.graph.split import split_model, splittable
+
+    x = keras.Input((8, 8, 3), name="image")
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(x)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    model = keras.Model(x, keras.layers.Dense(5, name="out")(h), name="convnet")
+    names = ["conv", "bn", "flat", "out"]
+    # Row by row, with no state but trainable weights, no model output: only the convolution.
+    assert splittable(model, names) == [True, False, False, False]
+    split = split_model(model, {"conv": (3, 8)})  # the later part: 3 of every 8 rows
+    data = np.random.default_rng(0).standard_normal((8, 8, 8, 3)).astype("float32")
+    np.testing.assert_array_equal(split(data), model(data))
+    assert {id(v) for v in split.trainable_variables} == {id(v) for v in model.trainable_variables}  # shared
+    placement = {"conv__rows": 0, "conv": 0, "conv__twin": 1, "conv__join": 1, "bn": 1, "flat": 1, "out": 1}
+    plan = analyze(split, placement, 2, batch_size=16, micro_batches=2)
+    # Of each micro-batch's 8 rows, stage 0 sends conv's output for its 5 and the input for the other 3.
+    shapes = {e.producer: e.shape for e in plan.edges}
+    assert shapes == {"conv:0": (5, 8, 8, 4), "conv__rows:1": (3, 8, 8, 3)}
+    grads = {e.producer: e.needs_grad for e in plan.edges if e.static}
+    assert grads == {"conv:0": True, "conv__rows:1": False}  # (the image's rows need no gradient)
+    first, second = build_stage(split, plan, 0), build_stage(split, plan, 1)
+    sent = first.model([data[:8]])
+    by_edge = {e.name: t for edges, t in zip(first.sends, sent, strict=True) for e in edges}
+    out = second.model([by_edge[f.edge.name] for f in second.feeds])
+    np.testing.assert_allclose(out, model(data[:8]), rtol=1e-6)
+    # A partial batch still keeps a row on each side.
+    np.testing.assert_array_equal(split(data[:2]), model(data[:2]))
