@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every configuration this many times in turn; each one's row is its "
+        "median round by speed-up (over its own one-process reference), with the rounds' range",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="fewer steps, M in 4/8, 1F1B, the automatic cut only")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--timeout", type=float, default=900)
@@ -224,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         alone = ranks[0].value
         alone["compute"] = {int(k): v for k, v in alone["compute"].items()}
-        rows = []
+        by_config: dict[tuple, dict] = {}
         if args.cuts:
             cuts = args.cuts.split(",")
         else:
@@ -232,20 +236,24 @@ def run(args: argparse.Namespace) -> int:
         both = args.per_micro_batch.split(",")
         configs = [(cut, schedule, True) for cut in cuts for schedule in schedules]
         configs += [(cut, schedules[0], False) for cut in cuts if cut in both]
-        for cut, schedule, defer in configs:
-            for micro in micros:
-                if not defer and micro == 1:
-                    continue  # one micro-batch defers nothing
-                label = f"{model}, cut {cut}, {_name(schedule, defer)}, {micro} micro-batches"
-                print(f"[pipeline] {label} ...", flush=True)
-                ranks = run_ranks("pipeline", label, "rdkeras.bench.pipeline:stage_rank", STAGES,
-                                  {"model": model, "cut": cut, "micro": micro, "schedule": schedule,
-                                   "batch": batch, "steps": steps, "warmup": warmup, "defer": defer},
-                                  env={"RDKERAS_TRANSPORT": "shm"}, timeout=args.timeout)  # fmt: skip
-                if ranks is None:
-                    return 1
-                rows.append({"cut": cut, "schedule": _name(schedule, defer), "micro": micro,
-                             "stages": [r.value for r in ranks]})  # fmt: skip
+        runs = [(r, *c, m) for r in range(max(1, args.rounds)) for c in configs for m in micros]
+        for turn, cut, schedule, defer, micro in runs:
+            if not defer and micro == 1:
+                continue  # one micro-batch defers nothing
+            label = f"{model}, cut {cut}, {_name(schedule, defer)}, {micro} micro-batches"
+            if args.rounds > 1:
+                label += f", round {turn + 1} of {args.rounds}"
+            print(f"[pipeline] {label} ...", flush=True)
+            ranks = run_ranks("pipeline", label, "rdkeras.bench.pipeline:stage_rank", STAGES,
+                              {"model": model, "cut": cut, "micro": micro, "schedule": schedule,
+                               "batch": batch, "steps": steps, "warmup": warmup, "defer": defer},
+                              env={"RDKERAS_TRANSPORT": "shm"}, timeout=args.timeout)  # fmt: skip
+            if ranks is None:
+                return 1
+            key = (cut, _name(schedule, defer), micro)
+            row = by_config.setdefault(key, {"cut": cut, "schedule": key[1], "micro": micro, "rounds": []})
+            row["rounds"].append([r.value for r in ranks])
+        rows = [median_round(row, alone) for row in by_config.values()]
         results["models"][model] = {"alone": alone, "pipelines": rows}
         _print(model, alone, rows, batch)
     out = Path(args.out)
@@ -265,6 +273,15 @@ def ideal_step(computes: list[float], micro: int) -> float:
     """The pipeline's step for these stage computes (each over `micro` micro-batches): it fills and drains,
     (M + S - 1) micro-batches of the slowest stage."""
     return (micro + len(computes) - 1) * max(computes) / micro
+
+
+def median_round(row: dict, alone: dict) -> dict:
+    """A configuration's row over its rounds: its stages are the median round's by speed-up (the lower of the two
+    middle ones for an even count); "speedups": every round's, in order."""
+    rounds = row["rounds"]
+    speedups = [_summary({**row, "stages": stages}, alone)["speedup"] for stages in rounds]
+    median = sorted(range(len(rounds)), key=lambda i: speedups[i])[(len(rounds) - 1) // 2]
+    return {**row, "stages": rounds[median], "speedups": speedups}
 
 
 def _summary(row: dict, alone: dict) -> dict[str, float]:
@@ -289,9 +306,11 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
             f"{(st['step'] - st['compute'] - st['waiting']) * ms:.1f}; {st['stashed']}"
             for st in row["stages"]
         )
+        spread = row.get("speedups") or []
+        rounds = f"   rounds {min(spread):.2f}-{max(spread):.2f}x ({len(spread)})" if len(spread) > 1 else ""
         print(f"{row['cut']:<12} {row['schedule']:<9} {row['micro']:>3} {s['step'] * ms:>8.1f} "
               f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
-              f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}")  # fmt: skip
+              f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}{rounds}")  # fmt: skip
     for row in rows:
         if row["cut"] not in AUTOMATIC or row["schedule"] != rows[0]["schedule"]:
             continue  # the automatic cut (chosen per number of micro-batches: the layers are timed at its rows)

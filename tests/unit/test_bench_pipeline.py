@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rdkeras.bench.pipeline import _print, _summary, ideal_step
+from rdkeras.bench.pipeline import _print, _summary, ideal_step, median_round
 
 
 def test_the_ideal_step_fills_and_drains_with_the_slowest_stage():
@@ -43,3 +43,27 @@ def test_a_configuration_is_compared_with_its_own_one_process_reference():
     ]
     summary = _summary({"cut": "auto", "schedule": "1f1b", "micro": 4, "stages": stages}, alone)
     assert summary["alone"] == 0.150 and summary["speedup"] == pytest.approx(1.5)  # not 0.180 / 0.100
+
+
+def test_rounds_keep_the_median_round_and_print_their_range(capsys):
+    alone = {"step": 0.180, "compute": {1: 0.170}, "params": 1}
+
+    def round_(reference: float, step: float) -> list[dict]:
+        return [
+            {"stage": s, "alone": reference if s == 0 else None, "step": step, "compute": 0.08, "waiting": 0.0,
+             "layers": ["a"], "stashed": 1}
+            for s in range(2)
+        ]  # fmt: skip
+
+    # Speed-ups 1.5, 1.2, 1.4 (each over its own one-process reference): the row is the 1.4 round's.
+    rounds = [round_(0.150, 0.100), round_(0.120, 0.100), round_(0.140, 0.100)]
+    row = median_round({"cut": "split", "schedule": "1f1b", "micro": 8, "rounds": rounds}, alone)
+    assert row["stages"] is rounds[2] and row["speedups"] == pytest.approx([1.5, 1.2, 1.4])
+    assert _summary(row, alone)["speedup"] == pytest.approx(1.4)
+    _print("vggstyle", alone, [row], 64)
+    assert "rounds 1.20-1.50x (3)" in capsys.readouterr().out
+    # An even count takes the lower middle: 1.2, 1.4 of 1.2, 1.4, 1.5, 1.6 -> 1.4.
+    rounds.append(round_(0.160, 0.100))
+    assert (
+        median_round({"cut": "split", "schedule": "1f1b", "micro": 8, "rounds": rounds}, alone)["stages"] is rounds[2]
+    )
