@@ -33,11 +33,13 @@ def kept_rows(rows: int, moved: int, of: int) -> int:
 
 
 def splittable(model: Any, names: list[str]) -> list[bool]:
-    """Per layer of `names`: whether its rows may be split between two stages. Its output row i must depend on
-    its input row i alone, with no state beside its trainable weights: convolutions and Dense layers (a layer
-    of another kind may mix rows, as a normalisation over the batch does), called once, with one input and
-    one output that is no model output (the loss stage owns those)."""
+    """Per layer of `names`: whether its rows may be split between two stages. It must be able to alternate
+    (:func:`rdkeras.graph.costs.alternable`: called once, no state beside its trainable weights, no model output)
+    and its output row i must depend on its input row i alone: a convolution or Dense layer (a layer of another
+    kind may mix rows, as a normalisation over the batch does) with one input and one output."""
     import keras
+
+    from rdkeras.graph.costs import alternable
 
     kinds = (
         keras.layers.Conv1D,
@@ -49,22 +51,14 @@ def splittable(model: Any, names: list[str]) -> list[bool]:
         keras.layers.EinsumDense,
     )
     graph = functional_of(model)
-    calls: dict[str, list[Any]] = {}
-    for n in nodes_in_order(graph):
-        if not n.is_input:
-            calls.setdefault(n.operation.name, []).append(n)
-    outputs = {id(t) for t in graph.outputs}
-    out = []
-    for name in names:
-        layer, nodes = graph.get_layer(name), calls.get(name, [])
-        one = len(nodes) == 1 and len(nodes[0].input_tensors) == 1 and len(nodes[0].output_tensors) == 1
-        out.append(
-            type(layer) in kinds  # (a subclass may do anything in its call)
-            and one
-            and not layer.non_trainable_weights
-            and not any(id(t) in outputs for t in nodes[0].output_tensors)
-        )
-    return out
+    node = {n.operation.name: n for n in nodes_in_order(graph) if not n.is_input}
+    return [
+        a is not None
+        and type(graph.get_layer(name)) in kinds  # (a subclass may do anything in its call)
+        and len(node[name].input_tensors) == 1
+        and len(node[name].output_tensors) == 1
+        for name, a in zip(names, alternable(model, names), strict=True)
+    ]
 
 
 def split_model(model: Any, splits: Mapping[str, tuple[int, int]]) -> Any:

@@ -154,7 +154,7 @@ class ModelParallel(Parallelism):
             cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)
             alternable = costs.alternable(model, names)
             if self.split_layers:
-                splittable = split.splittable(model, names)
+                splittable = split.splittable(model, names)  # (alternable ones only)
                 alternable = [a if ok else None for a, ok in zip(alternable, splittable, strict=True)]
             elif not self.alternate_layers or micro % 2:
                 alternable = [None] * len(names)
