@@ -134,9 +134,14 @@ def _layer_types() -> tuple[type, type, type]:
             self.moved, self.of = int(moved), int(of)
 
         def call(self, x: Any) -> Any:
-            rows = ops.shape(x)[0]  # (kept_rows, in tensors)
-            kept = ops.minimum(ops.maximum(rows - rows * self.moved // self.of, 1), rows - 1)
-            return x[:kept], x[kept:]
+            import tensorflow as tf
+
+            rows = tf.shape(x)[0]  # (kept_rows, in tensors)
+            kept = tf.minimum(tf.maximum(rows - rows * self.moved // self.of, 1), rows - 1)
+            # One split, whose gradient is one concatenation: two slices' gradients would each pad a
+            # zero tensor of the whole input (measured: 14 ms of a 110 ms step).
+            first, second = tf.split(x, tf.stack([kept, rows - kept]), axis=0, num=2)
+            return first, second
 
         def compute_output_shape(self, shape: tuple) -> tuple:
             part = (None, *tuple(shape)[1:])
