@@ -124,6 +124,8 @@ def test_config_keys_are_rdmastrategys_own_words_and_the_old_ones_still_work(cap
     OmegaConf.set_struct(legacy, True)
     rename_keys(legacy)
     assert (legacy.parallel.parallelism, legacy.parallel.stages) == ("model", 2) and "kind" not in legacy.parallel
+    # The automatic cut's finer balance is asked for without a plus.
+    assert compose(["parallel=model", "parallel.split_layers=true"]).parallel.split_layers is True
     # The timeout is set once, whichever transport is chosen.
     assert compose(["transport=tcp", "transport.timeout=60"]).transport == {
         "name": "tcp", "timeout": 60, "heartbeat_timeout": None,
