@@ -49,5 +49,48 @@ def rdma_recv(
     return out
 
 
+def rdma_send_all(
+    senders: Sequence[StaticChannel | DynamicChannel], tensors: Sequence[Any], name: str, after: Sequence[Any] = ()
+) -> Any:
+    """Sends each of `tensors` over its sender, in order, in one hop into Python (one op: what a hop costs is
+    paid once, not per tensor); returns a token to order on."""
+    import tensorflow as tf
+
+    if len(tensors) == 1:
+        return rdma_send(senders[0], tensors[0], name, after)
+
+    def send(*arrays: np.ndarray) -> np.ndarray:
+        for sender, array in zip(senders, arrays, strict=True):
+            sender.send(array)
+        return np.zeros((), np.int32)
+
+    with tf.control_dependencies(list(after)):
+        return tf.numpy_function(send, list(tensors), Tout=tf.int32, stateful=True, name=_op_name("RDMASend", name))
+
+
+def rdma_recv_all(
+    receivers: Sequence[StaticChannel | DynamicChannel],
+    specs: Sequence[tuple[Sequence[int | None], Any]],
+    name: str,
+    after: Sequence[Any] = (),
+) -> list[Any]:
+    """The next tensor from each of `receivers` ((shape, dtype) each in `specs`), in order, in one hop."""
+    import tensorflow as tf
+
+    if len(receivers) == 1:
+        return [rdma_recv(receivers[0], specs[0][0], specs[0][1], name, after)]
+
+    def recv() -> tuple[np.ndarray, ...]:
+        return tuple(r.recv() for r in receivers)
+
+    with tf.control_dependencies(list(after)):
+        outs = tf.numpy_function(
+            recv, [], Tout=[tf.as_dtype(d) for _, d in specs], stateful=True, name=_op_name("RDMARecv", name)
+        )
+    for out, (shape, _) in zip(outs, specs, strict=True):
+        out.set_shape(shape)
+    return list(outs)
+
+
 def _op_name(kind: str, name: str) -> str:
     return kind + "_" + "".join(c if c.isalnum() else "_" for c in name)

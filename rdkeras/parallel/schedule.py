@@ -28,7 +28,7 @@ from typing import Any
 
 from rdkeras import keras_internals
 from rdkeras.graph import Stage
-from rdkeras.ops import rdma_recv, rdma_send
+from rdkeras.ops import rdma_recv, rdma_recv_all, rdma_send, rdma_send_all
 from rdkeras.parallel import SCHEDULES
 from rdkeras.parallel.feeds import Feeds
 from rdkeras.parallel.pipeline import Pipeline
@@ -166,13 +166,14 @@ def _backward_one(
     stage = run.stage_for(m)
     tape, outs, received, objective, taps = forward
     targets, output_grads = [], []
+    back_edges = [e for edges in stage.sends for e in edges if e.needs_grad]
+    arrived = rdma_recv_all(
+        [run.bwd[(e.name, m)] for e in back_edges], [(e.shape, e.dtype) for e in back_edges], f"{m}/grads", chain
+    ) if back_edges else []  # fmt: skip
+    chain = arrived[-1:] or chain
+    grad_of = dict(zip([e.name for e in back_edges], arrived, strict=True))
     for pos, edges in enumerate(stage.sends):
-        grads_in = []
-        for e in edges:
-            if e.needs_grad:
-                g = rdma_recv(run.bwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}/grad", chain)
-                chain = [g]
-                grads_in.append(g)
+        grads_in = [grad_of[e.name] for e in edges if e.needs_grad]
         if grads_in:
             targets.append(outs[pos])
             output_grads.append(tf.add_n(grads_in) if len(grads_in) > 1 else grads_in[0])
@@ -188,9 +189,12 @@ def _backward_one(
         grads = tape.gradient(targets, sources, output_gradients=output_grads) if targets else []
     grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * len(sources)
     input_grads = grads[len(direct) : len(direct) + len(back)]
-    for e, g in zip([e for e in stage.received if e.needs_grad], input_grads, strict=True):
-        g = tf.zeros_like(received[e.name]) if g is None else g
-        chain = [rdma_send(run.bwd[(e.name, m)], g, f"{e.name}/{m}/grad", chain)]
+    sent_back = [e for e in stage.received if e.needs_grad]
+    if sent_back:
+        values = [
+            tf.zeros_like(received[e.name]) if g is None else g for e, g in zip(sent_back, input_grads, strict=True)
+        ]
+        chain = [rdma_send_all([run.bwd[(e.name, m)] for e in sent_back], values, f"{m}/grads", chain)]
     chain = [*chain, _computed(grads)]
     for i, g in zip(direct, grads[: len(direct)], strict=True):
         if g is not None:
@@ -296,26 +300,38 @@ def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[An
 def _receive(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> tuple[dict[str, Any], list[Any]]:
     """Micro-batch m's activations (and data, labels) from the other stages. Labels and sample weights come once
     a step, the whole batch's, at the first micro-batch; each micro-batch takes its rows of them."""
-    received = {}
+    received: dict[str, Any] = {}
+    run_of: list[Any] = []  # consecutive edges with a transfer per micro-batch: received in one hop
+
+    def flush(chain: list[Any]) -> list[Any]:
+        if run_of:
+            specs = [(e.shape, e.dtype) for e in run_of]
+            outs = rdma_recv_all([run.fwd[(e.name, m)] for e in run_of], specs, f"{run_of[0].name}/{m}", chain)
+            received.update(zip([e.name for e in run_of], outs, strict=True))
+            chain = outs[-1:]
+            run_of.clear()
+        return chain
+
     for e in run.stage_for(m).received:
         if e.transfers == 1 and run.plan.micro_batches > 1:
+            chain = flush(chain)
             if m == 0:
                 t = rdma_recv(run.fwd[(e.name, 0)], e.shape, e.dtype, e.name, chain)
                 feeds.split_received[e.name] = feeds.split(t)
                 chain = [t]
             received[e.name] = feeds.split_received[e.name][m]
             continue
-        t = rdma_recv(run.fwd[(e.name, m)], e.shape, e.dtype, f"{e.name}/{m}", chain)
-        received[e.name] = t
-        chain = [t]
-    return received, chain
+        run_of.append(e)
+    return received, flush(chain)
 
 
 def _send_outputs(run: Pipeline, stage: Stage, m: int, outs: list[Any], chain: list[Any]) -> list[Any]:
-    for pos, edges in enumerate(stage.sends):
-        for e in edges:
-            chain = [rdma_send(run.fwd[(e.name, m)], outs[pos], f"{e.name}/{m}", chain)]
-    return chain
+    """Micro-batch m's activations (and outputs) to the stages that consume them, in one hop."""
+    sent = [(e, outs[pos]) for pos, edges in enumerate(stage.sends) for e in edges]
+    if not sent:
+        return chain
+    senders = [run.fwd[(e.name, m)] for e, _ in sent]
+    return [rdma_send_all(senders, [t for _, t in sent], f"{sent[0][0].name}/{m}", chain)]
 
 
 def _or_zeros(gradient: Any, variable: Any) -> Any:
