@@ -21,14 +21,7 @@ if TYPE_CHECKING:
 
 def rdma_send(sender: StaticChannel | DynamicChannel, tensor: Any, name: str, after: Sequence[Any] = ()) -> Any:
     """Sends `tensor` over `sender` (the sending end of a channel); returns a token to order on."""
-    import tensorflow as tf
-
-    def send(array: np.ndarray) -> np.ndarray:
-        sender.send(array)
-        return np.zeros((), np.int32)
-
-    with tf.control_dependencies(list(after)):
-        return tf.numpy_function(send, [tensor], Tout=tf.int32, stateful=True, name=_op_name("RDMASend", name))
+    return rdma_send_all([sender], [tensor], name, after)
 
 
 def rdma_recv(
@@ -39,14 +32,7 @@ def rdma_recv(
     after: Sequence[Any] = (),
 ) -> Any:
     """The next tensor from `receiver` (the receiving end of a channel)."""
-    import tensorflow as tf
-
-    with tf.control_dependencies(list(after)):
-        out = tf.numpy_function(
-            receiver.recv, [], Tout=tf.as_dtype(dtype), stateful=True, name=_op_name("RDMARecv", name)
-        )
-    out.set_shape(shape)
-    return out
+    return rdma_recv_all([receiver], [(shape, dtype)], name, after)[0]
 
 
 def rdma_send_all(
@@ -55,9 +41,6 @@ def rdma_send_all(
     """Sends each of `tensors` over its sender, in order, in one hop into Python (one op: what a hop costs is
     paid once, not per tensor); returns a token to order on."""
     import tensorflow as tf
-
-    if len(tensors) == 1:
-        return rdma_send(senders[0], tensors[0], name, after)
 
     def send(*arrays: np.ndarray) -> np.ndarray:
         for sender, array in zip(senders, arrays, strict=True):
@@ -76,9 +59,6 @@ def rdma_recv_all(
 ) -> list[Any]:
     """The next tensor from each of `receivers` ((shape, dtype) each in `specs`), in order, in one hop."""
     import tensorflow as tf
-
-    if len(receivers) == 1:
-        return [rdma_recv(receivers[0], specs[0][0], specs[0][1], name, after)]
 
     def recv() -> tuple[np.ndarray, ...]:
         return tuple(r.recv() for r in receivers)

@@ -112,14 +112,6 @@ def rows_of_part(rows: int, part: tuple[bool, int, int]) -> int:
     return rows - kept if later else kept
 
 
-def original_name(name: str) -> str:
-    """The user's layer a split model's layer stands for (its own name for the user's layers)."""
-    for suffix in (ROWS, TWIN, JOIN):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
 @functools.cache
 def _layer_types() -> tuple[type, type, type]:
     """The three layer classes (defined on first use: importing rdkeras does not import Keras)."""

@@ -68,12 +68,13 @@ class Pipeline:
         # by rows, as a batch too small to split, leaves it to the earlier stage: the later adds zeros).
         shares = plan.partition.alternates if plan.partition is not None and pair_sum is not None else {}
         for name, (first, second) in shares.items():
-            if stage in (first, second) and pair_sum is not None:
-                layer = functional_of(model).get_layer(name)
-                known = {id(v) for v in self.trainable_variables}
-                self.trainable_variables += [v for v in layer.trainable_variables if id(v) not in known]
-                index = {id(v): i for i, v in enumerate(self.trainable_variables)}
-                self.shared.append((pair_sum(first), [index[id(v)] for v in layer.trainable_variables]))
+            if stage not in (first, second) or pair_sum is None:
+                continue
+            variables = functional_of(model).get_layer(name).trainable_variables
+            known = {id(v) for v in self.trainable_variables}
+            self.trainable_variables += [v for v in variables if id(v) not in known]
+            index = {id(v): i for i, v in enumerate(self.trainable_variables)}
+            self.shared.append((pair_sum(first), [index[id(v)] for v in variables]))
         # (edge name, micro-batch) -> this worker's end of the channel carrying it forward / its gradient back.
         self.fwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
         self.bwd: dict[tuple[str, int], StaticChannel | DynamicChannel] = {}
