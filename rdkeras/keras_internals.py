@@ -541,13 +541,14 @@ def reduction_axes(batch_norm: Any) -> list[int]:
 
 def defers_weight_gradients(layer: Any) -> bool:
     """Whether a pipeline stage may compute `layer`'s weight gradients once a step, over every micro-batch's rows
-    (:func:`dense_weight_gradients`), instead of once per micro-batch: a plain trainable Dense layer (its call is
-    ``activation(inputs @ kernel + bias)``) with an activation :func:`pre_activation_gradient` knows, no
-    regularizer, LoRA or quantization."""
+    (:func:`weight_gradients`), instead of once per micro-batch: a plain trainable Dense or Conv1D/2D/3D layer
+    (its call is ``activation(op(inputs, kernel) + bias)``) with an activation :func:`pre_activation_gradient`
+    knows, no regularizer, LoRA or quantization. A convolution's filter gradient on a few rows costs far more per
+    row on a CPU than on the whole batch (oneDNN's small-batch kernels), as M small matmuls do."""
     import keras
 
     return (
-        type(layer) is keras.layers.Dense
+        type(layer) in (keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
         and layer.trainable
         and bool(layer.trainable_variables)
         and _activation_name(layer) is not None
@@ -572,7 +573,7 @@ def _activation_name(layer: Any) -> str | None:
 
 
 def pre_activation_gradient(layer: Any, outputs: Any, output_grads: Any) -> Any:
-    """The gradient of a deferrable Dense layer's pre-activation (``inputs @ kernel + bias``) from its outputs
+    """The gradient of a deferrable layer's pre-activation (``op(inputs, kernel) + bias``) from its outputs
     and their gradient: what TensorFlow's own gradient of the activation computes, with the same kernels."""
     import tensorflow as tf
 
@@ -586,15 +587,16 @@ def pre_activation_gradient(layer: Any, outputs: Any, output_grads: Any) -> Any:
     return output_grads
 
 
-def dense_weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -> list[Any]:
-    """The gradients of a Dense layer's trainable variables (:func:`defers_weight_gradients`) given its inputs
-    and the gradients of its pre-activation output, for any number of rows: the layer is called without its
-    activation, whose forward TensorFlow prunes (the matmul's gradient needs only its inputs)."""
+def weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -> list[Any]:
+    """The gradients of a deferrable layer's trainable variables (:func:`defers_weight_gradients`) given its
+    inputs and the gradients of its pre-activation output, for any number of rows: the layer is called without
+    its activation, whose forward TensorFlow prunes (a matmul's or a convolution's kernel gradient needs only
+    its inputs: ``Conv2DBackpropFilter``, not the convolution)."""
     import keras
     import tensorflow as tf
 
     activation = layer.activation
-    layer.activation = keras.activations.linear  # Dense.call reads it at trace time
+    layer.activation = keras.activations.linear  # Dense.call and BaseConv.call read it at trace time
     try:
         with tf.GradientTape() as tape:
             outputs = layer(inputs)

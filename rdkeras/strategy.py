@@ -54,10 +54,10 @@ class RDMAStrategy:
             "gpipe" (every forward, then every backward: all micro-batches' activations kept). The same
             gradients either way.
         defer_weight_gradients: pipeline/hybrid with micro-batches: compute the weight gradients of plain
-            Dense layers (linear, ReLU, sigmoid, tanh) once a step over every micro-batch's rows, after the last
-            backward pass, rather than once per micro-batch (default True): the same sum, at a fraction of
-            the cost on a CPU, in the time the pipeline drains. Their inputs and output gradients are kept
-            until then (the plan says how many bytes).
+            Dense and Conv1D/2D/3D layers (linear, ReLU, sigmoid, tanh) once a step over every micro-batch's
+            rows, after the last backward pass, rather than once per micro-batch (default True): the same sum,
+            at a fraction of the cost on a CPU, in the time the pipeline drains. Their inputs and output
+            gradients are kept until then (the plan says how many bytes).
         alternate_layers: pipeline/hybrid, automatic cut, an even number of micro-batches: the layer at a cut
             may alternate between the two stages by micro-batch (odd ones on the later stage) where the stages,
             timed whole, measure 5% faster so (default False: the measured step gain is inconsistent).

@@ -6,9 +6,9 @@ core with the whole batch, and the same process computing the batch as M micro-b
 micro-batching costs the compute itself); then 2 stages, one core and one TensorFlow thread
 each, with the automatic cut (and a hand cut for the convnets) under 1F1B and GPipe, for M in
 1/4/8/16, and the automatic cut under 1F1B with every weight gradient per micro-batch ("1f1b/mb":
-what deferring Dense layers' saves). Per configuration and stage: the median step, the stage's
-compute (its forward and backward over M micro-batches, every weight gradient per micro-batch,
-timed alone in the same process afterwards), the time its receives waited, and the rest; the
+what deferring Dense and convolution layers' weight gradients saves). Per configuration and stage:
+the median step, the stage's compute (its forward and backward over M micro-batches, every weight
+gradient per micro-batch, timed alone in the same process afterwards), the time its receives waited, and the rest; the
 ideal step for those computes ((M + S - 1) x the slowest stage's micro-batch), measured / ideal,
 and the speed-up over one process fitting the same model on rank 0's core just before and just
 after that configuration. A PNG plots speed-up against micro-batches, measured and ideal, with
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--per-micro-batch",
         default="auto",
         help="configurations (cut names, or 'auto'/'none') also run with every weight gradient per micro-batch, "
-        "as before Dense layers' were deferred to the step's end",
+        "as before Dense and convolution layers' were deferred to the step's end",
     )
     p.add_argument(
         "--cuts", default=None, help="comma-separated: 'auto', 'alternate' (the automatic cut with alternate_layers), "

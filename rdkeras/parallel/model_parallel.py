@@ -48,8 +48,8 @@ class ModelParallel(Parallelism):
         micro_batches: M; each batch is split into M equal micro-batches.
         schedule: "1f1b" or "gpipe": the order of each stage's forward and backward passes
             (:mod:`rdkeras.parallel.schedule`).
-        defer_weight_gradients: with micro-batches, plain Dense layers' weight gradients are computed once a
-            step over the whole batch (:func:`rdkeras.graph.deferrable`).
+        defer_weight_gradients: with micro-batches, plain Dense and convolution layers' weight gradients are
+            computed once a step over the whole batch (:func:`rdkeras.graph.deferrable`).
         alternate_layers: the automatic cut may let a layer alternate between two stages by micro-batch.
         split_layers: the automatic cut may split a layer between two stages by the rows of each micro-batch
             (:mod:`rdkeras.graph.split`).

@@ -208,8 +208,9 @@ def _backward_one(
 
 
 def _deferred_weight_gradients(stage: Stage, kept: list[tuple], variables: list, summed: list, chain: list) -> list:
-    """The deferred layers' weight gradients, each computed once over every micro-batch's rows (one matmul of the
-    whole batch is far cheaper on a CPU than M of its slices and their sum): into `summed`; returns the chain.
+    """The deferred layers' weight gradients, each computed once over every micro-batch's rows (one matmul or
+    filter gradient of the whole batch is far cheaper on a CPU than M of its slices and their sum): into
+    `summed`; returns the chain.
     They run after the step's last input-gradient is sent, while the neighbours drain the pipeline."""
     import tensorflow as tf
 
@@ -218,7 +219,7 @@ def _deferred_weight_gradients(stage: Stage, kept: list[tuple], variables: list,
         for n, layer in enumerate(stage.deferred):
             x = tf.concat([parts[n][0] for parts in kept], axis=0)
             dz = tf.concat([parts[n][1] for parts in kept], axis=0)
-            grads = keras_internals.dense_weight_gradients(layer, x, dz)
+            grads = keras_internals.weight_gradients(layer, x, dz)
             for v, g in zip(layer.trainable_variables, grads, strict=True):
                 summed[index[id(v)]] = g
     return [*chain, _computed(summed)]

@@ -41,6 +41,22 @@ def test_only_plain_dense_layers_called_once_are_deferred():
     assert "weight gradients once a step, over all micro-batches: stage 1 relu, linear (keeps 8.2 KB)" in plan.text()
 
 
+def test_plain_convolutions_are_deferred_but_not_their_relatives():
+    x = keras.Input((8, 8, 3), name="x")
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(x)
+    h = keras.layers.DepthwiseConv2D(3, padding="same", name="depthwise")(h)
+    h = keras.layers.SeparableConv2D(4, 3, padding="same", name="separable")(h)
+    h = keras.layers.Conv2DTranspose(4, 3, padding="same", name="transpose")(h)
+    h = keras.layers.Conv2D(4, 3, activation="gelu", name="gelu")(h)
+    h = keras.layers.Flatten(name="flat")(keras.layers.Conv2D(2, 1, name="pointwise")(h))
+    model = keras.Model(x, keras.layers.Dense(3, name="out")(h), name="cnn")
+    plan = analyze(model, {"conv": 0, "depthwise": 0, "separable": 0, "transpose": 1}, 2, batch_size=8, micro_batches=2)
+    names, kept = deferrable(model, plan)
+    assert names == {0: ["conv"], 1: ["pointwise", "out"]}
+    # conv keeps its input (8x8x3) and output (8x8x4); pointwise 6x6x4 and 6x6x2; out 72 and 3, all float32
+    assert kept == {0: 8 * 4 * (8 * 8 * 3 + 8 * 8 * 4), 1: 8 * 4 * (6 * 6 * 4 + 6 * 6 * 2 + 72 + 3)}
+
+
 def test_the_tapped_stage_names_each_deferred_layers_input_and_output_once():
     model = _model()
     plan = analyze(model, PLACEMENT, 2, batch_size=32, micro_batches=4)
@@ -56,13 +72,24 @@ def test_the_tapped_stage_names_each_deferred_layers_input_and_output_once():
     assert build_stage(model, plan, 0).tapped_model is None  # nothing deferred there
 
 
+LAYERS = {
+    "dense": (lambda a: keras.layers.Dense(24, activation=a), (10,)),
+    "conv1d causal": (lambda a: keras.layers.Conv1D(6, 3, padding="causal", activation=a), (9, 4)),
+    "conv2d strided": (lambda a: keras.layers.Conv2D(6, 3, strides=2, activation=a), (9, 9, 3)),
+    "conv2d same": (lambda a: keras.layers.Conv2D(6, 3, padding="same", use_bias=False, activation=a), (8, 8, 3)),
+    "conv3d": (lambda a: keras.layers.Conv3D(4, 2, activation=a), (4, 5, 5, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", LAYERS)
 @pytest.mark.parametrize("activation", ["relu", "sigmoid", "tanh", None])
-def test_one_gradient_over_the_batch_equals_the_sum_over_micro_batches(activation):
-    layer = keras.layers.Dense(24, activation=activation)
+def test_one_gradient_over_the_batch_equals_the_sum_over_micro_batches(kind, activation):
+    make, shape = LAYERS[kind]
+    layer = make(activation)
     rng = np.random.default_rng(1)
-    x = tf.constant(rng.normal(size=(32, 10)).astype(np.float32))
-    upstream = tf.constant(rng.normal(size=(32, 24)).astype(np.float32))
-    layer.build((None, 10))
+    x = tf.constant(rng.normal(size=(32, *shape)).astype(np.float32))
+    layer.build((None, *shape))
+    upstream = tf.constant(rng.normal(size=(32, *layer.compute_output_shape((None, *shape))[1:])).astype(np.float32))
     assert keras_internals.defers_weight_gradients(layer)
     summed = None
     kept_x, kept_dz = [], []
@@ -76,7 +103,7 @@ def test_one_gradient_over_the_batch_equals_the_sum_over_micro_batches(activatio
         dy = tape.gradient(objective, y)
         kept_x.append(x[rows])
         kept_dz.append(keras_internals.pre_activation_gradient(layer, y, dy))
-    once = keras_internals.dense_weight_gradients(layer, tf.concat(kept_x, 0), tf.concat(kept_dz, 0))
-    for a, b in zip(once, summed, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    once = keras_internals.weight_gradients(layer, tf.concat(kept_x, 0), tf.concat(kept_dz, 0))
+    for a, b in zip(once, summed, strict=True):  # float32 sums in another order: relative to the largest entry
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
     assert layer.activation is keras.activations.get(activation)  # restored
