@@ -32,7 +32,8 @@ export UBSAN_OPTIONS="$UBSAN_OPTIONS:log_path=$REPORTS/ubsan"
 
 LD_PRELOAD="$LIBASAN:$LIBSTDCXX" ctest --test-dir "$BUILD" --output-on-failure
 
-ldd "$BUILD"/_engine*.so | grep -q libasan || { echo "the module is not instrumented"; exit 1; }
+# grep reads all of ldd's output: with -q it may exit first, and pipefail then fails on ldd's SIGPIPE.
+ldd "$BUILD"/_engine*.so | grep libasan > /dev/null || { echo "the module is not instrumented"; exit 1; }
 # The checked module sits next to the sources for this run only (the venv has no rdkeras installed).
 cp "$BUILD"/_engine*.so rdkeras/
 trap 'rm -f rdkeras/_engine*.so; rm -rf "$REPORTS"' EXIT

@@ -56,6 +56,18 @@ def data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> tu
     return rows, from_arrays(y, rows), from_arrays(sample_weight, rows)
 
 
+def full_batch_rows(x: Any, batch_size: int | None) -> int | None:
+    """For arrays whose last batch is partial, the rows of every batch before it (else None)."""
+    import keras
+    import tensorflow as tf
+
+    if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        return None
+    batch_size = batch_size or 32
+    samples = len(keras.tree.flatten(x)[0])
+    return batch_size if samples > batch_size and samples % batch_size else None
+
+
 class Feeds:
     """One step's data on this worker: the reader's slices, and what the loss worker needs."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from rdkeras.graph import Plan, analyze, assign_layers, deferrable
 from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
-from rdkeras.parallel.feeds import data_specs
+from rdkeras.parallel.feeds import data_specs, full_batch_rows
 from rdkeras.parallel.partition import ALTERNATION_GAIN, Partition, balanced_cut
 from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
@@ -97,7 +98,7 @@ class ModelParallel(Parallelism):
         # Replicas split each global batch the data-parallel way.
         self.sharding = Sharding(self.replicas, self.replica, global_batch, warn=engine.rank == 0)
         self._pipelines: dict[tuple, Pipeline] = {}
-        self._current: dict[str, Pipeline] = {}
+        self._current: dict[str, list[tuple[int | None, Pipeline]]] = {}  # purpose -> (rows, pipeline), ...
         self._serial = 0
         self._printed = False
         self._model: Any = None
@@ -254,7 +255,7 @@ class ModelParallel(Parallelism):
     # -- plans ---------------------------------------------------------------------
 
     def prepare(self, purpose: str, x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> None:
-        """Makes the pipeline for this data current (creating its channels the first time)."""
+        """Makes the pipelines for this data current (creating their channels the first time)."""
         model = self._model
         rows, label_specs, weight_specs = data_specs(x, y, sample_weight, batch_size)
         if purpose == "predict":  # predictions need no labels (a dataset may still yield them)
@@ -265,63 +266,103 @@ class ModelParallel(Parallelism):
                 f"batch size {rows} does not split into {micro} equal micro-batches: "
                 "choose a batch size divisible by micro_batches"
             )
-        if purpose == "train" and self.partition is not None and not self._pipelines and rows:
-            self._recut(model, rows // micro)
-        key = (rows, micro, str(label_specs), str(weight_specs))
-        pipeline = self._pipelines.get(key)
-        if pipeline is None:
-            cut = self.partition
-            # A layer split by rows: where every micro-batch has rows to split, the split model runs.
-            graph, placement = model, self.placement
-            if cut is not None and cut.splits and rows is not None and rows // micro >= 2:
-                graph, placement = self._split_model(model, cut), cut.split_placement()
-            plan = analyze(graph, placement, self.stages, rows, micro, label_specs, weight_specs)
-            if cut is not None and cut.shares and micro == cut.micro_batches:
-                # Layers alternate: each micro-batch follows the plan of the cuts it moves them at.
-                variants: dict[tuple[int, ...], Plan] = {(): plan}
-                for m in range(micro):
-                    moved = cut.moved(m)
-                    if moved not in variants:
-                        variants[moved] = analyze(
-                            model, cut.stage_of(moved), self.stages, rows, micro, label_specs, weight_specs
-                        )
-                    plan.micro_plans.append(variants[moved])
-            plan.replicas = self.replicas
-            plan.partition = self.partition
-            plan.schedule = self.schedule
-            plan.stashed = {
-                s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro, plan.group))
-                for p, s in enumerate(plan.stage_order)
-            }
-            if self.defer_weight_gradients and micro > 1:
-                shared = set(cut.alternates) if cut is not None and (graph is not model or plan.micro_plans) else set()
-                plan.deferred, plan.deferred_bytes = deferrable(graph, plan, exclude=shared)
-                for variant in plan.micro_plans:
-                    variant.deferred, variant.deferred_bytes = plan.deferred, plan.deferred_bytes
-            self._serial += 1
-            pipeline = Pipeline(
-                self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
-            )
-            self._pipelines[key] = pipeline
-            if not self._printed and self.engine.rank == 0:
-                self._printed = True
-                logger.info("%s", plan.text())
+        # Arrays with a partial last batch: the batches before it run a static plan of their own (the step
+        # chooses by the batch's rows), the last one the dynamic plan.
+        full = full_batch_rows(x, batch_size) if rows is None and purpose != "predict" else None
+        full = full if full is not None and full % micro == 0 else None
+        if purpose == "train" and self.partition is not None and not self._pipelines and (rows or full):
+            self._recut(model, (rows or full) // micro)  # type: ignore[operator]
+        runs: list[tuple[int | None, Pipeline]] = []
+        if full is not None:
+            with_rows = [None if specs is None else [((full, *shape[1:]), d) for shape, d in specs]
+                         for specs in (label_specs, weight_specs)]  # fmt: skip
+            runs.append((full, self._pipeline(full, micro, *with_rows)))
+        runs.append((rows, self._pipeline(rows, micro, label_specs, weight_specs)))
         if purpose == "predict":
-            pipeline.ensure_predict_channels(self.stages)
-        if self._current.get(purpose) is not pipeline:
-            self._current[purpose] = pipeline
+            runs[-1][1].ensure_predict_channels(self.stages)
+        if [(r, id(p)) for r, p in self._current.get(purpose, [])] != [(r, id(p)) for r, p in runs]:
+            self._current[purpose] = runs
             # Keras caches its compiled step; a new pipeline needs a new trace.
             attr = {"train": "train_function", "eval": "test_function", "predict": "predict_function"}[purpose]
             setattr(model, attr, None)
 
+    def _pipeline(self, rows: int | None, micro: int, label_specs: Any, weight_specs: Any) -> Pipeline:
+        """The pipeline for batches of `rows` rows (None: any), made the first time."""
+        model = self._model
+        key = (rows, micro, str(label_specs), str(weight_specs))
+        pipeline = self._pipelines.get(key)
+        if pipeline is not None:
+            return pipeline
+        cut = self.partition
+        # A layer split by rows: where every micro-batch has rows to split, the split model runs.
+        graph, placement = model, self.placement
+        if cut is not None and cut.splits and rows is not None and rows // micro >= 2:
+            graph, placement = self._split_model(model, cut), cut.split_placement()
+        plan = analyze(graph, placement, self.stages, rows, micro, label_specs, weight_specs)
+        if cut is not None and cut.shares and micro == cut.micro_batches:
+            # Layers alternate: each micro-batch follows the plan of the cuts it moves them at.
+            variants: dict[tuple[int, ...], Plan] = {(): plan}
+            for m in range(micro):
+                moved = cut.moved(m)
+                if moved not in variants:
+                    variants[moved] = analyze(
+                        model, cut.stage_of(moved), self.stages, rows, micro, label_specs, weight_specs
+                    )
+                plan.micro_plans.append(variants[moved])
+        plan.replicas = self.replicas
+        plan.partition = self.partition
+        plan.schedule = self.schedule
+        plan.stashed = {
+            s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro, plan.group))
+            for p, s in enumerate(plan.stage_order)
+        }
+        if self.defer_weight_gradients and micro > 1:
+            shared = set(cut.alternates) if cut is not None and (graph is not model or plan.micro_plans) else set()
+            plan.deferred, plan.deferred_bytes = deferrable(graph, plan, exclude=shared)
+            for variant in plan.micro_plans:
+                variant.deferred, variant.deferred_bytes = plan.deferred, plan.deferred_bytes
+        self._serial += 1
+        pipeline = Pipeline(
+            self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
+        )
+        self._pipelines[key] = pipeline
+        if not self._printed and self.engine.rank == 0:
+            self._printed = True
+            logger.info("%s", plan.text())
+        return pipeline
+
+    def _step(self, purpose: str, data: Any, step: Callable[[Pipeline, Any], Any]) -> Any:
+        """`step` on this batch's pipeline: where the batches before a partial last one have a static plan, the
+        batch's rows choose it (every worker iterates the same batches, so all choose alike)."""
+        import keras
+        import tensorflow as tf
+
+        runs = self._current[purpose]
+        if len(runs) == 1:
+            return step(runs[0][1], data)
+        (full, static), (_, dynamic) = runs
+
+        def with_rows(t: Any) -> Any:
+            # Not ensure_shape or reshape: Grappler takes their shape for the input's, in both branches, and
+            # folds the predicate and the dynamic branch's sizes. A split's first part says nothing of the rest.
+            return t if t is None else tf.split(t, [full, -1])[0]
+
+        rows = tf.shape(keras.tree.flatten(data)[0])[0]
+        return tf.cond(
+            tf.equal(rows, full),
+            lambda: step(static, keras.tree.map_structure(with_rows, data)),
+            lambda: step(dynamic, data),
+        )
+
     def current(self, purpose: str) -> Pipeline:
-        return self._current[purpose]
+        """The pipeline of `purpose`'s batches (the full batches' where the last one is partial)."""
+        return self._current[purpose][0][1]
 
     @property
     def plan(self) -> Plan | None:
         """The current training plan (else the latest evaluation/prediction plan; None before any)."""
-        pipeline = self._current.get("train") or next(iter(self._current.values()), None)
-        return pipeline.plan if pipeline is not None else None
+        runs = self._current.get("train") or next(iter(self._current.values()), None)
+        return runs[0][1].plan if runs else None
 
     # -- the hooks rdkeras.fitting calls ---------------------------------------------------
 
@@ -347,10 +388,10 @@ class ModelParallel(Parallelism):
         average = self.average_over_replicas if self.replicas > 1 else None
 
         def train_step(model: Any, data: Any) -> Any:
-            return schedule.train_step(model, self.current("train"), data, average, self.schedule)
+            return self._step("train", data, lambda run, d: schedule.train_step(model, run, d, average, self.schedule))
 
         def test_step(model: Any, data: Any) -> Any:
-            return schedule.test_step(model, self.current("eval"), data)
+            return self._step("eval", data, lambda run, d: schedule.test_step(model, run, d))
 
         def predict_step(model: Any, data: Any) -> Any:
             return schedule.predict_step(model, self.current("predict"), data)

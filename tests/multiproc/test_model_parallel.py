@@ -64,6 +64,12 @@ RUNS = {
         {"kind": "skip", "placement": {"a": 0, "b": 1, "add": 2, "out": 2}, "micro_batches": 4, "schedule": "gpipe"},
         "shm",
     ),
+    "partial": (
+        2,
+        "train_and_compare",
+        {"kind": "cnn", "placement": CNN_2, "micro_batches": 4, "samples": 88},
+        "shm",
+    ),
     "two inputs": (
         2,
         "train_and_compare",
@@ -150,6 +156,16 @@ def test_split_model_matches_one_process(case, request):
             ("fc2:0->2", "static", True),
             ("labels[0]->2", "static", False),
         ]
+
+
+def test_a_partial_last_batch_leaves_the_full_batches_static(two_workers):
+    # 88 samples = 5 batches of 16 + one of 8: the five run the static plan (4 rows a micro-batch), the last the
+    # dynamic one (2 rows a micro-batch); fit, evaluate and predict still equal one process.
+    first = _check(two_workers("partial"))
+    assert [(e["name"], e["transfer"], e["shape"], e["transfers"]) for e in first["plan"]] == [
+        ("flatten:0->1", "static", [4, 72], 4),
+        ("labels[0]->1", "static", [16], 1),
+    ]
 
 
 STASHED = {

@@ -1,11 +1,15 @@
 """The pipeline schedules' order of passes: every micro-batch's forward before its backward, each once, and what
-1F1B bounds -- the activations stashed on a stage at once (GPipe: all M micro-batches')."""
+1F1B bounds -- the activations stashed on a stage at once (GPipe: all M micro-batches'); which batches get a
+static plan of their own."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from rdkeras.parallel import check_settings
+from rdkeras.parallel.feeds import full_batch_rows
 from rdkeras.parallel.schedule import most_stashed, passes_in_order
 
 
@@ -55,3 +59,13 @@ def test_an_unknown_schedule_is_refused_and_pipeline_names_model_parallelism():
     check_settings("pipeline", placement={"a": 0, "b": 1}, workers=2)  # the same checks as "model"
     with pytest.raises(ValueError, match="only 2 workers"):
         check_settings("pipeline", placement={"a": 0, "b": 2}, workers=2)
+
+
+def test_full_batches_are_known_only_for_arrays_with_a_partial_last_batch():
+    x = np.zeros((88, 3), np.float32)
+    assert full_batch_rows(x, 16) == 16  # 5 x 16 + 8
+    assert full_batch_rows({"a": x, "b": x}, 16) == 16
+    assert full_batch_rows(x[:80], 16) is None  # every batch full: the one plan is static already
+    assert full_batch_rows(x[:10], 16) is None  # one batch only
+    assert full_batch_rows(x[:40], None) == 32  # Keras's default batch
+    assert full_batch_rows(tf.data.Dataset.from_tensor_slices(x).batch(16), None) is None
