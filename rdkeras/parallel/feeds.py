@@ -18,8 +18,9 @@ from rdkeras import keras_internals
 from rdkeras.parallel.sharding import unpack
 
 
-def data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> tuple:
-    """(rows per batch when every batch has them, label specs, sample-weight specs)."""
+def data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None, full_batches: bool = False) -> tuple:
+    """(rows per batch when every batch has them, label specs, sample-weight specs); with `full_batches`, those
+    of the batches before a partial last one (rows None where the last batch is not partial)."""
     import keras
     import tensorflow as tf
 
@@ -49,10 +50,8 @@ def data_specs(x: Any, y: Any, sample_weight: Any, batch_size: int | None) -> tu
         return None, from_arrays(ys, None), from_arrays(ws, None)
     if x is None:
         return None, None, None
-    batch_size = batch_size or 32
-    samples = len(keras.tree.flatten(x)[0])
-    rows = batch_size if samples % batch_size == 0 or samples < batch_size else None
-    rows = min(rows, samples) if rows is not None else None
+    full = full_batch_rows(x, batch_size)
+    rows = full if full_batches else None if full else min(batch_size or 32, len(keras.tree.flatten(x)[0]))
     return rows, from_arrays(y, rows), from_arrays(sample_weight, rows)
 
 

@@ -31,7 +31,7 @@ from rdkeras.graph import Plan, analyze, assign_layers, deferrable
 from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
-from rdkeras.parallel.feeds import data_specs, full_batch_rows
+from rdkeras.parallel.feeds import data_specs
 from rdkeras.parallel.partition import ALTERNATION_GAIN, Partition, balanced_cut
 from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
@@ -98,7 +98,7 @@ class ModelParallel(Parallelism):
         # Replicas split each global batch the data-parallel way.
         self.sharding = Sharding(self.replicas, self.replica, global_batch, warn=engine.rank == 0)
         self._pipelines: dict[tuple, Pipeline] = {}
-        self._current: dict[str, list[tuple[int | None, Pipeline]]] = {}  # purpose -> (rows, pipeline), ...
+        self._current: dict[str, list[Pipeline]] = {}  # purpose -> its pipelines: [full batches',] any batch's
         self._serial = 0
         self._printed = False
         self._model: Any = None
@@ -268,19 +268,15 @@ class ModelParallel(Parallelism):
             )
         # Arrays with a partial last batch: the batches before it run a static plan of their own (the step
         # chooses by the batch's rows), the last one the dynamic plan.
-        full = full_batch_rows(x, batch_size) if rows is None and purpose != "predict" else None
-        full = full if full is not None and full % micro == 0 else None
+        full, *full_specs = data_specs(x, y, sample_weight, batch_size, full_batches=True)
+        full = full if rows is None and purpose != "predict" and full is not None and full % micro == 0 else None
         if purpose == "train" and self.partition is not None and not self._pipelines and (rows or full):
             self._recut(model, (rows or full) // micro)  # type: ignore[operator]
-        runs: list[tuple[int | None, Pipeline]] = []
-        if full is not None:
-            with_rows = [None if specs is None else [((full, *shape[1:]), d) for shape, d in specs]
-                         for specs in (label_specs, weight_specs)]  # fmt: skip
-            runs.append((full, self._pipeline(full, micro, *with_rows)))
-        runs.append((rows, self._pipeline(rows, micro, label_specs, weight_specs)))
+        runs = [self._pipeline(full, micro, *full_specs)] if full is not None else []
+        runs.append(self._pipeline(rows, micro, label_specs, weight_specs))
         if purpose == "predict":
-            runs[-1][1].ensure_predict_channels(self.stages)
-        if [(r, id(p)) for r, p in self._current.get(purpose, [])] != [(r, id(p)) for r, p in runs]:
+            runs[-1].ensure_predict_channels(self.stages)
+        if self._current.get(purpose) != runs:  # the same pipelines (Pipeline compares by identity)
             self._current[purpose] = runs
             # Keras caches its compiled step; a new pipeline needs a new trace.
             attr = {"train": "train_function", "eval": "test_function", "predict": "predict_function"}[purpose]
@@ -339,8 +335,9 @@ class ModelParallel(Parallelism):
 
         runs = self._current[purpose]
         if len(runs) == 1:
-            return step(runs[0][1], data)
-        (full, static), (_, dynamic) = runs
+            return step(runs[0], data)
+        static, dynamic = runs
+        full = static.plan.batch_size
 
         def with_rows(t: Any) -> Any:
             # Not ensure_shape or reshape: Grappler takes their shape for the input's, in both branches, and
@@ -356,13 +353,13 @@ class ModelParallel(Parallelism):
 
     def current(self, purpose: str) -> Pipeline:
         """The pipeline of `purpose`'s batches (the full batches' where the last one is partial)."""
-        return self._current[purpose][0][1]
+        return self._current[purpose][0]
 
     @property
     def plan(self) -> Plan | None:
         """The current training plan (else the latest evaluation/prediction plan; None before any)."""
         runs = self._current.get("train") or next(iter(self._current.values()), None)
-        return runs[0][1].plan if runs else None
+        return runs[0].plan if runs else None
 
     # -- the hooks rdkeras.fitting calls ---------------------------------------------------
 
