@@ -7,10 +7,12 @@ micro-batching costs the compute itself); then 2 stages, one core and one Tensor
 each, with the automatic cut (and a hand cut for the convnets) under 1F1B and GPipe, for M in
 1/4/8/16, and the automatic cut under 1F1B with every weight gradient per micro-batch ("1f1b/mb":
 what deferring Dense and convolution layers' weight gradients saves). Per configuration and stage:
-the median step, the stage's compute (its forward and backward over M micro-batches, every weight
-gradient per micro-batch, timed alone in the same process afterwards), the time its receives waited, and the rest; the
-ideal step for those computes ((M + S - 1) x the slowest stage's micro-batch), measured / ideal,
-and the speed-up over one process fitting the same model on rank 0's core just before and just
+the median step; the stage's compute as the step runs it, timed alone in the same process afterwards:
+its passes (forward and backward over M micro-batches) and its tail (the deferred layers' weight
+gradients, once over the whole batch after the last backward pass); the time its receives waited,
+and the rest (the hops into and out of TensorFlow, the loss, the update). The ideal step for those
+computes ((M + S - 1) x the slowest stage's passes per micro-batch, then the largest tail),
+measured / ideal, and the speed-up over one process fitting the same model on rank 0's core just before and just
 after that configuration. A PNG plots speed-up against micro-batches, measured and ideal, with
 the one-process line.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -87,40 +88,26 @@ def _data(name: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.random(shape, dtype=np.float32), rng.integers(0, 10, rows)
 
 
-def _compute(
-    sub: Any, rows: int, micro: int, input_grads: bool = False, repeats: int = 7, shapes: list | None = None
-) -> float:
-    """Seconds of `sub`'s forward and backward over `micro` micro-batches of `rows` rows (gradients summed;
-    with `input_grads`, also those of the inputs, as a stage that receives activations sends back); `shapes`:
-    the inputs' where known (a layer split by rows sends a part of them)."""
+def _compute(model: Any, rows: int, micro: int, repeats: int = 7) -> float:
+    """Seconds of `model`'s forward and backward over `micro` micro-batches of `rows` rows (gradients summed)."""
     import keras
     import tensorflow as tf
 
-    rng = np.random.default_rng(1)
-    inputs = keras.tree.flatten(sub.inputs)
-    shapes = [s or (rows, *t.shape[1:]) for s, t in zip(shapes or [None] * len(inputs), inputs, strict=True)]
-    feeds = [tf.constant(rng.random(s, dtype=np.float32)) for s in shapes]
+    from rdkeras.graph import costs
+
+    feed = tf.constant(np.random.default_rng(1).random((rows, *model.inputs[0].shape[1:]), dtype=np.float32))
 
     @tf.function(jit_compile=False)
-    def passes(*inputs: Any) -> Any:
+    def passes(inputs: Any) -> Any:
         total = None
         for _ in range(micro):
-            watched = list(inputs) if input_grads else []
             with tf.GradientTape() as tape:
-                tape.watch(watched)
-                out = sub(list(inputs) if len(inputs) > 1 else inputs[0], training=True)
-                objective = tf.add_n([tf.reduce_sum(o) for o in keras.tree.flatten(out)])
-            grads = tape.gradient(objective, sub.trainable_variables + watched)
+                objective = tf.add_n([tf.reduce_sum(o) for o in keras.tree.flatten(model(inputs, training=True))])
+            grads = tape.gradient(objective, model.trainable_variables)
             total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
         return total
 
-    passes(*feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _ = [g.numpy() for g in passes(*feeds) if g is not None]
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return costs.median_seconds(passes, [feed], repeats)
 
 
 def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: list[int]) -> dict:
@@ -170,21 +157,20 @@ def stage_rank(
     timed = timed_fit(m, x, y, batch, warmup, strategy.engine)
     plan = strategy.plan
     assert plan is not None
-    from rdkeras.graph import build_stage
+    from rdkeras.graph import build_stage, costs
 
     # This worker's layers as a model (the same layers, not copies); where layers alternate, each micro-batch
     # plan's, run for as many micro-batches as follow it.
     uses = plan.micro_plans or [plan] * micro
     graph = plan.model  # (the user's model, or the split model over its layers)
-    compute = 0.0
+    compute = tail = 0.0
     for turn in range(STAGES):  # one stage at a time: alone on the machine, as one process was
         if turn == rank:
             for p in {id(p): p for p in uses}.values():
                 stage = build_stage(graph, p, rank)
                 if stage.model is not None:
-                    sends_grads = any(e.needs_grad for e in stage.received)
-                    shapes = [f.edge.shape if f.edge is not None and f.edge.static else None for f in stage.feeds]
-                    compute += _compute(stage.model, batch // micro, sum(q is p for q in uses), sends_grads, 7, shapes)
+                    passes, deferred = costs.stage_compute(stage, batch // micro, sum(q is p for q in uses))
+                    compute, tail = compute + passes + deferred, tail + deferred
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()
     if rank == 0:
@@ -194,6 +180,7 @@ def stage_rank(
         "alone": float(np.mean(alone)) if alone else None,  # the two bracket this configuration
         "step": timed["step_seconds"],
         "compute": compute,
+        "tail": tail,  # (of compute) the deferred weight gradients, once a step after the last backward
         "waiting": timed["wait_seconds_per_step"],
         "layers": plan.layers_of(rank),
         "alternates": sorted(plan.partition.alternates) if plan.micro_plans and plan.partition else [],
@@ -271,10 +258,14 @@ def _name(schedule: str, defer: bool) -> str:
     return schedule if defer else f"{schedule}/mb"
 
 
-def ideal_step(computes: list[float], micro: int) -> float:
-    """The pipeline's step for these stage computes (each over `micro` micro-batches): it fills and drains,
-    (M + S - 1) micro-batches of the slowest stage."""
-    return (micro + len(computes) - 1) * max(computes) / micro
+def ideal_step(computes: list[float], micro: int, tails: list[float] | None = None) -> float:
+    """The pipeline's step for these stage computes (each over `micro` micro-batches, of which `tails` are the
+    deferred weight gradients each stage computes once after its last backward pass): it fills and drains,
+    (M + S - 1) micro-batches of the slowest stage's passes, then waits for the largest tail -- the first stage's
+    runs after every other stage's last pass, with nothing left to overlap it."""
+    tails = tails or [0.0] * len(computes)
+    passes = [c - t for c, t in zip(computes, tails, strict=True)]
+    return (micro + len(computes) - 1) * max(passes) / micro + max(tails)
 
 
 def median_round(row: dict, alone: dict) -> dict:
@@ -287,9 +278,10 @@ def median_round(row: dict, alone: dict) -> dict:
 
 
 def _summary(row: dict, alone: dict) -> dict[str, float]:
-    step = max(s["step"] for s in row["stages"])
-    ideal = ideal_step([s["compute"] for s in row["stages"]], row["micro"])
-    one = row["stages"][0].get("alone") or alone["step"]  # this configuration's own reference
+    stages = row["stages"]
+    step = max(s["step"] for s in stages)
+    ideal = ideal_step([s["compute"] for s in stages], row["micro"], [s.get("tail", 0.0) for s in stages])
+    one = stages[0].get("alone") or alone["step"]  # this configuration's own reference
     return {"step": step, "ideal": ideal, "alone": one, "speedup": one / step, "ideal_speedup": one / ideal}
 
 
@@ -300,11 +292,12 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
     print(f"\n{model} ({alone['params'] / 1e6:.1f} M params), global batch {batch}, one process on one core: "
           f"{alone['step'] * ms:.1f} ms a step of fit; forward+backward in M micro-batches: {tax}")  # fmt: skip
     print(f"{'cut':<12} {'schedule':<9} {'M':>3} {'step ms':>8} {'1 proc':>7} {'ideal':>7} {'meas/ideal':>10} "
-          f"{'x 1 proc':>8} {'x ideal':>7}   per stage: compute / waiting / rest ms; stashed")  # fmt: skip
+          f"{'x 1 proc':>8} {'x ideal':>7}   per stage: passes + tail / waiting / rest ms; stashed")  # fmt: skip
     for row in rows:
         s = _summary(row, alone)
         parts = "  ".join(
-            f"s{st['stage']} {st['compute'] * ms:.1f}/{st['waiting'] * ms:.1f}/"
+            f"s{st['stage']} {(st['compute'] - st.get('tail', 0.0)) * ms:.1f}+{st.get('tail', 0.0) * ms:.1f}/"
+            f"{st['waiting'] * ms:.1f}/"
             f"{(st['step'] - st['compute'] - st['waiting']) * ms:.1f}; {st['stashed']}"
             for st in row["stages"]
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,61 +125,85 @@ def measure(model: Any, rows: int = DRY_RUN_ROWS, repeats: int = 5) -> LayerCost
 
 
 def stage_seconds(
-    model: Any, placement: dict[str, int], stages: int, rows: int, micro_batches: int, repeats: int = 5
+    model: Any,
+    placement: dict[str, int],
+    stages: int,
+    rows: int,
+    micro_batches: int,
+    repeats: int = 5,
+    defer: bool = False,
+    shared: Collection[str] = (),
 ) -> list[float]:
     """Per stage of `placement`: the median seconds of its whole sub-model's forward and backward over
-    `micro_batches` micro-batches of `rows` rows, gradients of what it receives included (as the stage computes
-    them in a step). Layers timed alone miss what a stage's sequence of them costs on a CPU (caches, the small
-    ops between them): this is what the automatic cut scales their times to."""
-    import keras
-    import tensorflow as tf
-
+    `micro_batches` micro-batches of `rows` rows, as :func:`stage_compute` times them (with `defer`, the layers
+    that may compute their weight gradients once a step do, but those `shared` between two stages). Layers timed
+    alone miss what a stage's sequence of them costs on a CPU (caches, the small ops between them): this is what
+    the automatic cut scales their times to."""
     from rdkeras.graph.analyzer import analyze
-    from rdkeras.graph.rewriter import build_stage
+    from rdkeras.graph.rewriter import build_stage, deferrable
 
     plan = analyze(model, placement, stages, rows * micro_batches, micro_batches)
-    rng = np.random.default_rng(0)
+    if defer and micro_batches > 1:
+        plan.deferred, plan.deferred_bytes = deferrable(model, plan, exclude=shared)
     saved = [(v, np.array(v.numpy())) for v in model.variables]  # BatchNormalization's statistics move
     try:
         seconds = []
         for s in range(stages):
             stage = build_stage(model, plan, s)
-            if stage.model is None:
-                seconds.append(0.0)
-                continue
-            sub = stage.model
-            feed = []
-            for t, f in zip(sub.inputs, stage.feeds, strict=True):
-                shape, dtype = _shape(tuple(t.shape), rows), np.dtype(str(t.dtype))
-                if f.edge is not None and f.edge.static:  # (a row split's part has fewer rows)
-                    shape = tuple(int(d or 0) for d in f.edge.shape)
-                value = rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
-                feed.append(tf.constant(value))
-            # What a stage receives with a gradient to send back: the stage computes that gradient too.
-            back = [t for t, f in zip(feed, stage.feeds, strict=True) if f.edge is not None and f.edge.needs_grad]
-
-            def passes(*feed: Any, sub: Any = sub, back: list = back) -> Any:
-                results = []
-                for _ in range(micro_batches):
-                    with tf.GradientTape() as tape:
-                        tape.watch(back)
-                        out = sub(list(feed), training=True)
-                        total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in keras.tree.flatten(out)])
-                    grads = tape.gradient(total, sub.trainable_variables + back)
-                    results += [g for g in grads if g is not None] or [total]
-                return results
-
-            step = tf.function(passes, jit_compile=False)
-            times = []
-            for _ in range(repeats + 2):  # (the first traces)
-                start = time.perf_counter()
-                _ = [t.numpy() for t in step(*feed)]
-                times.append(time.perf_counter() - start)
-            seconds.append(statistics.median(times[2:]))
+            seconds.append(sum(stage_compute(stage, rows, micro_batches, repeats)) if stage.model is not None else 0.0)
         return seconds
     finally:
         for v, value in saved:
             v.assign(value)
+
+
+def stage_compute(stage: Any, rows: int, micro_batches: int, repeats: int = 5) -> tuple[float, float]:
+    """Seconds of a :class:`~rdkeras.graph.Stage`'s compute in a training step, alone, as the step runs it
+    (:mod:`rdkeras.graph.passes`), medians of `repeats`: (its `micro_batches` forward and backward passes of
+    `rows` rows, gradients of what it receives included; the deferred layers' weight gradients once over every
+    micro-batch's rows, 0.0 where none waits)."""
+    import tensorflow as tf
+
+    from rdkeras.graph import passes
+
+    rng = np.random.default_rng(0)
+    feed = []
+    for t, f in zip(stage.model.inputs, stage.feeds, strict=True):
+        shape = _shape(tuple(t.shape), rows)
+        if f.edge is not None and f.edge.static:  # (a row split's part has fewer rows)
+            shape = tuple(int(d or 0) for d in f.edge.shape)
+        dtype = np.dtype(str(t.dtype))
+        value = rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+        feed.append(tf.constant(value))
+    # What a stage receives with a gradient to send back: the stage computes that gradient too.
+    back = [i for i, f in enumerate(stage.feeds) if f.edge is not None and f.edge.needs_grad]
+    variables = stage.trainable_variables
+
+    def micro_batches_passes(*inputs: Any) -> Any:
+        results, kept = [], []
+        for _ in range(micro_batches):
+            sent_back = [inputs[i] for i in back]
+            with tf.GradientTape() as tape:
+                tape.watch(sent_back)
+                outs, taps = passes.run_stage_model(stage, list(inputs), training=True)
+                objective = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs])
+            grads, input_grads, later = passes.pass_gradients(
+                stage, tape, [objective], [tf.ones_like(objective)], variables, sent_back, taps
+            )
+            results += [g for g in grads + input_grads if g is not None] or [objective]
+            kept.append(later)
+        return results, kept
+
+    def deferred(kept: Any) -> Any:
+        summed: list[Any] = [None] * len(variables)
+        passes.deferred_weight_gradients(stage, kept, variables, summed)
+        return [g for g in summed if g is not None]
+
+    step = tf.function(micro_batches_passes, jit_compile=False)
+    seconds = median_seconds(step, feed, repeats)
+    if not stage.deferred:
+        return seconds, 0.0
+    return seconds, median_seconds(tf.function(deferred, jit_compile=False), [step(*feed)[1]], repeats)
 
 
 def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[float]:
@@ -226,11 +251,17 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
                 results += [g for g in grads if g is not None]
             return results
 
-        step = tf.function(passes, jit_compile=False)
-        times = []
-        for _ in range(repeats + 2):  # (the first traces)
-            start = time.perf_counter()
-            _ = [t.numpy() for t in step(*feed)]  # wait for the device
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times[2:]) / inside)
+        seconds.append(median_seconds(tf.function(passes, jit_compile=False), feed, repeats) / inside)
     return seconds
+
+
+def median_seconds(step: Any, feed: list[Any], repeats: int) -> float:
+    """The median seconds of `repeats` calls of the compiled `step` on `feed`, after two (the first traces)."""
+    import tensorflow as tf
+
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        _ = [np.asarray(t) for t in tf.nest.flatten(step(*feed))]  # wait for the device
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])

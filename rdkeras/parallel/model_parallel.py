@@ -197,7 +197,11 @@ class ModelParallel(Parallelism):
             graph, plans = self._split_model(model, cut), [cut.split_placement()]
 
         def measure() -> list[float]:
-            times = [costs.stage_seconds(graph, p, self.stages, rows, half) for p in plans]
+            defer = self.defer_weight_gradients
+            times = [
+                costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer, shared=cut.alternates)
+                for p in plans
+            ]
             return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
 
         return self._rank0_seconds(model, "the stages", self.stages, measure)

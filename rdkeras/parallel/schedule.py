@@ -28,6 +28,7 @@ from typing import Any
 
 from rdkeras import keras_internals
 from rdkeras.graph import Stage
+from rdkeras.graph.passes import deferred_weight_gradients, pass_gradients, run_stage_model
 from rdkeras.ops import rdma_recv, rdma_recv_all, rdma_send, rdma_send_all
 from rdkeras.parallel import SCHEDULES
 from rdkeras.parallel.feeds import Feeds
@@ -134,7 +135,10 @@ def train_step(
         else:
             chain, kept[m] = _backward_one(run, m, passes.pop(m), variables, summed, chain)
     if stage.deferred:
-        chain = _deferred_weight_gradients(stage, [kept[m] for m in sorted(kept)], variables, summed, chain)
+        # After the step's last input-gradient is sent, while the neighbours drain the pipeline.
+        with tf.control_dependencies(chain):
+            deferred_weight_gradients(stage, [kept[m] for m in sorted(kept)], variables, summed)
+        chain = [*chain, _computed(summed)]
     for pair_sum, members in run.shared:
         # A layer alternating with a neighbour stage: the two partial sums become the whole, on both, in cut
         # order (a middle stage's first pair, then its second), after every transfer of the step.
@@ -180,49 +184,19 @@ def _backward_one(
     if objective is not None:
         targets.append(objective)
         output_grads.append(tf.ones_like(objective))
-    waiting = {id(v) for layer in stage.deferred for v in layer.trainable_variables}
-    direct = [i for i, v in enumerate(variables) if id(v) not in waiting]  # their gradients now
     back = [received[e.name] for e in stage.received if e.needs_grad]
-    layer_outputs = taps[1::2]
-    sources = [variables[i] for i in direct] + back + layer_outputs
-    with tf.control_dependencies(chain):  # after the previous pass's transfers
-        grads = tape.gradient(targets, sources, output_gradients=output_grads) if targets else []
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * len(sources)
-    input_grads = grads[len(direct) : len(direct) + len(back)]
+    weight_grads, input_grads, later = pass_gradients(stage, tape, targets, output_grads, variables, back, taps, chain)
     sent_back = [e for e in stage.received if e.needs_grad]
     if sent_back:
         values = [
             tf.zeros_like(received[e.name]) if g is None else g for e, g in zip(sent_back, input_grads, strict=True)
         ]
         chain = [rdma_send_all([run.bwd[(e.name, m)] for e in sent_back], values, f"{m}/grads", chain)]
-    chain = [*chain, _computed(grads)]
-    for i, g in zip(direct, grads[: len(direct)], strict=True):
+    chain = [*chain, _computed(weight_grads, input_grads, later)]
+    for i, g in enumerate(weight_grads):
         if g is not None:
             summed[i] = g if summed[i] is None else summed[i] + g
-    later = []
-    output_grads_of_deferred = grads[len(direct) + len(back) :]
-    for layer, x, y, dy in zip(stage.deferred, taps[0::2], layer_outputs, output_grads_of_deferred, strict=True):
-        dy = tf.zeros_like(y) if dy is None else dy
-        later.append((x, keras_internals.pre_activation_gradient(layer, y, dy)))
-    return chain, tuple(later)
-
-
-def _deferred_weight_gradients(stage: Stage, kept: list[tuple], variables: list, summed: list, chain: list) -> list:
-    """The deferred layers' weight gradients, each computed once over every micro-batch's rows (one matmul or
-    filter gradient of the whole batch is far cheaper on a CPU than M of its slices and their sum): into
-    `summed`; returns the chain.
-    They run after the step's last input-gradient is sent, while the neighbours drain the pipeline."""
-    import tensorflow as tf
-
-    index = {id(v): i for i, v in enumerate(variables)}
-    with tf.control_dependencies(chain):
-        for n, layer in enumerate(stage.deferred):
-            x = tf.concat([parts[n][0] for parts in kept], axis=0)
-            dz = tf.concat([parts[n][1] for parts in kept], axis=0)
-            grads = keras_internals.weight_gradients(layer, x, dz)
-            for v, g in zip(layer.trainable_variables, grads, strict=True):
-                summed[index[id(v)]] = g
-    return [*chain, _computed(summed)]
+    return chain, later
 
 
 def test_step(model: Any, run: Pipeline, data: Any) -> Any:
@@ -268,17 +242,12 @@ def _run_stage(
 
     if stage.model is None:
         return [], []
-    model = stage.tapped_model if training and stage.tapped_model is not None else stage.model
     inputs = [received[f.edge.name] if f.edge is not None else feeds.inputs[f.input_index or 0][m] for f in stage.feeds]
     # Micro-batch m computes only once m-1's activations are on their way: with one thread,
     # TensorFlow would otherwise run every micro-batch's forward before the first send, and
     # the next stage could not overlap with this one.
     with tf.control_dependencies(chain):
-        outs = model(inputs, training=training)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if model is stage.model:
-        return outs, []
-    return outs[: len(stage.sends)], [inputs[i] if kind == "in" else outs[i] for kind, i in stage.taps]
+        return run_stage_model(stage, inputs, training)
 
 
 def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[Any]:

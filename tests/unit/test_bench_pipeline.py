@@ -12,22 +12,26 @@ def test_the_ideal_step_fills_and_drains_with_the_slowest_stage():
     assert ideal_step([0.080, 0.120], 8) == pytest.approx(9 * 0.015)
     assert ideal_step([0.100, 0.100], 1) == pytest.approx(0.200)  # one micro-batch: no overlap at all
     assert ideal_step([0.05, 0.05, 0.05, 0.05], 4) == pytest.approx(7 * 0.0125)
+    # Deferred weight gradients (the tails) come once, after the passes: the largest one ends the step.
+    assert ideal_step([0.080, 0.120], 8, [0.024, 0.040]) == pytest.approx(9 * 0.010 + 0.040)
+    assert ideal_step([0.080, 0.060], 8, [0.024, 0.0]) == pytest.approx(9 * 0.060 / 8 + 0.024)
 
 
-def test_the_breakdown_names_each_stage_s_compute_waiting_and_rest(capsys):
+def test_the_breakdown_names_each_stage_s_passes_tail_waiting_and_rest(capsys):
     alone = {"step": 0.180, "compute": {1: 0.170, 8: 0.160}, "params": 307_498}
     stages = [
         {"stage": 0, "step": 0.125, "compute": 0.070, "waiting": 0.045, "layers": ["a", "b", "c"], "stashed": 2},
-        {"stage": 1, "step": 0.125, "compute": 0.100, "waiting": 0.010, "layers": ["d", "e"], "stashed": 1},
-    ]
+        {"stage": 1, "step": 0.125, "compute": 0.100, "tail": 0.020, "waiting": 0.010, "layers": ["d", "e"],
+         "stashed": 1},
+    ]  # fmt: skip
     row = {"cut": "auto", "schedule": "1f1b", "micro": 8, "stages": stages}
     summary = _summary(row, alone)
-    assert summary["ideal"] == pytest.approx(9 * 0.100 / 8)
+    assert summary["ideal"] == pytest.approx(9 * 0.080 / 8 + 0.020)
     assert summary["speedup"] == pytest.approx(0.180 / 0.125)
     _print("vggstyle", alone, [row], 64)
     out = capsys.readouterr().out
     assert "M=8 160.0 ms (0.94x)" in out  # what micro-batching costs one process
-    assert "s0 70.0/45.0/10.0; 2  s1 100.0/10.0/15.0; 1" in out  # compute / waiting / rest, stashed
+    assert "s0 70.0+0.0/45.0/10.0; 2  s1 80.0+20.0/10.0/15.0; 1" in out  # passes + tail / waiting / rest, stashed
     assert "cut auto, 8 micro-batches: stage 0: a, b, ..., c\n" in out
     stages[0]["alternates"] = ["c"]  # c also runs on stage 1, for half the micro-batches
     _print("vggstyle", alone, [row], 64)
