@@ -45,6 +45,9 @@ def test_a_layer_too_large_to_balance_alternates_between_the_stages():
         placement=None,
         micro_batches=4,
         alternate_layers=True,
+        # Kept whatever it measures (the 5% rule is test_partition's): between layers, `big` computes its weight
+        # gradient once a step, alternating once per micro-batch, so the measured gain is near the rule's edge.
+        sharing_gain=-1.0,
     )
     first = _check(results, tol=1e-5)
     text = first["plan_text"]
