@@ -39,6 +39,12 @@ def _shape(shape: tuple, rows: int) -> tuple[int, ...]:
     return tuple(rows if i == 0 else UNKNOWN_DIM if d is None else int(d) for i, d in enumerate(shape))
 
 
+def _synthetic(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A dry run's value of `shape`: normal floats, or zeros (valid ids for an embedding)."""
+    dtype = np.dtype(str(dtype))
+    return rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+
+
 def _nbytes(tensor: Any, rows: int) -> int:
     dtype = np.dtype(str(tensor.dtype)) if str(tensor.dtype) != "bfloat16" else np.dtype(np.float16)
     n = int(np.prod(_shape(tuple(tensor.shape), rows), dtype=np.int64)) * dtype.itemsize
@@ -172,9 +178,7 @@ def stage_compute(stage: Any, rows: int, micro_batches: int, repeats: int = 5) -
         shape = _shape(tuple(t.shape), rows)
         if f.edge is not None and f.edge.static:  # (a row split's part has fewer rows)
             shape = tuple(int(d or 0) for d in f.edge.shape)
-        dtype = np.dtype(str(t.dtype))
-        value = rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
-        feed.append(tf.constant(value))
+        feed.append(tf.constant(_synthetic(rng, shape, t.dtype)))
     # What a stage receives with a gradient to send back: the stage computes that gradient too.
     back = [i for i, f in enumerate(stage.feeds) if f.edge is not None and f.edge.needs_grad]
     variables = stage.trainable_variables
@@ -211,12 +215,7 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    inputs = []
-    for t in graph.inputs:
-        shape, dtype = _shape(tuple(t.shape), rows), np.dtype(str(t.dtype))
-        inputs.append(
-            rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)  # valid ids
-        )
+    inputs = [_synthetic(rng, _shape(tuple(t.shape), rows), t.dtype) for t in graph.inputs]
     nodes = [n for n in nodes_in_order(graph) if not n.is_input]
     # Every intermediate value of the batch, from one forward pass of the whole model.
     inner = [t for n in nodes for t in n.output_tensors]
