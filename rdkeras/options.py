@@ -28,7 +28,8 @@ variable                          setting
 ``RDKERAS_IB_PORT``               verbs: port (0: the first active one)
 ``RDKERAS_IB_GID_INDEX``          verbs: GID table index
 ``RDKERAS_NT_THRESHOLD``          bytes from which copies stream their stores (0: never)
-``RDKERAS_CACHE``                 where data sets fetched once are kept
+``RDKERAS_CACHE``                 where data sets fetched once and the built TensorFlow ops are kept
+``RDKERAS_NATIVE_OPS``            1 (default) or 0: the pipeline's transfers as numpy_function hops
 ``RDKERAS_REPORT_DIR``            where a worker reports what ended it (its launcher sets it)
 ================================  =====================================================================
 """
@@ -71,6 +72,8 @@ class Options:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rdkeras")
     report_dir: Path | None = None
     config_dir: Path = field(default_factory=lambda: Path.home() / ".config")  # $XDG_CONFIG_HOME
+    native_ops: bool = True  # rdkeras.tf_ops's kernels, where they can be built
+    compiler: str | None = None  # $CXX: what builds them
 
 
 def from_env(env: Mapping[str, str] | None = None) -> Options:
@@ -134,6 +137,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         cache_dir=Path(text("RDKERAS_CACHE") or home / ".cache" / "rdkeras"),
         report_dir=Path(folder) if (folder := text("RDKERAS_REPORT_DIR")) else None,
         config_dir=Path(text("XDG_CONFIG_HOME") or home / ".config"),
+        native_ops=(text("RDKERAS_NATIVE_OPS") or "1").lower() not in ("0", "false", "no"),
+        compiler=text("CXX"),
     )
 
 

@@ -15,6 +15,7 @@
 #include "engine/collectives.h"
 #include "engine/copy.h"
 #include "engine/engine.h"
+#include "engine/op_channels.h"
 #include "engine/socket_util.h"
 
 namespace py = pybind11;
@@ -223,6 +224,9 @@ PYBIND11_MODULE(_engine, m) {
   py::register_exception<AuthenticationError>(m, "AuthenticationError", engine_error);
 
   m.def("native_transports", &nativeTransports);
+  m.def(
+      "op_api", [] { return reinterpret_cast<uintptr_t>(opApi()); },
+      "The address of the C table rdkeras's TensorFlow ops call the channels through (csrc/tfops/op_api.h).");
   m.def("host_identity", &hostIdentity,
         "Equal for processes that can reach each other's shm (see socket_util.h).");
   m.def("verbs_why_not_viable", &verbsWhyNotViable,
@@ -411,6 +415,14 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("sequence", &StaticChannel::sequence)
       .def_property_readonly("peer", &StaticChannel::peer)
       .def("connect", &StaticChannel::connect)
+      .def_property_readonly(
+          "op_handle",
+          [](const std::shared_ptr<StaticChannel>& ch) -> uint64_t {
+            // 0 where the transport must register the sender's memory: TensorFlow's buffers are not.
+            Engine& e = *ch->engine();
+            return e.connected() && e.transport().needsLocalRegistration() ? 0 : opHandle(ch);
+          },
+          "This channel's handle for rdkeras's TensorFlow ops (0: they cannot use it; use send/recv).")
       .def("send",
            [](StaticChannel& ch, const py::buffer& data) {
              Span s = span(data, false);
