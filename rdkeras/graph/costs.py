@@ -224,7 +224,7 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
     value_of.update({id(t): tf.constant(v) for t, v in zip(graph.inputs, inputs, strict=True)})
     # Each call runs a layer this many times: a call's own cost is shared out, as a step's is over its ops.
     inside = max(1, min(8, DRY_RUN_ROWS * 2 // rows))
-    seconds = []
+    steps, feeds = [], []
     for i, name in enumerate(names):
         mine = [n for n in nodes if n.operation.name == name]
         ins: list[Any] = []
@@ -250,17 +250,31 @@ def _time_layers(graph: Any, names: list[str], rows: int, repeats: int) -> list[
                 results += [g for g in grads if g is not None]
             return results
 
-        seconds.append(median_seconds(tf.function(passes, jit_compile=False), feed, repeats) / inside)
-    return seconds
+        steps.append(tf.function(passes, jit_compile=False))
+        feeds.append(feed)
+    return [t / inside for t in interleaved_medians(steps, feeds, repeats)]
+
+
+def interleaved_medians(steps: list[Any], feeds: list[list[Any]], repeats: int) -> list[float]:
+    """Per compiled step, the median seconds of `repeats` calls on its feed, after two (the first traces). The
+    calls go round the steps in turn, so a slow spell of the machine (this VM's speed moves ±15% between
+    runs) costs every step a sample or two, not a run of neighbouring layers all of theirs -- which once
+    moved the automatic cut by a whole layer (the VGG-style convnet's stages measured 53.5 against 28.7 ms)."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats + 2):
+        for step, feed, samples in zip(steps, feeds, times, strict=True):
+            samples.append(_call_seconds(step, feed))
+    return [statistics.median(samples[2:]) for samples in times]
+
+
+def _call_seconds(step: Any, feed: list[Any]) -> float:
+    import tensorflow as tf
+
+    start = time.perf_counter()
+    _ = [np.asarray(t) for t in tf.nest.flatten(step(*feed))]  # wait for the device
+    return time.perf_counter() - start
 
 
 def median_seconds(step: Any, feed: list[Any], repeats: int) -> float:
     """The median seconds of `repeats` calls of the compiled `step` on `feed`, after two (the first traces)."""
-    import tensorflow as tf
-
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        _ = [np.asarray(t) for t in tf.nest.flatten(step(*feed))]  # wait for the device
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    return interleaved_medians([step], [feed], repeats)[0]
