@@ -23,6 +23,11 @@ def pin_one_core() -> None:
 
 def cut_after(names: list[str], layer: str) -> dict[str, int]:
     """A 2-stage hand placement: `names` (layers in order) up to `layer` on stage 0, the rest on stage 1."""
+    if layer not in names[:-1]:
+        where = "is the last layer: stage 1 would be empty" if names and layer == names[-1] else "is not a layer"
+        raise SystemExit(
+            f"bench: the cut {layer!r} {where}; cut after one of {', '.join(names[:-1])}, or let rdkeras cut ('auto')"
+        )
     at = names.index(layer) + 1
     return {name: int(i >= at) for i, name in enumerate(names)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rdkeras.bench import cut_after
 from rdkeras.bench.pipeline import _print, _summary, ideal_step, median_round
 
 
@@ -71,3 +72,11 @@ def test_rounds_keep_the_median_round_and_print_their_range(capsys):
     assert (
         median_round({"cut": "split", "schedule": "1f1b", "micro": 8, "rounds": rounds}, alone)["stages"] is rounds[2]
     )
+
+
+def test_a_hand_cut_is_a_layer_before_the_last():
+    assert cut_after(["a", "b", "c"], "b") == {"a": 0, "b": 0, "c": 1}
+    with pytest.raises(SystemExit, match=r"'hand' is not a layer; cut after one of a, b"):
+        cut_after(["a", "b", "c"], "hand")
+    with pytest.raises(SystemExit, match="'c' is the last layer: stage 1 would be empty"):
+        cut_after(["a", "b", "c"], "c")
