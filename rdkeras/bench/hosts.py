@@ -78,19 +78,21 @@ def rank_main(
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
     if allreduce:
-        out.update(_engine_seconds(algorithm, nbytes, reps, compression, compute=fit))
+        out.update(_engine_seconds(algorithm, nbytes, reps, compression, compute=fit, bucket_bytes=overlap_bytes))
     if fit:
         out.update(_step_seconds(algorithm, nbytes, reps, overlap_bytes, compression))
     return out if rank == 0 else {}
 
 
 def _engine_seconds(
-    algorithm: str, nbytes: int, reps: int, compression: str | None, compute: bool
+    algorithm: str, nbytes: int, reps: int, compression: str | None, compute: bool, bucket_bytes: int | None = None
 ) -> dict[str, list[float]]:
-    """Seconds per allreduce; with `compute`, then seconds per step of the same model trained undistributed on
-    this worker's share of the batch, every worker at once (what a step costs beyond its exchange)."""
+    """Seconds per allreduce; with `bucket_bytes`, then per allreduce of the same bytes in buckets of that size as an
+    overlapped step sends them, on one lane and on ``EXCHANGE_LANES``; with `compute`, then seconds per step of the
+    same model trained undistributed on this worker's share of the batch, every worker at once (what a step costs
+    beyond its exchange)."""
     import rdkeras
-    from rdkeras.parallel.collectives import Collectives
+    from rdkeras.parallel.collectives import EXCHANGE_LANES, Collectives
 
     out: dict[str, list[float]] = {}
 
@@ -109,6 +111,9 @@ def _engine_seconds(
             collectives.allreduce([grads], average=True, compress=True)
             times.append(time.perf_counter() - started)
         out["allreduce"] = times
+        if bucket_bytes and bucket_bytes < grads.nbytes:
+            for lanes, key in ((1, "buckets_one_lane"), (EXCHANGE_LANES, "buckets_lanes")):
+                out[key] = _bucketed_seconds(engine, collectives, grads, bucket_bytes, lanes, reps, expected)
         if compute:
             model, x = _model_and_data(nbytes, reps, 32 // engine.world_size)
             engine.barrier()  # every worker computing at once, as in a distributed step
@@ -116,6 +121,35 @@ def _engine_seconds(
             out["compute"], out["compute_cpu"] = alone["step"], alone["cpu"]
         engine.barrier()
     return out
+
+
+def _bucketed_seconds(
+    engine: Any, collectives: Any, grads: np.ndarray, bucket_bytes: int, lanes: int, reps: int, expected: Any
+) -> list[float]:
+    """Seconds per allreduce of `grads` in buckets of `bucket_bytes` through a BucketPipeline of `lanes` lanes (as
+    GradientAllreduce runs them, each bucket on rings of its own), the first call (rings set up) left out."""
+    from rdkeras.parallel.collectives import BucketPipeline
+
+    buckets = np.split(grads, range(bucket_bytes // 4, grads.size, bucket_bytes // 4))
+    purpose = f"lanes{lanes}/"
+    pipeline = BucketPipeline(
+        lambda _e, b, arrays: collectives.allreduce(arrays, True, f"{purpose}{b}", compress=True),
+        f"bench-{lanes}-lanes",
+        engine.timeout,
+        prepare=lambda _e, b, arrays: collectives.prepare(arrays, f"{purpose}{b}", compress=True),
+        lanes=lanes,
+    )
+    times = []
+    for call in range(reps + 1):
+        engine.barrier()
+        started = time.perf_counter()
+        for b, bucket in enumerate(buckets):
+            pipeline.start(call, b, [bucket])
+        last = pipeline.wait(call, len(buckets))[-1][0]
+        times.append(time.perf_counter() - started)
+        if not np.all(last == expected):
+            raise AssertionError(f"{lanes} lane(s): the bucketed allreduce gave {last[:4]}..., not {expected}")
+    return times[1:]
 
 
 def _model_and_data(nbytes: int, reps: int, batch: int) -> tuple[Any, np.ndarray]:
@@ -234,7 +268,8 @@ def measure(
     return {"rows": rows, "one_process": one, "mb": mb, "reps": reps}
 
 
-_PER_STEP = ("allreduce", "step", "inside", "cpu", "compute", "compute_cpu")  # lists a round appends to
+# Lists a round appends to.
+_PER_STEP = ("allreduce", "step", "inside", "cpu", "compute", "compute_cpu", "buckets_one_lane", "buckets_lanes")
 
 
 def _add_round(row: dict[str, Any], value: dict[str, Any]) -> None:
@@ -326,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
+    from rdkeras.parallel.collectives import EXCHANGE_LANES
+
     summary = summarize(measured)
     rounds = (
         f" in each of {args.rounds} rounds (speed-ups: the median of the rounds' ratios)" if args.rounds > 1 else ""
@@ -341,6 +378,16 @@ def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
             for label, sec in part["seconds"].items():
                 bound = f"; bound {BOUNDS[label]:g}x" if label in BOUNDS else ""
                 print(f"  {label:<14} {sec:8.3f} s ({part['speedup'][label]:.2f}x{bound})")
+        bucketed = {label: row for label, row in measured["rows"][link].items() if row.get("buckets_lanes")}
+        if bucketed:
+            mib = args.overlap_bytes / (1 << 20)
+            print(f"\n{link}, the allreduce in {mib:g} MiB buckets (as an overlapped step sends them): seconds "
+                  "(x the allreduce in one call)")  # fmt: skip
+            for label, row in bucketed.items():
+                one = statistics.median(row["allreduce"])
+                lanes = [statistics.median(row[k]) for k in ("buckets_one_lane", "buckets_lanes")]
+                print(f"  {label:<14} one lane {lanes[0]:.3f} s ({one / lanes[0]:.2f}x), "
+                      f"{EXCHANGE_LANES} lanes {lanes[1]:.3f} s ({one / lanes[1]:.2f}x)")  # fmt: skip
         parts = summary.get(f"{link}/parts")
         if parts:
             print(f"\n{link}, where a step goes: step = allreduce + compute alone (4 workers at once) + the rest")

@@ -8,6 +8,7 @@ silently only because all workers run the same program).
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import os
@@ -270,27 +271,40 @@ class Collectives:
         never weights, whose broadcasts must be exact).
         """
         out: list[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
+        for idx, reduce in self._calls(arrays, purpose, compress):
+            for i, r in zip(idx, reduce([np.ascontiguousarray(arrays[i]) for i in idx], average), strict=True):
+                out[i] = r
+        return out
+
+    def prepare(self, arrays: Sequence[np.ndarray], purpose: str = "grads", compress: bool = False) -> None:
+        """Sets up what :meth:`allreduce` of these arrays for `purpose` runs on (collective, in the same order on
+        every member: the rings' setup exchanges descriptors), so that calls for different purposes may then run
+        at the same time on different threads."""
+        self._calls(arrays, purpose, compress)
+
+    def _calls(
+        self, arrays: Sequence[np.ndarray], purpose: str, compress: bool
+    ) -> list[tuple[list[int], Callable[[list[np.ndarray], bool], list[np.ndarray]]]]:
+        """Per dtype (in name order): the arrays' indices and the call that reduces them, its rings set up."""
         groups: dict[str, list[int]] = {}
         for i, a in enumerate(arrays):
             groups.setdefault(np.dtype(a.dtype).name, []).append(i)
+        calls = []
         for dtype, idx in sorted(groups.items()):
             if dtype not in _FLOAT_KINDS:
                 raise TypeError(f"cannot allreduce {dtype} tensors (float32/float64 only)")
-            group = [np.ascontiguousarray(arrays[i]) for i in idx]
-            nbytes = sum(a.nbytes + 64 for a in group)
+            nbytes = sum(arrays[i].nbytes + 64 for i in idx)
             wire = _WIRE.get(self.compression or "") if compress and dtype == "float32" else None
             algorithm = self.algorithm_for(nbytes)
             if algorithm == "hierarchical":
                 assert self._hierarchy is not None  # (set with the choice)
                 within = self.compress_within_hosts or self._hierarchy.grid  # a grid's groups span hosts
-                reduced = self._hierarchy(group, average, purpose, wire, within)
-            else:
-                if not (self._multi_host or self.compress_within_hosts):
-                    wire = None
-                reduced = self._ring(purpose, dtype, nbytes, algorithm)(group, average, wire)
-            for i, r in zip(idx, reduced, strict=True):
-                out[i] = r
-        return out
+                calls.append((idx, self._hierarchy.call(purpose, dtype, nbytes, wire, within)))
+                continue
+            if not (self._multi_host or self.compress_within_hosts):
+                wire = None
+            calls.append((idx, functools.partial(self._ring(purpose, dtype, nbytes, algorithm), wire=wire)))
+        return calls
 
     def from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> list[np.ndarray]:
         """Every member gets each array from its owner (a rank): an exact sum in which only the owner
@@ -373,19 +387,18 @@ class HierarchicalAllreduce:
         )
         self.world = collectives.size
 
-    def __call__(
-        self, arrays: list[np.ndarray], average: bool, purpose: str, wire: str | None = None, within: bool = False
-    ) -> list[np.ndarray]:
-        """The sums (means) of same-dtype arrays; views of registered memory, valid until the next-but-one
-        call for this purpose (fresh arrays where compressed). `wire`: the 16-bit type float32 crosses hosts as;
-        `within`: inside each host too."""
-        dtype = np.dtype(arrays[0].dtype).name
-        total = sum(a.nbytes + 64 for a in arrays)
-        inside = self.inside._ring(purpose, dtype, total)
+    def call(
+        self, purpose: str, dtype: str, nbytes: int, wire: str | None = None, within: bool = False
+    ) -> Callable[[list[np.ndarray], bool], list[np.ndarray]]:
+        """The sum (mean: `average`) of same-dtype arrays of `nbytes` in all (padded), its rings set up; views of
+        registered memory, valid until the next-but-one call for this purpose (fresh arrays where compressed).
+        `wire`: the 16-bit type float32 crosses hosts as; `within`: inside each host too."""
+        inside = self.inside._ring(purpose, dtype, nbytes)
         # The chunk a member holds after a pass's reduce-scatter: at most a 1/L share of a pass, 64-byte rounded.
-        chunk = -(-min(total, inside.end.capacity, self.inside.bucket_bytes) // self.locals_) + 64
+        chunk = -(-min(nbytes, inside.end.capacity, self.inside.bucket_bytes) // self.locals_) + 64
         across = self.across._ring(purpose, dtype, chunk)
-        return inside.hierarchical(arrays, average, across, self.world, wire, within and wire is not None)
+        compressed = within and wire is not None
+        return lambda arrays, average: inside.hierarchical(arrays, average, across, self.world, wire, compressed)
 
 
 def share_variables(collectives: Collectives, variables: Sequence[Any], owners: Sequence[int]) -> None:
@@ -433,6 +446,11 @@ def overlap_bytes(transport: str, hierarchical: bool = False) -> int:
     return BUCKET_BYTES
 
 
+# Gradient buckets exchanged at once: each on rings of its own, so one bucket's sums inside a host (or its wait
+# for a late worker) leave the wire to the other's passes.
+EXCHANGE_LANES = 2
+
+
 def reverse_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Indices grouped into buckets of at least `bucket_bytes` (the last one may be smaller), the last
     index first: backprop produces the last layers' gradients first."""
@@ -451,27 +469,40 @@ def reverse_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 
 class BucketPipeline:
-    """Runs work on buckets in a communication thread, in the order they are started, while the caller
+    """Runs work on buckets in communication threads, in the order they are started, while the caller
     (TensorFlow's executor, still computing the backward pass) goes on; :meth:`wait` collects them.
 
     ``start(exchange, b, arrays)`` queues bucket `b` of one traced exchange and returns at once;
     ``wait(exchange)`` blocks until every bucket of it is done and returns their results, or raises what
-    the work raised. Buckets run one at a time in start order -- which TensorFlow's automatic control
-    dependencies make program order, the same on every worker, so every worker's collectives match.
-    The work releases the GIL (the engine's ring does), so backprop runs meanwhile.
+    the work raised. Buckets are taken in start order -- which TensorFlow's automatic control dependencies
+    make program order, the same on every worker, so every worker's collectives match: `prepare` (what must
+    happen in that order on every worker, such as setting up a bucket's rings) runs for each in turn, then
+    `work` runs on lane ``b % lanes``. With one lane the buckets' work runs one at a time; with more, a bucket's
+    exchange runs beside the previous one's, on collectives of its own, so one bucket's phases that do not use
+    the wire (the sums inside a host) overlap another's that do. The work releases the GIL (the engine's
+    collectives do), so backprop runs meanwhile.
     """
 
-    def __init__(self, work: Callable[[int, int, list[np.ndarray]], Any], name: str, timeout: float):
-        self._work, self._name, self._timeout = work, name, timeout
+    def __init__(
+        self,
+        work: Callable[[int, int, list[np.ndarray]], Any],
+        name: str,
+        timeout: float,
+        prepare: Callable[[int, int, list[np.ndarray]], Any] | None = None,
+        lanes: int = 1,
+    ):
+        self._work, self._prepare, self._name, self._timeout = work, prepare, name, timeout
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lanes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(lanes if lanes > 1 else 0)]
         self._done = threading.Condition()
         self._results: dict[int, dict[int, Any]] = {}  # exchange -> bucket -> result
         self._expected: dict[int, int] = {}  # exchange -> the bucket that must come next
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._generation = 0  # bumped by reset(): buckets started before it are dropped
         # Per exchange call: [first start, end of the work done before the wait began, wait entered, wait left,
-        # seconds of work] (perf_counter) -- how much communication backprop hid (benchmarks read it).
+        # seconds of work (summed over lanes)] (perf_counter) -- how much communication backprop hid (benchmarks
+        # read it).
         self.timeline: collections.deque[list[float]] = collections.deque(maxlen=256)
         self._current: dict[int, list[float]] = {}
         _PIPELINES.add(self)
@@ -495,9 +526,13 @@ class BucketPipeline:
     def start(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> None:
         if bucket == 0:
             self._current[exchange] = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0]
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"rdkeras-{self._name}", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            loops = [(self._loop, self._jobs)] + [(self._lane, q) for q in self._lanes]
+            for i, (loop, jobs) in enumerate(loops):
+                name = f"rdkeras-{self._name}" + (f"-lane{i - 1}" if i else "")
+                self._threads.append(threading.Thread(target=loop, args=(jobs,), name=name, daemon=True))
+            for t in self._threads:
+                t.start()
         # The arrays are views of TensorFlow's gradient buffers; the wait op takes the same tensors as
         # inputs, so TensorFlow keeps them alive (and unchanged) until the bucket is done.
         self._jobs.put((self._generation, exchange, bucket, arrays))
@@ -511,14 +546,13 @@ class BucketPipeline:
             self._expected.clear()
             self._current.clear()
             self._error = None
-            if self._thread is not None and not self._thread.is_alive():
-                self._thread = None
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            generation, exchange, bucket, arrays = self._jobs.get()
-            if generation != self._generation:
-                continue  # started before a reset
+            job = jobs.get()
+            generation, exchange, bucket, arrays = job
+            if not self._live(generation):
+                continue  # started before a reset, or after a failure of its group
             try:
                 expected = self._expected.get(exchange, 0)
                 if bucket != expected:
@@ -526,27 +560,52 @@ class BucketPipeline:
                         f"{self._name}: bucket {bucket} started before bucket {expected}; the workers' exchanges "
                         "would not match (were TensorFlow's automatic control dependencies disabled?)"
                     )
-                began = time.perf_counter()
-                result = self._work(exchange, bucket, arrays)
-                ended = time.perf_counter()
-                marks = self._current.get(exchange)
-                if marks is not None:
-                    marks[4] += ended - began
-                    if not marks[2]:  # the wait has not begun yet: this bucket was hidden behind backprop
-                        marks[1] = ended
-            except BaseException as e:  # reported by wait(), in the training step
-                with self._done:
-                    if generation != self._generation:
-                        continue  # the old group's work, dropped by a reset
-                    self._error = e
-                    self._done.notify_all()
-                return
-            with self._done:
-                if generation != self._generation:
-                    continue
                 self._expected[exchange] = bucket + 1
-                self._results.setdefault(exchange, {})[bucket] = result
+                if self._prepare is not None:
+                    self._prepare(exchange, bucket, arrays)
+            except BaseException as e:  # reported by wait(), in the training step
+                self._fail(generation, e)
+                continue
+            if self._lanes:
+                self._lanes[bucket % len(self._lanes)].put(job)
+            else:
+                self._run(job)
+
+    def _lane(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            self._run(jobs.get())
+
+    def _live(self, generation: int) -> bool:
+        with self._done:
+            return generation == self._generation and self._error is None
+
+    def _fail(self, generation: int, error: BaseException) -> None:
+        with self._done:
+            if generation == self._generation:  # else the old group's work, dropped by a reset
+                self._error = error
                 self._done.notify_all()
+
+    def _run(self, job: tuple[int, int, int, list[np.ndarray]]) -> None:
+        generation, exchange, bucket, arrays = job
+        if not self._live(generation):
+            return
+        try:
+            began = time.perf_counter()
+            result = self._work(exchange, bucket, arrays)
+            ended = time.perf_counter()
+        except BaseException as e:
+            self._fail(generation, e)
+            return
+        with self._done:
+            if generation != self._generation:
+                return
+            marks = self._current.get(exchange)
+            if marks is not None:
+                marks[4] += ended - began
+                if not marks[2]:  # the wait has not begun yet: this bucket was hidden behind backprop
+                    marks[1] = ended
+            self._results.setdefault(exchange, {})[bucket] = result
+            self._done.notify_all()
 
     def wait(self, exchange: int, count: int) -> list[Any]:
         """Every bucket's result, in bucket order; fails after `timeout` seconds without progress."""
@@ -668,7 +727,13 @@ class GradientAllreduce:
         import tensorflow as tf
 
         if self._pipeline is None:
-            self._pipeline = BucketPipeline(self._reduce_bucket, "allreduce-buckets", self.collectives.engine.timeout)
+            self._pipeline = BucketPipeline(
+                self._reduce_bucket,
+                "allreduce-buckets",
+                self.collectives.engine.timeout,
+                prepare=lambda _exchange, bucket, arrays: self.collectives.prepare(arrays, f"grads{bucket}", True),
+                lanes=EXCHANGE_LANES,
+            )
         pipeline, exchange = self._pipeline, next(self._exchanges)  # one exchange per trace
         buckets = reverse_buckets([g.shape.num_elements() * g.dtype.size for g in wire], self.overlap_bytes)
         tickets = pipeline.start_ops(exchange, buckets, wire, "rdkeras_allreduce_start")
