@@ -551,16 +551,17 @@ class BucketPipeline:
         while True:
             job = jobs.get()
             generation, exchange, bucket, arrays = job
-            if not self._live(generation):
-                continue  # started before a reset, or after a failure of its group
-            try:
+            with self._done:  # checked and counted with the generation, so a reset in between drops the bucket
+                if generation != self._generation or self._error is not None:
+                    continue  # started before a reset, or after a failure of its group
                 expected = self._expected.get(exchange, 0)
+                self._expected[exchange] = bucket + 1
+            try:
                 if bucket != expected:
                     raise RuntimeError(
                         f"{self._name}: bucket {bucket} started before bucket {expected}; the workers' exchanges "
                         "would not match (were TensorFlow's automatic control dependencies disabled?)"
                     )
-                self._expected[exchange] = bucket + 1
                 if self._prepare is not None:
                     self._prepare(exchange, bucket, arrays)
             except BaseException as e:  # reported by wait(), in the training step
