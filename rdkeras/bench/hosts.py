@@ -140,15 +140,18 @@ def _bucketed_seconds(
         lanes=lanes,
     )
     times = []
-    for call in range(reps + 1):
-        engine.barrier()
-        started = time.perf_counter()
-        for b, bucket in enumerate(buckets):
-            pipeline.start(call, b, [bucket])
-        last = pipeline.wait(call, len(buckets))[-1][0]
-        times.append(time.perf_counter() - started)
-        if not np.all(last == expected):
-            raise AssertionError(f"{lanes} lane(s): the bucketed allreduce gave {last[:4]}..., not {expected}")
+    try:
+        for call in range(reps + 1):
+            engine.barrier()
+            started = time.perf_counter()
+            for b, bucket in enumerate(buckets):
+                pipeline.start(call, b, [bucket])
+            last = pipeline.wait(call, len(buckets))[-1][0]
+            times.append(time.perf_counter() - started)
+            if not np.all(last == expected):
+                raise AssertionError(f"{lanes} lane(s): the bucketed allreduce gave {last[:4]}..., not {expected}")
+    finally:
+        pipeline.close()
     return times[1:]
 
 

@@ -500,6 +500,7 @@ class BucketPipeline:
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._generation = 0  # bumped by reset(): buckets started before it are dropped
+        self._closed = False
         # Per exchange call: [first start, end of the work done before the wait began, wait entered, wait left,
         # seconds of work (summed over lanes)] (perf_counter) -- how much communication backprop hid (benchmarks
         # read it).
@@ -524,6 +525,8 @@ class BucketPipeline:
         return tickets
 
     def start(self, exchange: int, bucket: int, arrays: list[np.ndarray]) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._name}: the exchange is closed (its RDMAStrategy was closed)")
         if bucket == 0:
             self._current[exchange] = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0]
         if not self._threads:
@@ -547,9 +550,20 @@ class BucketPipeline:
             self._current.clear()
             self._error = None
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the threads once the work in hand is done (waiting at most `timeout` seconds for them: one still
+        inside a collective ends when its engine closes); later starts fail."""
+        self._closed = True
+        self.reset()  # what is queued is dropped
+        for jobs in [self._jobs, *self._lanes]:
+            jobs.put(None)
+        ends = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, ends - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+
     def _loop(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            job = jobs.get()
+        while (job := jobs.get()) is not None:
             generation, exchange, bucket, arrays = job
             with self._done:  # checked and counted with the generation, so a reset in between drops the bucket
                 if generation != self._generation or self._error is not None:
@@ -573,8 +587,8 @@ class BucketPipeline:
                 self._run(job)
 
     def _lane(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            self._run(jobs.get())
+        while (job := jobs.get()) is not None:
+            self._run(job)
 
     def _live(self, generation: int) -> bool:
         with self._done:
@@ -623,6 +637,8 @@ class BucketPipeline:
             while bucket not in self._results.get(exchange, {}):
                 if self._error is not None:
                     raise self._error
+                if self._closed:
+                    raise RuntimeError(f"{self._name}: the exchange is closed (its RDMAStrategy was closed)")
                 if len(self._results.get(exchange, {})) != done:
                     done, since = len(self._results.get(exchange, {})), time.monotonic()
                 left = since + self._timeout - time.monotonic()
@@ -717,6 +733,11 @@ class GradientAllreduce:
         """Drops the buckets in flight (an elastic job's group re-formed)."""
         if self._pipeline is not None:
             self._pipeline.reset()
+
+    def stop(self) -> None:
+        """Stops the bucket pipeline's threads (the strategy is closing)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     def _reduce(self, *arrays: np.ndarray) -> list[np.ndarray]:
         # The inputs are views of TensorFlow's buffers; the outputs are 64-byte

@@ -175,6 +175,10 @@ class DataParallel(Parallelism):
         for model in self._models:
             self.batch_norm.detach(model)
         self._models.clear()
+        for exchange in [*self._averages, *self._servers.values()]:
+            exchange.stop()  # their threads would idle until the process ends
+        self._averages.clear()
+        self._servers.clear()
 
     def _all_finite(self, local: Any) -> Any:
         import tensorflow as tf

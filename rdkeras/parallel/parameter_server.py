@@ -261,6 +261,11 @@ class ParameterServer:
         # within this step, before the next step's pull overwrites the buffers.
         return [self._view(self.pulled[self.owner[i]], 0, i) for i in range(len(self.owner)) if self.owner[i] != r]
 
+    def stop(self) -> None:
+        """Stops the bucket pipeline's threads (the strategy is closing); the block stays until the engine closes."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
     def close(self) -> None:
         """Deregisters this rank's block once every worker's last one-sided write into it landed: the
         "pulled" flag a worker sets after reading this owner's parameters may still be on its way when

@@ -8,7 +8,10 @@ from tests.multiproc.keras_workers import fit_in_turn
 
 def fit_bucketed_many(configs: list, batch: int) -> dict:
     """For each (kind, mode, overlap_bytes): fit with RDMAStrategy(overlap_bytes=...), in this one
-    set of processes; also the writes the engine made. Then rank 0 trains each kind in one plain process."""
+    set of processes; also the writes the engine made, and the exchange threads still running once every strategy
+    closed. Then rank 0 trains each kind in one plain process."""
+    import threading
+
     import rdkeras
 
     def start(config):
@@ -20,4 +23,6 @@ def fit_bucketed_many(configs: list, batch: int) -> dict:
     def writes(strategy, before):
         return {"writes": strategy.engine.traffic()["writes"] - before["writes"]}
 
-    return fit_in_turn(configs, batch, start, "bucketed", writes)
+    out = fit_in_turn(configs, batch, start, "bucketed", writes)
+    out["threads left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("rdkeras-"))
+    return out

@@ -204,6 +204,8 @@ def test_buckets_give_bit_identical_weights(two_workers):
             _close(results[1].value[bucketed], results[0].value[f"{kind}/reference"], bucketed)
             if mode == "allreduce":  # one ring per bucket: more (smaller) writes than one ring for all
                 assert results[0].value[bucketed]["writes"] > results[0].value[whole]["writes"]
+    for r in results:  # each strategy.close() stopped its bucket pipelines' threads
+        assert r.value["threads left"] == []
 
 
 def test_three_workers_over_tcp_with_buckets_match_one_process(three_workers):

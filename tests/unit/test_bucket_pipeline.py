@@ -79,3 +79,19 @@ def test_a_bucket_that_never_finishes_times_out_naming_it():
     with pytest.raises(errors.TimeoutError, match=r"bucket 0 of 1 not done after 0\.3 s"):
         pipeline.wait(0, 1)
     release.set()
+
+
+def test_close_stops_every_thread_and_later_use_fails_clearly():
+    before = set(threading.enumerate())
+    pipeline = BucketPipeline(lambda e, b, a: b, "closing", 10.0, prepare=lambda e, b, a: None, lanes=2)
+    for b in range(2):
+        pipeline.start(0, b, [np.zeros(1)])
+    assert pipeline.wait(0, 2) == [0, 1]
+    mine = set(threading.enumerate()) - before
+    assert sorted(t.name for t in mine) == ["rdkeras-closing", "rdkeras-closing-lane0", "rdkeras-closing-lane1"]
+    pipeline.close()
+    assert not [t.name for t in mine if t.is_alive()]
+    with pytest.raises(RuntimeError, match="closing: the exchange is closed"):
+        pipeline.start(1, 0, [np.zeros(1)])
+    with pytest.raises(RuntimeError, match="closing: the exchange is closed"):
+        pipeline.wait_bucket(1, 0, 1)
