@@ -133,11 +133,14 @@ class Plan:
                 for s in self.stage_order
             )
             lines.append(f"  schedule {self.schedule}: micro-batches' activations stashed at most: {peak}")
-        if any(self.deferred.values()):
+        # (where micro-batches follow different plans, a layer that alternates defers on both of its stages)
+        plans = [self, *self.micro_plans]
+        deferred = {s: list(dict.fromkeys(n for p in plans for n in p.deferred.get(s, []))) for s in self.stage_order}
+        if any(deferred.values()):
             kept = "; ".join(
-                f"stage {s} {', '.join(self.deferred[s])} (keeps {_human(self.deferred_bytes.get(s, 0))})"
+                f"stage {s} {', '.join(deferred[s])} (keeps {_human(max(p.deferred_bytes.get(s, 0) for p in plans))})"
                 for s in self.stage_order
-                if self.deferred.get(s)
+                if deferred[s]
             )
             lines.append(f"  weight gradients once a step, over all micro-batches: {kept}")
         for s in self.stage_order:

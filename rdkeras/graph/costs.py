@@ -142,9 +142,9 @@ def stage_seconds(
 ) -> list[float]:
     """Per stage of `placement`: the median seconds of its whole sub-model's forward and backward over
     `micro_batches` micro-batches of `rows` rows, as :func:`stage_compute` times them (with `defer`, the layers
-    that may compute their weight gradients once a step do, but those `shared` between two stages). Layers timed
-    alone miss what a stage's sequence of them costs on a CPU (caches, the small ops between them): this is what
-    the automatic cut scales their times to."""
+    that may compute their weight gradients once a step do, but those `shared` between two stages by rows). Layers
+    timed alone miss what a stage's sequence of them costs on a CPU (caches, the small ops between them): this is
+    what the automatic cut scales their times to."""
     from rdkeras.graph.analyzer import analyze
     from rdkeras.graph.rewriter import build_stage, deferrable
 
@@ -200,7 +200,7 @@ def stage_compute(stage: Any, rows: int, micro_batches: int, repeats: int = 5) -
 
     def deferred(kept: Any) -> Any:
         summed: list[Any] = [None] * len(variables)
-        passes.deferred_weight_gradients(stage, kept, variables, summed)
+        passes.deferred_weight_gradients([(stage, later) for later in kept], variables, summed)
         return [g for g in summed if g is not None]
 
     step = tf.function(micro_batches_passes, jit_compile=False)

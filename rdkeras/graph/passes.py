@@ -57,16 +57,23 @@ def pass_gradients(
     return weight_grads, input_grads, tuple(later)
 
 
-def deferred_weight_gradients(stage: Stage, kept: list[tuple], variables: list, summed: list) -> None:
+def deferred_weight_gradients(kept: list[tuple[Stage, tuple]], variables: list, summed: list) -> None:
     """The deferred layers' weight gradients, each computed once over every micro-batch's rows (one matmul or
     filter gradient of the whole batch is far cheaper on a CPU than M of its slices and their sum): into
-    `summed` (one entry per `variables`); `kept`: per micro-batch, what :func:`pass_gradients` returned for them."""
+    `summed` (one entry per `variables`); `kept`: per micro-batch, its stage (:meth:`Pipeline.stage_for`: a layer
+    that alternates is on this stage for some micro-batches only) and what :func:`pass_gradients` returned."""
     import tensorflow as tf
 
     index = {id(v): i for i, v in enumerate(variables)}
-    for n, layer in enumerate(stage.deferred):
-        x = tf.concat([parts[n][0] for parts in kept], axis=0)
-        dz = tf.concat([parts[n][1] for parts in kept], axis=0)
+    rows: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # layer -> (layer, its inputs, pre-activation grads)
+    for stage, later in kept:
+        for layer, (x, dz) in zip(stage.deferred, later, strict=True):
+            _, xs, dzs = rows.setdefault(id(layer), (layer, [], []))
+            xs.append(x)
+            dzs.append(dz)
+    for layer, xs, dzs in rows.values():
+        x = xs[0] if len(xs) == 1 else tf.concat(xs, axis=0)
+        dz = dzs[0] if len(dzs) == 1 else tf.concat(dzs, axis=0)
         grads = keras_internals.weight_gradients(layer, x, dz)
         for v, g in zip(layer.trainable_variables, grads, strict=True):
             summed[index[id(v)]] = g

@@ -198,10 +198,8 @@ class ModelParallel(Parallelism):
 
         def measure() -> list[float]:
             defer = self.defer_weight_gradients
-            times = [
-                costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer, shared=cut.alternates)
-                for p in plans
-            ]
+            shared = cut.alternates if cut.splits else {}  # (an alternating layer defers, as the step runs it)
+            times = [costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer, shared=shared) for p in plans]
             return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
 
         return self._rank0_seconds(model, "the stages", self.stages, measure)
@@ -317,10 +315,11 @@ class ModelParallel(Parallelism):
             for p, s in enumerate(plan.stage_order)
         }
         if self.defer_weight_gradients and micro > 1:
-            shared = set(cut.alternates) if cut is not None and (graph is not model or plan.micro_plans) else set()
-            plan.deferred, plan.deferred_bytes = deferrable(graph, plan, exclude=shared)
-            for variant in plan.micro_plans:
-                variant.deferred, variant.deferred_bytes = plan.deferred, plan.deferred_bytes
+            # A layer split by rows never defers; one that alternates defers on each stage over the micro-batches
+            # that stage runs it for (each micro-batch's plan says which), then the two sum their parts.
+            shared = set(cut.alternates) if cut is not None and graph is not model else set()
+            for variant in {id(p): p for p in [plan, *plan.micro_plans]}.values():
+                variant.deferred, variant.deferred_bytes = deferrable(graph, variant, exclude=shared)
         self._serial += 1
         pipeline = Pipeline(
             self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum

@@ -125,7 +125,7 @@ def train_step(
     variables = run.trainable_variables
     summed: list[Any] = [None] * len(variables)
     passes: dict[int, tuple] = {}
-    kept: dict[int, tuple] = {}  # micro-batch -> (inputs, pre-activation gradients) of each deferred layer
+    kept: dict[int, tuple] = {}  # micro-batch -> (its stage, the inputs and pre-activation gradients it deferred)
     total_loss = None
     position = plan.stage_order.index(stage.index)
     for kind, m in passes_in_order(schedule, position, plan.stages, plan.micro_batches, plan.group):
@@ -133,11 +133,12 @@ def train_step(
             passes[m], loss, chain = _forward_one(run, feeds, m, chain, training=True)
             total_loss = _sum(total_loss, loss)
         else:
-            chain, kept[m] = _backward_one(run, m, passes.pop(m), variables, summed, chain)
-    if stage.deferred:
+            chain, later = _backward_one(run, m, passes.pop(m), variables, summed, chain)
+            kept[m] = (run.stage_for(m), later)
+    if any(s.deferred for s in run.stages):
         # After the step's last input-gradient is sent, while the neighbours drain the pipeline.
         with tf.control_dependencies(chain):
-            deferred_weight_gradients(stage, [kept[m] for m in sorted(kept)], variables, summed)
+            deferred_weight_gradients([kept[m] for m in sorted(kept)], variables, summed)
         chain = [*chain, _computed(summed)]
     for pair_sum, members in run.shared:
         # A layer alternating with a neighbour stage: the two partial sums become the whole, on both, in cut
