@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,19 +137,18 @@ def stage_seconds(
     micro_batches: int,
     repeats: int = 5,
     defer: bool = False,
-    shared: Collection[str] = (),
 ) -> list[float]:
     """Per stage of `placement`: the median seconds of its whole sub-model's forward and backward over
     `micro_batches` micro-batches of `rows` rows, as :func:`stage_compute` times them (with `defer`, the layers
-    that may compute their weight gradients once a step do, but those `shared` between two stages by rows). Layers
-    timed alone miss what a stage's sequence of them costs on a CPU (caches, the small ops between them): this is
-    what the automatic cut scales their times to."""
+    that may compute their weight gradients once a step do). Layers timed alone miss what a stage's sequence of
+    them costs on a CPU (caches, the small ops between them): this is what the automatic cut scales their times
+    to."""
     from rdkeras.graph.analyzer import analyze
     from rdkeras.graph.rewriter import build_stage, deferrable
 
     plan = analyze(model, placement, stages, rows * micro_batches, micro_batches)
     if defer and micro_batches > 1:
-        plan.deferred, plan.deferred_bytes = deferrable(model, plan, exclude=shared)
+        plan.deferred, plan.deferred_bytes = deferrable(model, plan)
     saved = [(v, np.array(v.numpy())) for v in model.variables]  # BatchNormalization's statistics move
     try:
         seconds = []

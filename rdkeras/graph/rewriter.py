@@ -9,7 +9,6 @@ user's model: nothing is copied, and training the stage trains the model.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +115,8 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
             outputs.append(("edge", edge))
 
     stage_model = tapped = None
-    deferred = [graph.get_layer(name) for name in plan.deferred.get(index, [])] if out_tensors else []
+    tapped_layers = [graph.get_layer(name) for name in plan.deferred.get(index, [])] if out_tensors else []
+    deferred = [weights_layer(layer) for layer in tapped_layers]
     taps: list[tuple[str, int]] = []
     if out_tensors and deferred:
         # Each deferred layer's input and output, as ("in", position among the stage model's inputs) or
@@ -124,7 +124,7 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
         # cannot clone a graph whose outputs repeat a tensor or name an input).
         nodes = {id(n.operation): n for n in nodes_in_order(graph)}
         tapped_outputs = list(out_tensors)
-        for layer in deferred:
+        for layer in tapped_layers:
             for t in (nodes[id(layer)].input_tensors[0], nodes[id(layer)].output_tensors[0]):
                 at = next((i for i, u in enumerate(feed_tensors) if u is t), None)
                 if at is not None:
@@ -150,11 +150,19 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
     return Stage(index, plan, stage_model, feeds, sends, outputs, data_edges, label_edges, deferred, tapped, taps)
 
 
-def deferrable(model: Any, plan: Plan, exclude: Collection[str] = ()) -> tuple[dict[int, list[str]], dict[int, int]]:
+def weights_layer(layer: Any) -> Any:
+    """The layer whose weights and call a deferred weight gradient is computed with: a row split's twin
+    (:mod:`rdkeras.graph.split`) stands for its layer, on the later stage's rows."""
+    from rdkeras.graph.split import twin_of
+
+    return twin_of(layer) or layer
+
+
+def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, int]]:
     """Per stage of `plan`: its layers whose weight gradients wait for the step's end
-    (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph), and the bytes of
-    their inputs and outputs over the whole batch (what waiting keeps); never the layers in `exclude` (those
-    that alternate between stages: each stage sees only some micro-batches of them)."""
+    (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph; a layer shared
+    between two stages, alternating or split by rows, on each of them), and the bytes of their inputs and
+    outputs over the whole batch (what waiting keeps)."""
     import numpy as np
 
     graph = functional_of(model)
@@ -167,7 +175,7 @@ def deferrable(model: Any, plan: Plan, exclude: Collection[str] = ()) -> tuple[d
     for layer in graph.layers:
         s = plan.layer_stage.get(layer.name)
         once = len(calls.get(id(layer), [])) == 1
-        if s is None or not once or layer.name in exclude or not defers_weight_gradients(layer):
+        if s is None or not once or not defers_weight_gradients(weights_layer(layer)):
             continue
         names.setdefault(s, []).append(layer.name)
         (node,) = calls[id(layer)]

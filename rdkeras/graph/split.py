@@ -85,6 +85,12 @@ def split_model(model: Any, splits: Mapping[str, tuple[int, int]]) -> Any:
     return rebuild(graph, call, name=f"{graph.name}_split")
 
 
+def twin_of(layer: Any) -> Any:
+    """The layer a split model's ``__twin`` layer runs (None for any other layer)."""
+    twin: Any = _layer_types()[1]
+    return layer.layer if isinstance(layer, twin) else None
+
+
 def part_rows(model: Any) -> dict[int, tuple[bool, int, int]]:
     """id(tensor) -> (later part?, moved, of) for every tensor of a split model that holds only one part's rows
     (between a ``__rows`` layer and its ``__join``): the analyzer sizes those edges by :func:`kept_rows`."""

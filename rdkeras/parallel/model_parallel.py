@@ -198,8 +198,7 @@ class ModelParallel(Parallelism):
 
         def measure() -> list[float]:
             defer = self.defer_weight_gradients
-            shared = cut.alternates if cut.splits else {}  # (an alternating layer defers, as the step runs it)
-            times = [costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer, shared=shared) for p in plans]
+            times = [costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer) for p in plans]
             return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
 
         return self._rank0_seconds(model, "the stages", self.stages, measure)
@@ -315,11 +314,10 @@ class ModelParallel(Parallelism):
             for p, s in enumerate(plan.stage_order)
         }
         if self.defer_weight_gradients and micro > 1:
-            # A layer split by rows never defers; one that alternates defers on each stage over the micro-batches
-            # that stage runs it for (each micro-batch's plan says which), then the two sum their parts.
-            shared = set(cut.alternates) if cut is not None and graph is not model else set()
+            # A layer shared by two stages defers on each over its rows there (split by rows) or the micro-batches
+            # it runs there (alternating: each micro-batch's plan says where); then the two sum their parts.
             for variant in {id(p): p for p in [plan, *plan.micro_plans]}.values():
-                variant.deferred, variant.deferred_bytes = deferrable(graph, variant, exclude=shared)
+                variant.deferred, variant.deferred_bytes = deferrable(graph, variant)
         self._serial += 1
         pipeline = Pipeline(
             self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum

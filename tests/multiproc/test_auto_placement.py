@@ -89,3 +89,7 @@ def test_a_layer_too_large_to_balance_is_split_by_rows_between_the_stages():
     shapes = {e["producer"]: e["shape"] for e in first["plan"] if e["kind"] == "activation"}
     assert shapes == {"big:0": [32 - moved, 1024], "big__rows:1": [moved, 1024]}, text
     assert "stage 1: 4 layers: big__twin, big__join, narrow, out" in text, text
+    # Each stage computes big's weight gradient once a step, over its rows of every micro-batch.
+    deferred = re.search(r"weight gradients once a step, over all micro-batches: stage 0 ([^(]*) .*; stage 1 ([^(]*) ",
+                         text)  # fmt: skip
+    assert deferred and "big" in deferred.group(1).split(", ") and "big__twin" in deferred.group(2).split(", "), text
