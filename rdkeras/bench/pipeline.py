@@ -13,7 +13,8 @@ gradients, once over the whole batch after the last backward pass); the time its
 and the rest (the hops into and out of TensorFlow, the loss, the update). The ideal step for those
 computes ((M + S - 1) x the slowest stage's passes per micro-batch, then the largest tail),
 measured / ideal, and the speed-up over one process fitting the same model on rank 0's core just before and just
-after that configuration. A PNG plots speed-up against micro-batches, measured and ideal, with
+after that configuration, measured, ideal and balanced (the ideal for the same work spread evenly over the stages:
+no cut of these computes does better). A PNG plots speed-up against micro-batches, measured and ideal, with
 the one-process line.
 """
 
@@ -268,6 +269,14 @@ def ideal_step(computes: list[float], micro: int, tails: list[float] | None = No
     return (micro + len(computes) - 1) * max(passes) / micro + max(tails)
 
 
+def balanced_step(computes: list[float], micro: int, tails: list[float] | None = None) -> float:
+    """:func:`ideal_step` with the same work (passes and tails) spread evenly over the stages: the best step any cut of
+    these computes could reach (one that balanced them exactly), so a target above it is out of the cut's reach."""
+    tails = tails or [0.0] * len(computes)
+    n = len(computes)
+    return ideal_step([sum(computes) / n] * n, micro, [sum(tails) / n] * n)
+
+
 def median_round(row: dict, alone: dict) -> dict:
     """A configuration's row over its rounds: its stages are the median round's by speed-up (the lower of the two
     middle ones for an even count); "speedups": every round's, in order."""
@@ -280,9 +289,12 @@ def median_round(row: dict, alone: dict) -> dict:
 def _summary(row: dict, alone: dict) -> dict[str, float]:
     stages = row["stages"]
     step = max(s["step"] for s in stages)
-    ideal = ideal_step([s["compute"] for s in stages], row["micro"], [s.get("tail", 0.0) for s in stages])
+    computes, tails = [s["compute"] for s in stages], [s.get("tail", 0.0) for s in stages]
+    ideal = ideal_step(computes, row["micro"], tails)
+    balanced = balanced_step(computes, row["micro"], tails)
     one = stages[0].get("alone") or alone["step"]  # this configuration's own reference
-    return {"step": step, "ideal": ideal, "alone": one, "speedup": one / step, "ideal_speedup": one / ideal}
+    return {"step": step, "ideal": ideal, "alone": one, "speedup": one / step, "ideal_speedup": one / ideal,
+            "balanced_speedup": one / balanced}  # fmt: skip
 
 
 def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
@@ -292,7 +304,8 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
     print(f"\n{model} ({alone['params'] / 1e6:.1f} M params), global batch {batch}, one process on one core: "
           f"{alone['step'] * ms:.1f} ms a step of fit; forward+backward in M micro-batches: {tax}")  # fmt: skip
     print(f"{'cut':<12} {'schedule':<9} {'M':>3} {'step ms':>8} {'1 proc':>7} {'ideal':>7} {'meas/ideal':>10} "
-          f"{'x 1 proc':>8} {'x ideal':>7}   per stage: passes + tail / waiting / rest ms; stashed")  # fmt: skip
+          f"{'x 1 proc':>8} {'x ideal':>7} {'x balanced':>10}   per stage: passes + tail / waiting / rest ms; "
+          "stashed")  # fmt: skip
     for row in rows:
         s = _summary(row, alone)
         parts = "  ".join(
@@ -305,7 +318,8 @@ def _print(model: str, alone: dict, rows: list[dict], batch: int) -> None:
         rounds = f"   rounds {min(spread):.2f}-{max(spread):.2f}x ({len(spread)})" if len(spread) > 1 else ""
         print(f"{row['cut']:<12} {row['schedule']:<9} {row['micro']:>3} {s['step'] * ms:>8.1f} "
               f"{s['alone'] * ms:>7.1f} {s['ideal'] * ms:>7.1f} {s['step'] / s['ideal']:>10.2f} "
-              f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f}   {parts}{rounds}")  # fmt: skip
+              f"{s['speedup']:>8.2f} {s['ideal_speedup']:>7.2f} {s['balanced_speedup']:>10.2f}   "
+              f"{parts}{rounds}")  # fmt: skip
     for row in rows:
         if row["cut"] not in AUTOMATIC or row["schedule"] != rows[0]["schedule"]:
             continue  # the automatic cut (chosen per number of micro-batches: the layers are timed at its rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rdkeras.bench import cut_after
-from rdkeras.bench.pipeline import _print, _summary, ideal_step, median_round
+from rdkeras.bench.pipeline import _print, _summary, balanced_step, ideal_step, median_round
 
 
 def test_the_ideal_step_fills_and_drains_with_the_slowest_stage():
@@ -16,6 +16,13 @@ def test_the_ideal_step_fills_and_drains_with_the_slowest_stage():
     # Deferred weight gradients (the tails) come once, after the passes: the largest one ends the step.
     assert ideal_step([0.080, 0.120], 8, [0.024, 0.040]) == pytest.approx(9 * 0.010 + 0.040)
     assert ideal_step([0.080, 0.060], 8, [0.024, 0.0]) == pytest.approx(9 * 0.060 / 8 + 0.024)
+
+
+def test_the_balanced_step_spreads_the_same_passes_and_tails_evenly():
+    # Passes 80 | 120 ms, tails 24 | 40 ms, 8 micro-batches: even stages would run 100 ms of passes and 32 of tail.
+    assert balanced_step([0.104, 0.160], 8, [0.024, 0.040]) == pytest.approx(9 * 0.100 / 8 + 0.032)
+    assert balanced_step([0.104, 0.160], 8, [0.024, 0.040]) < ideal_step([0.104, 0.160], 8, [0.024, 0.040])
+    assert balanced_step([0.1, 0.1], 4) == pytest.approx(ideal_step([0.1, 0.1], 4))  # balanced already
 
 
 def test_the_breakdown_names_each_stage_s_passes_tail_waiting_and_rest(capsys):
@@ -29,6 +36,8 @@ def test_the_breakdown_names_each_stage_s_passes_tail_waiting_and_rest(capsys):
     summary = _summary(row, alone)
     assert summary["ideal"] == pytest.approx(9 * 0.080 / 8 + 0.020)
     assert summary["speedup"] == pytest.approx(0.180 / 0.125)
+    # Even stages: (70 + 100) / 2 = 85 ms each, 10 of them tail.
+    assert summary["balanced_speedup"] == pytest.approx(0.180 / (9 * 0.075 / 8 + 0.010))
     _print("vggstyle", alone, [row], 64)
     out = capsys.readouterr().out
     assert "M=8 160.0 ms (0.94x)" in out  # what micro-batching costs one process
