@@ -55,7 +55,7 @@ class Pipeline:
                 self.plans.append(p)
         self._plan_of = [next(i for i, q in enumerate(self.plans) if q is p) for p in uses]
         self.stages = [build_stage(model, p, stage) for p in self.plans]
-        self.stage = self.stages[0]  # (the reader, the loss stage and the deferred layers are the same in all)
+        self.stage = self.stages[0]  # (the reader and the loss stage are the same in all)
         self.replica, self.rank_of = replica, rank_of
         # Every variable either variant trains, in order.
         self.trainable_variables: list[Any] = []
