@@ -162,10 +162,15 @@ def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, 
     """Per stage of `plan`: its layers whose weight gradients wait for the step's end
     (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph; a layer shared
     between two stages, alternating or split by rows, on each of them), and the bytes of their inputs and
-    outputs over the whole batch (what waiting keeps)."""
+    outputs over the whole batch, or over its rows of it where a split gives the stage only some (what waiting
+    keeps)."""
     import numpy as np
 
+    from rdkeras.graph.split import part_rows, rows_of_part
+
     graph = functional_of(model)
+    parts = part_rows(graph)
+    micro = plan.micro_batches
     calls: dict[int, list[Any]] = {}
     for n in nodes_in_order(graph):
         if not n.is_input:
@@ -181,6 +186,8 @@ def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, 
         (node,) = calls[id(layer)]
         if plan.batch_size is not None:
             for t in (node.input_tensors[0], node.output_tensors[0]):
-                size = plan.batch_size * int(np.prod([d or 0 for d in tuple(t.shape)[1:]]))
+                part = parts.get(id(t))
+                rows = plan.batch_size if part is None else micro * rows_of_part(plan.batch_size // micro, part)
+                size = rows * int(np.prod([d or 0 for d in tuple(t.shape)[1:]]))
                 kept[s] = kept.get(s, 0) + size * np.dtype(str(t.dtype)).itemsize
     return names, kept

@@ -72,6 +72,32 @@ def test_the_tapped_stage_names_each_deferred_layers_input_and_output_once():
     assert build_stage(model, plan, 0).tapped_model is None  # nothing deferred there
 
 
+def test_a_layer_split_by_rows_defers_on_both_stages_over_its_rows_there():
+    from rdkeras.graph.split import split_model
+
+    x = keras.Input((12,), name="x")
+    h = keras.layers.Dense(16, name="widen")(x)
+    h = keras.layers.Dense(16, activation="relu", name="big")(h)
+    model = keras.Model(x, keras.layers.Dense(4, name="out")(h), name="m")
+    split = split_model(model, {"big": (1, 2)})  # the later stage runs big for the last half of each micro-batch
+    placement = {"widen": 0, "big__rows": 0, "big": 0, "big__twin": 1, "big__join": 1, "out": 1}
+    plan = analyze(split, placement, 2, batch_size=32, micro_batches=4)
+    names, kept = deferrable(split, plan)
+    assert names == {0: ["widen", "big"], 1: ["big__twin", "out"]}
+    # widen and out keep all 32 rows; each part of big its 4 of every micro-batch's 8 (16 in all), float32.
+    assert kept == {0: 4 * (32 * (12 + 16) + 16 * (16 + 16)), 1: 4 * (16 * (16 + 16) + 32 * (16 + 4))}
+    plan.deferred, plan.deferred_bytes = names, kept
+    later = build_stage(split, plan, 1)
+    assert later.deferred == [model.get_layer("big"), model.get_layer("out")]  # the twin computes with big's weights
+    # The twin's input is what stage 1 receives for its rows; its output, one of the tapped model's.
+    assert later.taps[0][0] == "in" and later.feeds[later.taps[0][1]].edge.producer == "big__rows:1"
+    assert later.taps[1][0] == "out"
+    h = np.random.default_rng(0).random((4, 16), dtype=np.float32)
+    feed = [h if f.edge.producer == "big__rows:1" else np.zeros((4, 16), np.float32) for f in later.feeds]
+    twin_output = later.tapped_model(feed)[later.taps[1][1]]
+    np.testing.assert_allclose(twin_output, model.get_layer("big")(h), rtol=1e-6)
+
+
 LAYERS = {
     "dense": (lambda a: keras.layers.Dense(24, activation=a), (10,)),
     "conv1d causal": (lambda a: keras.layers.Conv1D(6, 3, padding="causal", activation=a), (9, 4)),
