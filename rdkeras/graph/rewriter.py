@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdkeras.graph.analyzer import READER, Edge, Plan
+from rdkeras.graph.split import part_rows, rows_of_part, weights_layer
 from rdkeras.keras_internals import defers_weight_gradients, functional_of, nodes_in_order, producer_of
 
 
@@ -150,14 +151,6 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
     return Stage(index, plan, stage_model, feeds, sends, outputs, data_edges, label_edges, deferred, tapped, taps)
 
 
-def weights_layer(layer: Any) -> Any:
-    """The layer whose weights and call a deferred weight gradient is computed with: a row split's twin
-    (:mod:`rdkeras.graph.split`) stands for its layer, on the later stage's rows."""
-    from rdkeras.graph.split import twin_of
-
-    return twin_of(layer) or layer
-
-
 def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, int]]:
     """Per stage of `plan`: its layers whose weight gradients wait for the step's end
     (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph; a layer shared
@@ -165,8 +158,6 @@ def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, 
     outputs over the whole batch, or over its rows of it where a split gives the stage only some (what waiting
     keeps)."""
     import numpy as np
-
-    from rdkeras.graph.split import part_rows, rows_of_part
 
     graph = functional_of(model)
     parts = part_rows(graph)

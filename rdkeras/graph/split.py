@@ -85,10 +85,11 @@ def split_model(model: Any, splits: Mapping[str, tuple[int, int]]) -> Any:
     return rebuild(graph, call, name=f"{graph.name}_split")
 
 
-def twin_of(layer: Any) -> Any:
-    """The layer a split model's ``__twin`` layer runs (None for any other layer)."""
+def weights_layer(layer: Any) -> Any:
+    """The layer whose weights and call a deferred weight gradient is computed with: a ``__twin`` stands for the
+    layer it runs (on the later stage's rows); any other layer for itself."""
     twin: Any = _layer_types()[1]
-    return layer.layer if isinstance(layer, twin) else None
+    return layer.layer if isinstance(layer, twin) else layer
 
 
 def part_rows(model: Any) -> dict[int, tuple[bool, int, int]]:
