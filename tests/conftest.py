@@ -6,6 +6,8 @@ import importlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -24,6 +26,26 @@ NATIVE = ["shm", "tcp", VERBS]
 ALL_TRANSPORTS = ["shm", "tcp", VERBS, "grpc"]
 # The RPC baseline over each native wire: the conformance tests run over these as well.
 RPC = ["rpc+shm", "rpc+tcp", pytest.param("rpc+verbs", marks=VERBS.marks)]
+_RUN_TMP = pytest.StashKey[tuple[str, str | None]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start make their temporary files in a folder of this run, removed at its end: a
+    worker a test kills on purpose never runs TensorFlow's exit hook that deletes autograph's generated modules,
+    and they would pile up in /tmp (about ten per run of the elastic tests)."""
+    tempfile.gettempdir()  # this process, and pytest's tmp_path folders, keep the usual one
+    folder = tempfile.mkdtemp(prefix="rdkeras-tests-")
+    config.stash[_RUN_TMP] = (folder, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder, previous = config.stash[_RUN_TMP]
+    if previous is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_ranks(

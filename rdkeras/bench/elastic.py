@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
             elastic = ElasticSettings(n - 1)
             command = call_command("rdkeras.bench.elastic:worker_main", {"width": args.width, "batch": batch,
                                                                          "kill_file": kill_file})  # fmt: skip
-            results = run_local(command, Job(n), env={"RDKERAS_TRANSPORT": args.transport}, timeout=600,
-                                elastic=elastic)  # fmt: skip
+            # TMPDIR: what the killed worker leaves (TensorFlow's autograph modules) goes with the folder.
+            results = run_local(command, Job(n), env={"RDKERAS_TRANSPORT": args.transport, "TMPDIR": tmp},
+                                timeout=600, elastic=elastic)  # fmt: skip
             survivors = [r for r in results if r.rank != n - 1]
             if elastic.error or not elastic.changes or any(r.returncode != 0 for r in survivors):
                 print(f"[elastic] {n} workers: the job did not go on: {elastic.error or 'no membership change'}")
