@@ -187,7 +187,7 @@ def stage_rank(
         "alternates": sorted(plan.partition.alternates) if plan.micro_plans and plan.partition else [],
         "splits": sorted(plan.partition.split_layers) if graph is not m and plan.partition else [],
         "stashed": plan.stashed.get(rank),
-        "deferred": plan.deferred.get(rank, []),
+        "deferred": plan.deferred_of(rank),
         "activation_bytes": plan.activation_bytes.get(rank),
         "cut_bytes": sum(e.bytes_per_step or 0 for e in plan.edges if e.kind == "activation"),
     }

@@ -114,6 +114,11 @@ class Plan:
     def layers_of(self, stage: int) -> list[str]:
         return [name for name, s in self.layer_stage.items() if s == stage]
 
+    def deferred_of(self, stage: int) -> list[str]:
+        """The layers whose weight gradients `stage` computes once a step, over every micro-batch's plan (a layer
+        that alternates defers on both of its stages)."""
+        return list(dict.fromkeys(n for p in [self, *self.micro_plans] for n in p.deferred.get(stage, [])))
+
     def text(self) -> str:
         """The plan as a table (printed once at startup, saved with the TensorBoard logs)."""
         batch = "unknown (dynamic)" if self.batch_size is None else str(self.batch_size)
@@ -133,9 +138,8 @@ class Plan:
                 for s in self.stage_order
             )
             lines.append(f"  schedule {self.schedule}: micro-batches' activations stashed at most: {peak}")
-        # (where micro-batches follow different plans, a layer that alternates defers on both of its stages)
         plans = [self, *self.micro_plans]
-        deferred = {s: list(dict.fromkeys(n for p in plans for n in p.deferred.get(s, []))) for s in self.stage_order}
+        deferred = {s: self.deferred_of(s) for s in self.stage_order}
         if any(deferred.values()):
             kept = "; ".join(
                 f"stage {s} {', '.join(deferred[s])} (keeps {_human(max(p.deferred_bytes.get(s, 0) for p in plans))})"
