@@ -58,6 +58,8 @@ _HOOKS = (
     ("keras.Model", "_symbolic_build"),
     ("keras.Model", "_compile_loss"),
     ("keras.Model", "_loss_tracker"),
+    ("keras.src.backend.common.name_scope.name_scope", "caller"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset"),
     ("keras.Model", "_initial_epoch"),
     ("keras.Sequential", "_functional"),
     ("keras.src.models.functional.Functional", "_standardize_inputs"),
@@ -81,9 +83,14 @@ _HOOKS = (
     ("keras.layers.BatchNormalization", "_reduction_axes"),
     ("keras.Layer", "_flatten_layers"),
     ("keras.src.random.seed_generator", "draw_seed"),
+    ("keras.src.backend.tensorflow.random", "_cast_seed"),
+    ("keras.src.losses.loss", "reduce_weighted_values"),
+    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank"),
 )
 # Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
+    "caller",
+    "_distributed_dataset",
     "_compile_loss",
     "_loss_tracker",
     "_initial_epoch",
@@ -231,6 +238,36 @@ def loss_tracker(model: Any) -> Any:
     return model._loss_tracker
 
 
+def same_rank(x: Any, y: Any) -> tuple[Any, Any]:
+    """Keras's loss reduction's alignment of values and weights (a trailing dimension of 1 squeezed or added)."""
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+
+    return squeeze_or_expand_to_same_rank(x, y)
+
+
+def loss_trackers(model: Any) -> list[Any]:
+    """The Mean metrics Keras's steps update with a loss and the batch's rows as weight: the model's loss tracker
+    and, once the compiled loss is built, its per-output loss trackers."""
+    compiled = getattr(model, "_compile_loss", None)
+    return [model._loss_tracker, *(getattr(compiled, "metrics", None) or [])]
+
+
+def data_spec(iterator: Any) -> Any:
+    """The structure of TensorSpecs of the batches a Keras epoch iterator yields (its dataset's element spec)."""
+    return iterator._distributed_dataset.element_spec
+
+
+def metric_creating_variable() -> Any:
+    """The keras.metrics.Metric whose ``add_variable`` is running on this thread, if any (Keras opens a name scope
+    with the metric as its caller around it)."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    caller = stack[-1].caller if stack else None
+    return caller if isinstance(caller, keras.metrics.Metric) else None
+
+
 def symbolic_build(model: Any, data_batch: Any) -> None:
     model._symbolic_build(data_batch=data_batch)
 
@@ -360,8 +397,6 @@ def restore(obj: Any) -> None:
 
 # -- class-level hooks (while a strategy lives) -----------------------------------------
 
-_fit_guards: list[Callable[[Any], None]] = []
-
 
 def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
     """Replaces method `name` where keras.Model's classes define it (so that checks like Keras's
@@ -402,31 +437,42 @@ def on_compile(attach: Callable[[Any], Any]) -> Iterator[None]:
         undo()
 
 
-_unguard: list[Callable[[], None]] = []
+# Keras's own methods rdkeras's policy takes over for distributed models: reached by ``model.fit(...)`` and by a
+# subclass's own ``fit`` through ``super().fit`` (KerasHub's tasks preprocess their data there first).
+ROUTED_METHODS = ("fit", "evaluate", "predict")
+_routers: list[Callable[[Any, str], Callable[..., Any] | None]] = []
+_unroute: list[Callable[[], None]] = []
 
 
-def guard_fit(check: Callable[[Any], None]) -> None:
-    """``check(model)`` runs before every ``Model.fit`` until :func:`unguard_fit` (it may raise)."""
-    if not _fit_guards:
+def route_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None]) -> None:
+    """Until :func:`unroute_trainer_methods`, Keras's own ``Model.fit``/``evaluate``/``predict`` ask
+    ``router(model, name)`` first: None leaves the call to Keras; a handler is called as ``handler(keras_method,
+    *args, **kwargs)``, `keras_method` being Keras's own method bound to the model (its signature is Keras's,
+    whatever a subclass's override looks like). Routers are asked in the order they were added."""
+    if not _routers:
+        for name in ROUTED_METHODS:
 
-        def make(previous: Any) -> Any:
-            @functools.wraps(previous)
-            def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-                for guard in list(_fit_guards):
-                    guard(model)
-                return previous(model, *args, **kwargs)
+            def make(previous: Any) -> Any:
+                @functools.wraps(previous)
+                def routed(model: Any, *args: Any, **kwargs: Any) -> Any:
+                    for route in list(_routers):
+                        handler = route(model, previous.__name__)
+                        if handler is not None:
+                            return handler(types.MethodType(previous, model), *args, **kwargs)
+                    return previous(model, *args, **kwargs)
 
-            return fit
+                return routed
 
-        _unguard.append(_patch_model_method("fit", make))
-    _fit_guards.append(check)
+            _unroute.append(_patch_model_method(name, make))
+    _routers.append(router)
 
 
-def unguard_fit(check: Callable[[Any], None]) -> None:
-    if check in _fit_guards:
-        _fit_guards.remove(check)
-        if not _fit_guards and _unguard:
-            _unguard.pop()()
+def unroute_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None]) -> None:
+    if router in _routers:
+        _routers.remove(router)
+        if not _routers:
+            while _unroute:
+                _unroute.pop()()
 
 
 _apply_state = threading.local()
@@ -464,20 +510,39 @@ def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
             owner.apply = previous
 
 
-_DRAWS = ("normal", "uniform", "truncated_normal")
+# keras.random's draws whose first dimension may be the batch's (the TensorFlow backend's, which keras.random,
+# keras.ops.random and the layers -- Dropout, GaussianNoise, the augmentation layers -- all call).
+_DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+_step = threading.local()
+
+
+def current_global_batch() -> Any:
+    """The `batch` of the :func:`global_batch_step` active on this thread, or None."""
+    return getattr(_step, "batch", None)
 
 
 @contextlib.contextmanager
-def global_batch_draws(replica_rows: int, global_rows: int, start: int) -> Iterator[None]:
-    """While active on this thread, ``keras.random.normal``/``uniform``/``truncated_normal`` with a first
-    dimension of `replica_rows` (this replica's part of the batch) draw `global_rows` rows with the same seed
-    and return rows ``start:start + replica_rows``: what one process, drawing for the whole batch, gives
-    these rows. Any other draw is Keras's own."""
-    import keras.random
+def global_batch_step(batch: Any) -> Iterator[None]:
+    """While a data-parallel step is traced on this thread, its random draws and its losses are the global batch's.
+
+    `batch` gives ``start``, ``rows`` and ``total`` (this replica's first row in the global batch, its rows, the
+    global batch's rows: ints or scalar tensors) and ``reduce_loss(keras_reduce, values, sample_weight, mask,
+    reduction, dtype)``:
+
+    - a draw of keras.random (or the backend's, which layers call) whose first dimension is `rows` draws `total`
+      rows with the same seed and returns rows ``start:start + rows``: what one process, drawing for the whole
+      batch, gives these rows. Dropout's mask too (``backend.random.dropout``, which Dropout, SpatialDropout and
+      the recurrent layers' dropout call). The seed generator advances once, as in one process.
+    - every ``keras.losses.Loss`` reduces its values through ``batch.reduce_loss`` (given Keras's own
+      ``reduce_weighted_values``).
+    """
     import tensorflow as tf
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.losses import loss as loss_module
     from keras.src.random import seed_generator
 
     thread = threading.get_ident()
+    start, rows, total = batch.start, batch.rows, batch.total
 
     class _Drawn(seed_generator.SeedGenerator):  # a seed already drawn, handed to Keras's own function
         def __init__(self, seed: Any) -> None:  # no state variable: nothing to track
@@ -486,34 +551,69 @@ def global_batch_draws(replica_rows: int, global_rows: int, start: int) -> Itera
         def next(self, ordered: bool = True) -> Any:
             return self._drawn
 
+    def of_global(first: Any, replica: Callable[[], Any], whole: Callable[[], Any]) -> Any:
+        """``whole()[start:start + rows]`` where `first` (a draw's first dimension) is this replica's rows."""
+        if isinstance(first, int) and isinstance(rows, int):
+            return whole()[start : start + rows] if first == rows else replica()
+        return tf.cond(tf.equal(tf.cast(first, tf.int64), tf.cast(rows, tf.int64)),
+                       lambda: whole()[start : start + rows], replica)  # fmt: skip
+
     def make(previous: Any) -> Any:
         @functools.wraps(previous)
         def draw(shape: Any, *args: Any, seed: Any = None, **kwargs: Any) -> Any:
-            first = shape[0] if isinstance(shape, (tuple, list)) and len(shape) else None
-            if threading.get_ident() != thread or first is None:
+            dims = list(shape) if isinstance(shape, (tuple, list)) else None
+            if threading.get_ident() != thread or not dims:
                 return previous(shape, *args, seed=seed, **kwargs)
             drawn = _Drawn(seed_generator.draw_seed(seed))  # the generator advances once, as in one process
-
-            def replica_rows_of_global() -> Any:
-                return previous((global_rows, *shape[1:]), *args, seed=drawn, **kwargs)[start : start + replica_rows]
-
-            def own() -> Any:
-                return previous(shape, *args, seed=drawn, **kwargs)
-
-            if isinstance(first, int):
-                return replica_rows_of_global() if first == replica_rows else own()
-            return tf.cond(tf.equal(first, replica_rows), replica_rows_of_global, own)
+            return of_global(
+                dims[0],
+                lambda: previous(shape, *args, seed=drawn, **kwargs),
+                lambda: previous((total, *dims[1:]), *args, seed=drawn, **kwargs),
+            )
 
         return draw
 
-    previous = {name: getattr(keras.random, name) for name in _DRAWS}
+    keras_dropout = backend_random.dropout
+
+    @functools.wraps(keras_dropout)
+    def dropout(inputs: Any, rate: Any, noise_shape: Any = None, seed: Any = None) -> Any:
+        if threading.get_ident() != thread or not isinstance(rate, (int, float)) or rate in (0.0, 1.0):
+            return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+        inputs = tf.convert_to_tensor(inputs)
+        dims = list(inputs.shape) if noise_shape is None else list(noise_shape)  # (Dropout fills in the batch's)
+        dims = [tf.shape(inputs)[i] if d is None else d for i, d in enumerate(dims)]
+        drawn = backend_random._cast_seed(seed_generator.draw_seed(seed))  # as Keras's own dropout casts it
+
+        def keep(first: Any) -> Any:
+            # TensorFlow's own stateless dropout of ones: the keep mask it draws for this shape and seed.
+            shape = tf.stack([tf.cast(d, tf.int32) for d in (first, *dims[1:])])
+            return tf.nn.experimental.stateless_dropout(tf.ones(shape, inputs.dtype), rate=rate, seed=drawn) > 0
+
+        mask = of_global(dims[0], lambda: keep(dims[0]), lambda: keep(total))
+        scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)  # as TensorFlow's dropout scales
+        return tf.where(mask, inputs * scale, tf.zeros([], inputs.dtype))
+
+    keras_reduce = loss_module.reduce_weighted_values
+
+    def reduce_weighted_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread:
+            return keras_reduce(values, *args, **kwargs)
+        return batch.reduce_loss(keras_reduce, values, *args, **kwargs)
+
+    previous = {name: getattr(backend_random, name) for name in _DRAWS}
     for name, fn in previous.items():
-        setattr(keras.random, name, make(fn))
+        setattr(backend_random, name, make(fn))
+    backend_random.dropout = dropout
+    loss_module.reduce_weighted_values = reduce_weighted_values
+    _step.batch = batch
     try:
         yield
     finally:
+        _step.batch = None
         for name, fn in previous.items():
-            setattr(keras.random, name, fn)
+            setattr(backend_random, name, fn)
+        backend_random.dropout = keras_dropout
+        loss_module.reduce_weighted_values = keras_reduce
 
 
 def synchronized_batch_norms(model: Any) -> list[Any]:

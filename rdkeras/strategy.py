@@ -83,6 +83,9 @@ class RDMAStrategy:
             boundaries as that 16-bit type, summed in float32 at every hop (Horovod's ``Compression.fp16``);
             weights and everything else travel exact.
         compress_within_hosts: compress inside a host too (default False).
+        sparse_as_dense: data parallelism: exchange sparse gradients (an Embedding's IndexedSlices) as dense
+            tensors by allreduce, as Horovod's switch does (default False: their rows and indices are gathered from
+            every worker, and the optimizer applies the IndexedSlices one process computes).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class RDMAStrategy:
         algorithm: str = "auto",
         compression: str | None = None,
         compress_within_hosts: bool = False,
+        sparse_as_dense: bool = False,
     ):
         if placement is not None and not isinstance(placement, str):
             placement = dict(placement)  # also accepts an OmegaConf DictConfig
@@ -166,6 +170,7 @@ class RDMAStrategy:
                     compression=compression,
                     compress_within_hosts=compress_within_hosts,
                     elastic=elastic,
+                    sparse_as_dense=sparse_as_dense,
                 )
                 self.overlap_bytes = overlap_bytes
             else:
@@ -199,8 +204,7 @@ class RDMAStrategy:
             engine.close()
             raise
         self._closed = False
-        if self.engine.world_size > 1:
-            keras_internals.guard_fit(self._undistributed_fit)
+        keras_internals.route_trainer_methods(self._route)
 
     # -- where this process sits ------------------------------------------------------
 
@@ -270,15 +274,21 @@ class RDMAStrategy:
         import tensorflow as tf
 
         created: list[Any] = []
+        metrics: list[Any] = []
 
         def record(next_creator: Any, **kwargs: Any) -> Any:
             variable = next_creator(**kwargs)
             created.append(variable)
+            metric = keras_internals.metric_creating_variable()
+            if metric is not None and all(metric is not m for m in metrics):
+                metrics.append(metric)
             return variable
 
         with keras_internals.on_compile(self._parallel.attach), tf.variable_creator_scope(record):
             yield self
         self._share_created(created)
+        if self.parallelism == "data" and self.num_workers > 1:  # a custom loop's metrics report every replica's rows
+            fitting.merge_results(metrics, self._collectives())
 
     def _share_created(self, created: list[Any]) -> None:
         """Variables created in the scope start from the chief's values, as tf.distribute's do (a custom loop's
@@ -306,9 +316,17 @@ class RDMAStrategy:
         """The current plan as text ('' when there is none yet)."""
         return self._parallel.plan_text()
 
+    def _route(self, model: Any, name: str) -> Callable[..., Any] | None:
+        """Keras's own fit/evaluate/predict of a model: rdkeras's policy for a model distributed here; for an
+        undistributed model's fit in a multi-worker job, an error (each worker would train its own copy)."""
+        parallel = fitting.parallel_of(model)
+        if parallel is self._parallel:
+            return fitting.route(model, name)
+        if parallel is None and name == "fit" and self.num_workers > 1:
+            return lambda *args, **kwargs: self._undistributed_fit(model)
+        return None
+
     def _undistributed_fit(self, model: Any) -> None:
-        if fitting.parallel_of(model) is not None:
-            return
         raise RuntimeError(
             f"model.fit on {model.name!r}, which was compiled outside strategy.scope(), while this "
             f"RDMAStrategy spans {self.num_workers} workers: each worker would train its own copy. Build and "
@@ -466,7 +484,7 @@ class RDMAStrategy:
         if self._closed:
             return
         self._closed = True
-        keras_internals.unguard_fit(self._undistributed_fit)
+        keras_internals.unroute_trainer_methods(self._route)
         self._parallel.detach_all()
         self.engine.close()
 

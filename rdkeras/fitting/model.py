@@ -3,12 +3,16 @@
 :func:`distribute_model` overrides methods on the user's model *object* (never its
 class, through :mod:`rdkeras.keras_internals`):
 
-- ``fit``/``evaluate``/``predict``: the arguments are bound, the data sharded (the
-  parallelism decides how), chief-only callbacks and the progress bar dropped on the
+- ``fit``/``evaluate``/``predict``: where Keras's own methods are reached (by ``model.fit`` or by a
+  subclass's override through ``super()``, as KerasHub's tasks do), :func:`route` hands the call to
+  the policy here: the arguments are bound to Keras's signature, the data given to the parallelism
+  (which splits each global batch), chief-only callbacks and the progress bar dropped on the
   other workers, BackupAndRestore adapted (:mod:`rdkeras.fitting.backup`);
 - Keras's build-before-training hook: the model is built on a first batch, so every
   worker holds the same model before any computes a gradient;
-- the per-epoch and per-evaluation logs: shared, so callbacks decide alike everywhere;
+- the per-epoch and per-evaluation logs: the metrics' state merged over the replicas before their
+  results are read (:mod:`rdkeras.fitting.global_batch`), so logs are one process's and callbacks
+  decide alike everywhere;
 - ``save``/``save_weights``: atomic (:mod:`rdkeras.fitting.saving`);
 - the parallelism's own steps (``train_step``, ...), where it has any.
 """
@@ -24,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rdkeras import keras_internals
-from rdkeras.fitting import backup, saving
+from rdkeras.fitting import backup, global_batch, saving
 
 if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
@@ -45,9 +49,6 @@ def distribute_model(model: Any, parallel: Parallelism) -> None:
     keras_internals.set_untracked(model, _JIT_ATTR, model.jit_compile)
     model.jit_compile = False  # the exchanges are tf.numpy_function ops
     methods: dict[str, Callable[..., Any]] = {
-        "fit": _fit,
-        "evaluate": _evaluate,
-        "predict": _predict,
         keras_internals.BUILD_HOOK: _build_before_training,
         keras_internals.EPOCH_LOGS_HOOK: _shared_logs,
         "save": saving.save,
@@ -109,6 +110,14 @@ def reset_compiled_functions(model: Any) -> None:
         setattr(model, attr, None)
 
 
+def route(model: Any, name: str) -> Callable[..., Any] | None:
+    """The handler of Keras's own ``fit``/``evaluate``/``predict`` for `model` (None: Keras's own, undistributed):
+    ``handler(keras_method, *args, **kwargs)`` (:func:`rdkeras.keras_internals.route_trainer_methods`)."""
+    if parallel_of(model) is None:
+        return None
+    return {"fit": _fit, "evaluate": _evaluate, "predict": _predict}[name]
+
+
 def _parallel(model: Any) -> Parallelism:
     parallel = parallel_of(model)
     assert parallel is not None  # (only distributed models have these overrides)
@@ -124,9 +133,9 @@ def bind(method: Any, args: tuple, kwargs: dict) -> dict:
     return a
 
 
-def _fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+def _fit(fit: Any, *args: Any, **kwargs: Any) -> Any:
+    model = fit.__self__
     parallel = _parallel(model)
-    fit = keras_internals.original(model, "fit")
     a = bind(fit, args, kwargs)
     parallel.check_callbacks(list(a["callbacks"] or []))
     if parallel.is_reporter:  # the worker that saves: what a killed save of an earlier run left behind goes
@@ -162,11 +171,10 @@ def _save_folders(callbacks: Any) -> set[str]:
     return folders
 
 
-def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
-    evaluate = keras_internals.original(model, "evaluate")
-    if keras_internals.is_fit_validation(kwargs):  # sharded by fit already
+def _evaluate(evaluate: Any, *args: Any, **kwargs: Any) -> Any:
+    if keras_internals.is_fit_validation(kwargs):  # given to the parallelism by fit already
         return evaluate(*args, **kwargs)
-    parallel = _parallel(model)
+    parallel = _parallel(evaluate.__self__)
     a = bind(evaluate, args, kwargs)
     parallel.shard_evaluate(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
@@ -174,9 +182,8 @@ def _evaluate(model: Any, *args: Any, **kwargs: Any) -> Any:
         return evaluate(**a)
 
 
-def _predict(model: Any, *args: Any, **kwargs: Any) -> Any:
-    parallel = _parallel(model)
-    predict = keras_internals.original(model, "predict")
+def _predict(predict: Any, *args: Any, **kwargs: Any) -> Any:
+    parallel = _parallel(predict.__self__)
     a = bind(predict, args, kwargs)
     rows = parallel.shard_predict(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
@@ -202,24 +209,23 @@ def _warnings_on_the_reporter(parallel: Parallelism) -> Iterator[None]:
 
 
 def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
-    # Keras builds lazily on the first traced step when no tf.distribute strategy is set;
-    # build now, so that every worker holds the same model before any computes a gradient.
+    # Keras builds lazily on the first traced step when no tf.distribute strategy is set; build now, so that every
+    # worker holds the same model before any computes a gradient. From the batches' spec: taking a batch would
+    # start an iterator of the data that one process never starts (a seeded shuffle would then differ).
     parallel = _parallel(model)
     if iterator is not None and data_batch is None:
-        for _, _, it in iterator:
-            data_batch = next(it)
-            break
+        data_batch = keras_internals.data_spec(iterator)
     if data_batch is not None and keras_internals.has_own_call(model):
         # A model without call() (a GAN's train_step drives its parts) is not built, as in plain Keras.
         keras_internals.symbolic_build(model, data_batch)
+    global_batch.weigh_loss_trackers(model)  # (built now: a recompile makes new ones)
     if not parallel.synced and not parallel.fitting:  # fit shares state at on_train_begin
         parallel.sync_state(model, restored=False)
-    keras_internals.original(model, keras_internals.BUILD_HOOK)(iterator=iterator, data_batch=data_batch)
 
 
 def _shared_logs(model: Any, logs: Any) -> Any:
-    parallel, local = _parallel(model), keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs)
-    return parallel.elastic_retry(model, lambda: parallel.share_logs(local))
+    parallel = _parallel(model)
+    return parallel.elastic_retry(model, lambda: parallel.epoch_logs(model, logs))
 
 
 # -- callbacks ----------------------------------------------------------------------------
@@ -315,6 +321,10 @@ def _state_callback_class() -> type:
             if self.role == "sync":
                 self.parallel.sync_state(self.model, restored=self.parallel.restored)
                 self.parallel.restored = False
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if self.role == "gather":
+                self.parallel.steps_run += 1
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self.role == "gather":

@@ -30,8 +30,9 @@ class Parallelism(abc.ABC):
 
     Attributes set by the implementation: `engine`, `collectives` (every worker's), `sharding` (how a
     global batch is split over the data-parallel replicas) and `global_batch_size` (of the last fit,
-    when known). The Keras hooks keep three flags here: `synced` (every worker holds the same model
-    yet), `restored` (BackupAndRestore loaded a backup on the reporter) and `fitting` (inside fit).
+    when known). The Keras hooks keep a count of the steps run (`steps_run`) and three flags here: `synced`
+    (every worker holds the same model yet), `restored` (BackupAndRestore loaded a backup on the reporter) and
+    `fitting` (inside fit).
     """
 
     engine: Engine
@@ -42,6 +43,7 @@ class Parallelism(abc.ABC):
     synced: bool = False
     restored: bool = False
     fitting: bool = False
+    steps_run: int = 0  # training steps (batches) fit has run under this parallelism, counted by its callbacks
 
     # -- where this worker sits ------------------------------------------------------
 
@@ -159,6 +161,13 @@ class Parallelism(abc.ABC):
     @abc.abstractmethod
     def share_logs(self, logs: dict) -> dict:
         """Epoch and evaluation logs, identical on every worker (so callbacks decide alike)."""
+
+    def epoch_logs(self, model: Any, logs: Any) -> Any:
+        """The logs of an epoch's end or of ``evaluate`` (Keras's: the metrics' results, or a custom step's logs),
+        identical on every worker (collective)."""
+        from rdkeras import keras_internals
+
+        return self.share_logs(keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs))
 
     # -- an elastic job (rdkeras.elastic; data parallelism only) -------------------------------------
 

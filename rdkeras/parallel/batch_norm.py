@@ -6,33 +6,27 @@ squares and count (the gradient of a sum over replicas is the sum of the replica
 replica normalises with the global batch's mean and variance and keeps the same moving statistics, as
 one process with the whole batch would.
 
-The allreduces of one traced step are chained by control dependencies in the order they are traced --
-the same program on every worker -- so layers in parallel branches (Inception's) cannot run their
-allreduces in different orders on different workers.
+The allreduces of one traced step are chained in the order they are traced (:mod:`rdkeras.parallel.step_sum`).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
-import numpy as np
-
 from rdkeras import keras_internals
-from rdkeras.parallel.collectives import Collectives
+from rdkeras.parallel.step_sum import StepSum
 
 
 class SynchronizedMoments:
-    """The moments of synchronized BatchNormalization layers over every member of `collectives`."""
+    """The moments of synchronized BatchNormalization layers over every member of `step_sum`'s collectives."""
 
-    def __init__(self, collectives: Collectives):
-        self.collectives = collectives
-        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # traced graph -> its last allreduce
+    def __init__(self, step_sum: StepSum):
+        self.step_sum = step_sum
 
     def attach(self, model: Any) -> list[Any]:
         """Makes the model's synchronized BatchNormalization layers compute global moments; returns them."""
         layers = keras_internals.synchronized_batch_norms(model)
-        if self.collectives.size > 1:
+        if self.step_sum.collectives.size > 1:
             for layer in layers:
                 keras_internals.override(layer, keras_internals.MOMENTS_HOOK, self._global_moments)
         return layers
@@ -53,37 +47,8 @@ class SynchronizedMoments:
             x = x * weight
         parts = [tf.reduce_sum(t, axis=axes, keepdims=True) for t in (x, x * x, weight)]
         shape = tf.shape(parts[0])
-        total = self.sum(tf.concat([tf.reshape(p, [-1]) for p in parts], 0))
+        total = self.step_sum.sum(tf.concat([tf.reshape(p, [-1]) for p in parts], 0))
         local_sum, squares, count = (tf.reshape(t, shape) for t in tf.split(total, 3))
         mean = tf.math.divide_no_nan(local_sum, count)
         variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
         return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
-
-    def sum(self, vector: Any) -> Any:
-        """The sum of `vector` over the members, differentiable (the gradient is summed likewise)."""
-        import tensorflow as tf
-
-        @tf.custom_gradient
-        def summed(v: Any) -> Any:
-            def grad(upstream: Any) -> Any:
-                return self._allreduce(upstream)
-
-            return self._allreduce(v), grad
-
-        return summed(vector)
-
-    def _allreduce(self, vector: Any) -> Any:
-        import tensorflow as tf
-
-        def reduce(array: np.ndarray) -> np.ndarray:
-            (out,) = self.collectives.allreduce([array], average=False, purpose="batchnorm")
-            return np.array(out, copy=True)  # the ring's memory is reused two calls later; TF keeps this longer
-
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        previous = [] if graph is None else [op for op in [self._last.get(graph)] if op is not None]
-        with tf.control_dependencies(previous):
-            out = tf.numpy_function(reduce, [vector], Tout=vector.dtype, stateful=True, name="rdkeras_batchnorm_sum")
-        out.set_shape(vector.shape)
-        if graph is not None:
-            self._last[graph] = out.op
-        return out

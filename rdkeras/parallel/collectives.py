@@ -332,19 +332,26 @@ class Collectives:
 
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """The members' arrays concatenated along the first axis, in member order (rows may differ)."""
+        return self.gather_rows_many([array])[0]
+
+    def gather_rows_many(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`gather_rows` of arrays with the same rows on each member (an IndexedSlices' values and indices):
+        one exchange of the counts, one of the rows."""
         if self.size == 1:
-            return array
+            return list(arrays)
         n, at = self.size, self.position
         counts = np.zeros(n, np.float64)
-        counts[at] = len(array)
+        counts[at] = len(arrays[0])
         (counts,) = self.allreduce([counts], average=False, purpose="rows")
         sizes = counts.astype(np.int64)
-        wire = _wire_dtype(array.dtype)
-        full = np.zeros((int(sizes.sum()), *array.shape[1:]), wire)
         start = int(sizes[:at].sum())
-        full[start : start + len(array)] = array
-        (summed,) = self.allreduce([full], average=False, purpose="rows")
-        return summed.astype(array.dtype)
+        wire = []
+        for array in arrays:
+            full = np.zeros((int(sizes.sum()), *array.shape[1:]), _wire_dtype(array.dtype))
+            full[start : start + len(array)] = array
+            wire.append(full)
+        summed = self.allreduce(wire, average=False, purpose="rows")
+        return [s.astype(a.dtype) for s, a in zip(summed, arrays, strict=True)]
 
 
 # The hierarchical allreduce's passes, at least: the engine sums pass k across hosts while the ring inside the
@@ -687,19 +694,24 @@ def timed_exchange(fn: Callable[..., Any], engine_of: Callable[[], Engine]) -> C
 class GradientAllreduce:
     """Averages (or sums) a list of tensors across members inside a compiled function.
 
-    ``None`` entries pass through; IndexedSlices (embeddings) are made dense;
-    tensors of other dtypes travel as float32 and come back in their own dtype.
+    ``None`` entries pass through; tensors of other dtypes travel as float32 and come back in their own dtype.
+    IndexedSlices (an Embedding's gradient) travel as their rows and indices, gathered from every member in rank
+    order -- the IndexedSlices one process computes for the global batch, duplicates and all, which the optimizer
+    then applies as it would there -- unless `sparse_as_dense` (Horovod's switch) makes them dense first.
 
     With `overlap_bytes` > 0 (inside a compiled function) the gradients go in buckets of that many
     bytes, last layer first: each bucket's allreduce starts as soon as backprop has produced its
     gradients (a start op hands it to a communication thread) and a wait op per bucket, in bucket order,
     collects it, so the update of one bucket's variables need not wait for the later buckets. Each element
     is still reduced by exactly one ring (bucket boundaries fall between tensors), so workers stay
-    bit-identical.
+    bit-identical. (Sparse gradients go in one exchange after backprop, with the dense ones.)
     """
 
-    def __init__(self, collectives: Collectives, average: bool = True, overlap_bytes: int = 0):
+    def __init__(
+        self, collectives: Collectives, average: bool = True, overlap_bytes: int = 0, sparse_as_dense: bool = False
+    ):
         self.collectives, self.average, self.overlap_bytes = collectives, average, overlap_bytes
+        self.sparse_as_dense = sparse_as_dense
         self._exchanges = itertools.count()
         self._pipeline: BucketPipeline | None = None
 
@@ -709,25 +721,66 @@ class GradientAllreduce:
         idx = [i for i, g in enumerate(grads) if g is not None]
         if not idx or self.collectives.size == 1:
             return list(grads)
+        sparse = [] if self.sparse_as_dense else [i for i in idx if isinstance(grads[i], tf.IndexedSlices)]
+        idx = [i for i in idx if i not in sparse]
         dense = [tf.convert_to_tensor(grads[i]) for i in idx]
         wire = [g if g.dtype.name in _FLOAT_KINDS else tf.cast(g, tf.float32) for g in dense]
-        if self.overlap_bytes > 0 and not tf.executing_eagerly() and all(g.shape.is_fully_defined() for g in wire):
+        out = list(grads)
+        if sparse:
+            reduced, gathered = self._with_sparse(wire, [grads[i] for i in sparse])
+            for i, g in zip(sparse, gathered, strict=True):
+                out[i] = g
+        elif self.overlap_bytes > 0 and not tf.executing_eagerly() and all(g.shape.is_fully_defined() for g in wire):
             reduced = self._overlapped(wire)
         else:
-            reduced = tf.numpy_function(
-                timed_exchange(self._reduce, lambda: self.collectives.engine),
-                wire,
-                Tout=[g.dtype for g in wire],
-                stateful=True,
-                name="rdkeras_allreduce",
-            )
-            if not isinstance(reduced, (list, tuple)):  # run eagerly, one output comes back bare
-                reduced = [reduced]
-        out = list(grads)
+            reduced = self._in_one(wire)
         for i, g, r in zip(idx, dense, reduced, strict=True):
             r.set_shape(g.shape)
             out[i] = r if r.dtype == g.dtype else tf.cast(r, g.dtype)
         return out
+
+    def _in_one(self, wire: list[Any]) -> list[Any]:
+        import tensorflow as tf
+
+        reduced = tf.numpy_function(
+            timed_exchange(self._reduce, lambda: self.collectives.engine),
+            wire,
+            Tout=[g.dtype for g in wire],
+            stateful=True,
+            name="rdkeras_allreduce",
+        )
+        return [reduced] if not isinstance(reduced, (list, tuple)) else list(reduced)  # (eagerly, one comes bare)
+
+    def _with_sparse(self, wire: list[Any], slices: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The dense gradients reduced and the sparse ones gathered, in one exchange (one op: the members' rings
+        are used in the same order everywhere)."""
+        import tensorflow as tf
+
+        parts = [t for s in slices for t in (s.values, tf.cast(s.indices, tf.int64))]
+
+        def exchange(*arrays: np.ndarray) -> list[np.ndarray]:
+            reduced = self._reduce(*arrays[: len(wire)]) if wire else []
+            rest = arrays[len(wire) :]
+            for values, indices in zip(rest[::2], rest[1::2], strict=True):
+                values, indices = self.collectives.gather_rows_many([values, indices])
+                reduced += [values / values.dtype.type(self.collectives.size) if self.average else values, indices]
+            return reduced
+
+        outs = tf.numpy_function(
+            timed_exchange(exchange, lambda: self.collectives.engine),
+            [*wire, *parts],
+            Tout=[t.dtype for t in [*wire, *parts]],
+            stateful=True,
+            name="rdkeras_allreduce_sparse",
+        )
+        outs = list(outs)
+        gathered = []
+        for k, s in enumerate(slices):
+            values, indices = outs[len(wire) + 2 * k], outs[len(wire) + 2 * k + 1]
+            values.set_shape([None, *s.values.shape[1:]])
+            indices.set_shape([None])
+            gathered.append(tf.IndexedSlices(values, tf.cast(indices, s.indices.dtype), s.dense_shape))
+        return outs[: len(wire)], gathered
 
     def reset(self) -> None:
         """Drops the buckets in flight (an elastic job's group re-formed)."""

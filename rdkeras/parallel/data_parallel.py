@@ -16,6 +16,7 @@ themselves, never their classes):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,11 +27,13 @@ from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.errors import PeerError
+from rdkeras.fitting import global_batch
 from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
+from rdkeras.parallel.step_sum import StepSum
 
 if TYPE_CHECKING:
     from rdkeras.elastic.group import NewGroup
@@ -53,6 +56,9 @@ class DataParallel(Parallelism):
             (:class:`rdkeras.parallel.collectives.Collectives`).
         compression: None, "fp16" or "bf16": the type float32 gradients cross hosts as.
         compress_within_hosts: Compress inside each host too.
+        sparse_as_dense: Exchange sparse gradients (an Embedding's) as dense tensors by allreduce, as Horovod's
+            switch of that name does; by default they travel as their rows and indices (an allgather), and the
+            optimizer gets the IndexedSlices one process would.
     """
 
     def __init__(
@@ -66,8 +72,10 @@ class DataParallel(Parallelism):
         compression: str | None = None,
         compress_within_hosts: bool = False,
         elastic: Any = None,
+        sparse_as_dense: bool = False,
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
+        self.sparse_as_dense = sparse_as_dense
         if compression and mode == "ps":
             raise ValueError(f"compression={compression!r} compresses the allreduce: use mode='allreduce'")
         if elastic is not None and mode == "ps":
@@ -95,11 +103,17 @@ class DataParallel(Parallelism):
             compress_within_hosts=compress_within_hosts,
         )
         self.sharding = Sharding(engine.world_size, engine.rank, global_batch, warn=engine.rank == 0)
-        self.batch_norm = SynchronizedMoments(self.collectives)
+        self.step_sum = StepSum(self.collectives)
+        self.batch_norm = SynchronizedMoments(self.step_sum)
+        # Whether the steps split each batch they get into the replicas' rows: global batches (the default) as
+        # Keras iterates them from the user's data, so their order, shuffle included, is one process's. Not for
+        # per-replica batches (global_batch=False, distribute_datasets_from_function), dealt out beforehand.
+        self._split_in_step = global_batch
         self._models: list[Any] = []
         self._overlap = 0  # the last attached model's gradient bucket bytes (0: one exchange after backprop)
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
-        self._gathered_at: dict[int, tuple] = {}  # id(model) -> (optimizer step, PS step) last checked
+        self._gathered_at: dict[int, int] = {}  # id(model) -> the steps_run it was last gathered and checked at
+        self._plans = itertools.count()  # parameter-server plans made (each has rings of its own)
 
     @property
     def replicas(self) -> int:
@@ -116,17 +130,31 @@ class DataParallel(Parallelism):
     # -- attaching -------------------------------------------------------------------
 
     def attach(self, model: Any) -> Any:
-        """Makes `model` (compiled) train data-parallel. Idempotent."""
+        """Makes `model` (compiled) train data-parallel. Idempotent; a model compiled again (its trainable
+        weights changed, or a new optimizer) gets its new optimizer's exchange planned."""
+        if fitting.parallel_of(model) is self:
+            self._replan(model)
+            return model
         if not self._check_attachable(model):
             return model
         if model.jit_compile:
             self.sharding.warn_once("jit", "jit_compile turned off: the gradient exchange runs as a tf.numpy_function")
-        optimizer = model.optimizer
-        hierarchical = False
         if self.num_workers > 1 and self.mode == "allreduce":
             described = self.collectives.describe()  # collective (every worker attaches); the plan reads it later
             if self.engine.rank == 0 and (self.collectives.requested != "ring" or self.collectives.compression):
                 logger.info(f"allreduce: {described}")
+        self._distribute_optimizer(model)
+        self.batch_norm.attach(model)
+        fitting.distribute_model(model, self)
+        self._models.append(model)
+        return model
+
+    def _distribute_optimizer(self, model: Any) -> None:
+        """The compiled optimizer's ``apply`` exchanges the gradients first (for the trainable weights of the
+        moment: a recompile after a change of ``trainable`` plans anew)."""
+        optimizer = model.optimizer
+        hierarchical = False
+        if self.num_workers > 1 and self.mode == "allreduce":
             hierarchical = self.collectives.algorithm[0] == "hierarchical"
         overlap = self.overlap_bytes
         if overlap is None:
@@ -135,19 +163,28 @@ class DataParallel(Parallelism):
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer
 
-            ps = ParameterServer(self.engine, f"opt{len(self._models)}", overlap_bytes=overlap)
+            previous = self._servers.get(id(model))
+            if previous is not None:
+                previous.stop()
+            ps = ParameterServer(self.engine, f"opt{next(self._plans)}", overlap_bytes=overlap)
             self._servers[id(model)] = ps
             fitting.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         else:
-            average = GradientAllreduce(self.collectives, overlap_bytes=overlap)
+            average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
             self._averages.append(average)
             _average_gradients(optimizer, average)
-        self.batch_norm.attach(model)
-        fitting.distribute_model(model, self)
-        self._models.append(model)
-        return model
+
+    def _replan(self, model: Any) -> None:
+        """A model compiled again, in the scope or out of it: its new optimizer exchanges its gradients too."""
+        optimizer = model.optimizer
+        if optimizer is None or any(
+            keras_internals.overridden(o) for o in (optimizer, keras_internals.inner_optimizer(optimizer))
+        ):
+            return
+        self._distribute_optimizer(model)
+        fitting.reset_compiled_functions(model)
 
     def prepare_fit(self, model: Any) -> None:
         """Distributes the optimizers a custom ``compile`` keeps in the model's attributes (a GAN's two): their
@@ -155,6 +192,7 @@ class DataParallel(Parallelism):
         job's replacement first waits here to be taken into the group."""
         if self.elastic is not None and self.elastic.joining is not None:
             self._join(model)
+        self._replan(model)  # compiled again outside the scope
         extra = fitting.undistributed_own_optimizers(model)
         if not extra:
             return
@@ -197,20 +235,34 @@ class DataParallel(Parallelism):
         self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
         if self.elastic is not None:
             return self._keep_global_batches(a)
+        if self._splits(a["x"]):
+            return None  # Keras batches (and shuffles) the data as one process does; each step takes its rows
         shard_fit_arguments(a, self.sharding)
 
     def shard_evaluate(self, a: dict) -> None:
-        if self.elastic is not None:
-            return None  # whole global batches: the step takes its rows (see _my_rows)
+        if self.elastic is not None or self._splits(a["x"]):
+            return None  # whole global batches: the step takes its rows
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = self.sharding.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
         )
 
     def shard_predict(self, a: dict) -> int | None:
         # Each worker predicts its part of every batch; predict_step gathers the rows back.
+        if self.elastic is not None or self._splits(a["x"]):
+            return None
         a["x"], rows = self.sharding.pad_for_predict(a["x"], a["batch_size"])
         a["x"], _, _, a["batch_size"] = self.sharding.shard(a["x"], None, None, a["batch_size"])
         return rows
+
+    def _splits(self, x: Any) -> bool:
+        """Whether the steps of a fit/evaluate/predict of `x` split global batches (else `x` is dealt out first);
+        the models' traced steps are traced anew when that changes."""
+        splits = self.sharding.global_batch and not getattr(x, "_rdkeras_per_replica", False)
+        if splits != self._split_in_step:
+            self._split_in_step = splits
+            for model in self._models:
+                fitting.reset_compiled_functions(model)
+        return splits
 
     def step_overrides(self) -> dict[str, Any]:
         if self.num_workers == 1 and self.elastic is None:
@@ -221,6 +273,8 @@ class DataParallel(Parallelism):
             import keras
             import tensorflow as tf
 
+            if self._split_in_step:
+                data = self._split_batch(data)[0]
             out = keras_internals.original(model, "predict_step")(data)
             flat = keras.tree.flatten(out)
 
@@ -232,29 +286,45 @@ class DataParallel(Parallelism):
                 f.set_shape([None, *t.shape[1:]])
             return keras.tree.pack_sequence_as(out, list(full))
 
-        def train_step(model: Any, data: Any) -> Any:
-            # Random draws the size of this replica's batch (a GAN's noise) become its rows of the draw one
-            # process makes for the whole global batch: the same numbers, whatever the number of workers.
-            step = keras_internals.original(model, "train_step")
-            if self.elastic is not None:
-                data, start, rows, total = self._my_rows(data)
-                with keras_internals.global_batch_draws(rows, total, start):
-                    return step(data)
-            total = self.global_batch_size
-            if total is None or not self.sharding.global_batch:
-                return step(data)
-            start, rows = split_rows(total, self.sharding.num_shards, self.sharding.index)
-            with keras_internals.global_batch_draws(rows, total, start):
-                return step(data)
+        def step_of(name: str) -> Any:
+            def step(model: Any, data: Any) -> Any:
+                # This replica's rows of the global batch, whose random draws (dropout's masks, a GAN's noise) and
+                # losses are those of one process computing the whole batch, whatever the number of workers.
+                own = keras_internals.original(model, name)
+                if not self._split_in_step:
+                    return own(data)
+                mine, batch = self._split_batch(data)
+                with keras_internals.global_batch_step(batch):
+                    return own(mine)
 
-        overrides = {"predict_step": predict_step, "train_step": train_step}
+            return step
+
+        return {"predict_step": predict_step, "train_step": step_of("train_step"), "test_step": step_of("test_step")}
+
+    def _split_batch(self, data: Any) -> tuple[Any, global_batch.GlobalBatch]:
+        """(this worker's rows of a global batch, where they sit in it): the split of
+        :func:`~rdkeras.parallel.sharding.split_rows` by the rank and world of the moment -- static where the
+        batch's rows are, tensors otherwise (an elastic job's world changes without a new trace)."""
+        import tensorflow as tf
+
+        first = next(t for t in tf.nest.flatten(data) if t is not None)
+        rank: Any
+        world: Any
         if self.elastic is not None:
-
-            def test_step(model: Any, data: Any) -> Any:
-                return keras_internals.original(model, "test_step")(self._my_rows(data)[0])
-
-            overrides["test_step"] = test_step
-        return overrides
+            shard = self._shard_variable()
+            rank, world = shard[0], shard[1]
+            total: Any = None
+        else:
+            rank, world, total = self.sharding.index, self.sharding.num_shards, first.shape[0]
+        if total is not None:
+            start, rows = split_rows(total, world, rank)
+        else:
+            total = tf.shape(first, out_type=tf.int64)[0]
+            base, extra = total // world, total % world
+            start = rank * base + tf.minimum(tf.cast(rank, tf.int64), extra)
+            rows = base + tf.cast(rank < extra, tf.int64)
+        mine = tf.nest.map_structure(lambda t: None if t is None else _rows(t, start, rows), data)
+        return mine, global_batch.GlobalBatch(start, rows, total, world, self.step_sum.sum)
 
     # -- an elastic job ------------------------------------------------------------------------
 
@@ -289,24 +359,9 @@ class DataParallel(Parallelism):
                                           trainable=False, name="rdkeras_shard")  # fmt: skip
         return self._shard
 
-    def _my_rows(self, data: Any) -> tuple[Any, Any, Any, Any]:
-        """(this worker's rows of a global batch, their start, their count, the batch's rows), as tensors: the
-        split of :func:`~rdkeras.parallel.sharding.split_rows` by the rank and world of the moment."""
-        import tensorflow as tf
-
-        shard = self._shard_variable()
-        rank, world = shard[0], shard[1]
-        first = next(t for t in tf.nest.flatten(data) if t is not None)
-        total = tf.shape(first, out_type=tf.int64)[0]
-        base, extra = total // world, total % world
-        start = rank * base + tf.minimum(rank, extra)
-        rows = base + tf.cast(rank < extra, tf.int64)
-        mine = tf.nest.map_structure(lambda t: None if t is None else t[start : start + rows], data)
-        return mine, start, rows, total
-
     def rows_of(self, batch: Any) -> Any:
         """This worker's rows of a global batch (a structure of tensors), by the rank and world of the moment."""
-        return self._my_rows(batch)[0]
+        return self._split_batch(batch)[0]
 
     def lost_a_worker(self, error: BaseException) -> bool:
         if self.elastic is None:
@@ -423,16 +478,15 @@ class DataParallel(Parallelism):
         """PS mode: each optimizer slot from the worker that owns its variable; then the replicas made to
         agree and checked (:meth:`check_replicas`). Collective; nothing to do where no step ran since."""
         ps = self._servers.get(id(model))
-        steps = tuple(int(o.iterations.numpy()) for o in fitting.optimizers_of(model))
-        if self._gathered_at.get(id(model)) == (steps, ps and ps.step):
+        if self._gathered_at.get(id(model)) == self.steps_run:  # (counted here: a recompile restarts iterations)
             return
-        self._gathered_at[id(model)] = (steps, ps and ps.step)
+        self._gathered_at[id(model)] = self.steps_run
         if ps is not None and ps.owner:
             optimizer = keras_internals.inner_optimizer(model.optimizer)
             slots = [(v, ps.owner[i]) for v, i in keras_internals.optimizer_slot_references(
                 optimizer, model.trainable_variables) if i is not None]  # fmt: skip
             share_variables(self.collectives, [v for v, _ in slots], [o for _, o in slots])
-        self.check_replicas(model, when=f"after {max(steps, default=0)} steps")
+        self.check_replicas(model, when=f"after {self.steps_run} steps")
 
     def check_replicas(self, model: Any, when: str = "") -> None:
         """Averages the model's non-trainable float state over the replicas where it differs (BatchNormalization's
@@ -441,8 +495,26 @@ class DataParallel(Parallelism):
         averaged = replicas.averaged_on_disagreement(variables, model.non_trainable_variables)
         replicas.agree(self.collectives, variables, averaged, when or "at this check")
 
+    def epoch_logs(self, model: Any, logs: Any) -> Any:
+        """The metrics' results from their state merged over the replicas: one process's AUC or recall over the
+        whole data, not the mean of each worker's. A custom step's logs that name one of the model's metrics get
+        its merged result too; its other scalar logs are averaged."""
+        import keras
+
+        with global_batch.reduced_metric_state(model.metrics, self.collectives):
+            results = keras_internals.original(model, keras_internals.EPOCH_LOGS_HOOK)(logs)
+            if results is not logs:  # Keras's metrics' results
+                return keras.tree.map_structure(np.array, results)
+            if not isinstance(logs, dict):
+                return logs
+            metrics = {m.name: m for m in model.metrics}
+            merged = {k: keras.tree.map_structure(np.array, metrics[k].result()) for k in logs if k in metrics}
+        rest = self.share_logs({k: v for k, v in logs.items() if k not in merged})
+        return {k: merged[k] if k in merged else rest[k] for k in logs}
+
     def share_logs(self, logs: dict) -> dict:
-        keys = [k for k, v in logs.items() if np.ndim(v) == 0]
+        """The scalar logs averaged over the workers (a custom step's own numbers)."""
+        keys = [k for k, v in logs.items() if _scalar(v)]
         means = self.collectives.mean([float(logs[k]) for k in keys])
         return {**logs, **dict(zip(keys, means, strict=True))}
 
@@ -524,6 +596,22 @@ class ExchangePlan:
         rows = [f"| {path} | {shape} | {dtype} | {nbytes:,} |" for path, shape, dtype, nbytes in self.variables]
         lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
         return "\n".join(lines)
+
+
+def _scalar(value: Any) -> bool:
+    """Whether a log is a number (a Python or NumPy one, or a 0-d tensor or array): not a dict of results."""
+    return isinstance(value, (int, float, np.number)) or (hasattr(value, "dtype") and np.ndim(value) == 0)
+
+
+def _rows(t: Any, start: Any, rows: Any) -> Any:
+    """Rows ``start:start + rows`` of a tensor, a ragged or a sparse one."""
+    import tensorflow as tf
+
+    if isinstance(t, tf.SparseTensor):
+        size = tf.concat([[tf.cast(rows, tf.int64)], t.dense_shape[1:]], 0)
+        begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
+        return tf.sparse.slice(t, begin, size)
+    return t[start : start + rows]
 
 
 def _average_gradients(optimizer: Any, average: GradientAllreduce) -> None:

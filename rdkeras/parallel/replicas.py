@@ -43,8 +43,9 @@ def agree(collectives: Collectives, variables: Sequence[Any], averaged: Sequence
         raise ReplicasDivergedError(
             f"data-parallel replicas diverged {when}: {_name(first)} differs between workers ({int(differ[wrong[0]])} "
             f"of {collectives.size - 1} differ from rank 0; {len(wrong)} variable(s) in all, the first named). "
-            "Something updated it differently per worker: an optimizer other than the model's compiled one (a "
-            "custom train_step's own optimizers), a callback or custom code acting on some workers only"
+            "Something updated it differently per worker: trainable flags changed or the model was recompiled on "
+            "some workers only, an optimizer other than the model's compiled one (a custom train_step's own "
+            "optimizers), a callback or custom code acting on some workers only"
         )
     fix = [i for i in differing if averaged[i]]
     if fix:

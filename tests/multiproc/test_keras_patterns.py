@@ -1,0 +1,83 @@
+"""The conformance suite: the Keras guides' patterns (tests/multiproc/patterns.py) compute on 2 data-parallel workers
+what they compute in one plain Keras process -- weights, the history's losses and metrics, evaluate's and predict's
+results -- and the workers end bit-identical.
+
+All patterns run in two launches (one process, then 2 workers), each importing TensorFlow once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_ranks
+from tests.multiproc.patterns import PATTERNS
+
+MODULE = "tests.multiproc.patterns"
+NAMES = list(PATTERNS)
+TOLERANCE = 1e-5  # float32 sums over the replicas' rows in another order; mixed precision patterns give their own
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("patterns"))
+    (one,) = run_ranks("run", 1, module=MODULE, timeout=600, names=NAMES, distributed=False, tmp=tmp)
+    workers = run_ranks("run", 2, module=MODULE, timeout=600, names=NAMES, distributed=True, tmp=tmp)
+    return one.value, [w.value for w in workers]
+
+
+def _leaves(value, path=""):
+    """(path, leaf) of a pattern's results: numbers and lists of numbers (or strings) at the leaves."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{path}/{key}")
+    elif isinstance(value, list) and value and isinstance(value[0], (dict, list)) and not _numeric(value):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _numeric(value) -> bool:
+    try:
+        np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _compare(got: dict, want: dict, tolerance: float, who: str) -> None:
+    got_leaves = dict(_leaves(got))
+    for path, expected in _leaves(want):
+        assert path in got_leaves, f"{who}: {path} missing"
+        actual = got_leaves[path]
+        if _numeric(expected):
+            np.testing.assert_allclose(
+                np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=tolerance, atol=tolerance,
+                err_msg=f"{who}: {path}",
+            )  # fmt: skip
+        else:
+            assert actual == expected, f"{who}: {path}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_pattern_computes_what_one_process_computes(runs, name):
+    one, workers = runs
+    reference = one[name]
+    assert "error" not in reference, f"{name} failed in one process:\n{reference['error'][-3000:]}"
+    for rank, results in enumerate(workers):
+        got = results[name]
+        assert "error" not in got, f"{name} failed on worker {rank}:\n{got['error'][-3000:]}"
+        if rank > 0:  # what the chief-only callbacks wrote, the chief reports
+            reference = {k: v for k, v in reference.items() if k != "saved"}
+        _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, worker {rank}")
+    shared = [{k: v for k, v in w[name].items() if k not in ("wire", "saved")} for w in workers]
+    assert shared[0] == shared[1], f"{name}: the workers differ"  # bit for bit
+
+
+def test_lora_sends_only_the_lora_gradients(runs):
+    # GPT-2 with LoRA of rank 2: 2 steps exchange (by recursive doubling, 2 workers) each trainable gradient once a
+    # step, plus the loss counts and the epoch's metric state; the frozen weights, 11x more bytes, never go.
+    wire = runs[1][0]["kerashub_lora"]["wire"]
+    assert wire["all"] > 10 * wire["trainable"]
+    assert 2 * wire["trainable"] <= wire["sent"] <= 2 * wire["trainable"] + (64 << 10), wire
