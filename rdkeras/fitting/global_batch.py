@@ -8,7 +8,10 @@ each replica went its own way, and are made the global batch's here:
   unmasked tokens or sample weights (by the reduction; ``"sum"``: no division). Each replica computes its own
   sum ``S_r``, and ``D`` is summed over the replicas (one small collective in the forward pass); the replica's loss
   is ``N * S_r / D``, so the mean over the N replicas -- what the gradient exchange averages -- is ``S / D``, one
-  process's loss and gradient whatever the replicas' shares of masks and weights.
+  process's loss and gradient whatever the replicas' shares of masks and weights. Where every value counts
+  (no mask, no division by the weights), ``D`` is the global batch's rows times each row's values, known to every
+  replica without the collective. A loss's values keep the batch's rows as their first dimension (Keras's own
+  losses all do).
 - **the loss trackers** (the ``loss`` of the logs): Keras weighs each step's loss by the batch's rows; here by
   the global batch's rows over N, so the trackers' state summed over replicas is one process's.
 - **metric state**: at an epoch's end and evaluate's, every metric's variables are summed over the replicas (by
@@ -86,16 +89,18 @@ class GlobalBatch:
         replicas = ops.cast(self.replicas, values.dtype)
         if reduction == "sum":
             return total * replicas
+        import tensorflow as tf
+
         if reduction == "mean_with_sample_weight" and weights is not None:
             count = ops.sum(ops.cast(weights, "float64"))
         elif mask is not None and reduction in _MEANS:  # the unmasked values (Keras: sum / size * size / valid)
             count = ops.sum(ops.cast(float_mask, "float64")) * ops.divide_no_nan(
                 ops.cast(ops.size(values), "float64"), ops.cast(ops.size(float_mask), "float64")
             )
-        else:
-            count = ops.cast(ops.size(values), "float64")
-        import tensorflow as tf
-
+        else:  # every value counts: the global batch's rows times each row's values, known here without a collective
+            per_row = ops.divide_no_nan(ops.cast(ops.size(values), "float64"), ops.cast(self.rows, "float64"))
+            count = per_row * ops.cast(self.total, "float64")  # (a replica without rows: 0, and so is its loss)
+            return ops.divide_no_nan(total * replicas, ops.cast(count, values.dtype))
         (count,) = tf.unstack(tf.stop_gradient(self.sum_over_replicas(tf.reshape(count, [1]))))
         return ops.divide_no_nan(total * replicas, ops.cast(count, values.dtype))
 

@@ -35,7 +35,7 @@ def make_strategy(cfg: Any) -> Any:
     if kind in ("data", "hybrid"):
         kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
     if kind == "data":
-        for key in ("algorithm", "compression", "compress_within_hosts"):
+        for key in ("algorithm", "compression", "compress_within_hosts", "sparse_as_dense"):
             if parallel.get(key) is not None:
                 kwargs[key] = parallel[key]
     if kind in ("model", "hybrid"):

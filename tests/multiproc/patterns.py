@@ -71,6 +71,24 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
     return out
 
 
+def load_saved(folder: str) -> dict:
+    """The weights of the KerasHub model kerashub_gpt2 saved in `folder` (a .keras file and a preset), loaded by
+    Keras and KerasHub alone: the test runs this in a fresh process and checks rdkeras was never imported."""
+    import sys
+
+    import keras
+    import keras_hub
+
+    from_file = keras.saving.load_model(os.path.join(folder, "lm.keras"))
+    from_preset = keras_hub.models.GPT2CausalLM.from_preset(os.path.join(folder, "preset"))
+    return {
+        "file": _plain(from_file.get_weights()),
+        "preset": _plain(from_preset.get_weights()),
+        "file_class": type(from_file).__name__,
+        "rdkeras_imported": any(name.split(".")[0] == "rdkeras" for name in sys.modules),
+    }
+
+
 def _plain(value):
     """Arrays and numbers as JSON-able lists and floats."""
     if isinstance(value, dict):
@@ -296,6 +314,9 @@ def kerashub_gpt2(env):
         lm.compile(optimizer=keras.optimizers.AdamW(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(True),
                    sampler="greedy")  # fmt: skip
     history = lm.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    if not env.distributed or env.strategy.is_chief:  # read back by load_saved, in a process without rdkeras
+        lm.save(os.path.join(env.tmp, "lm.keras"))
+        lm.save_to_preset(os.path.join(env.tmp, "preset"))
     prompt_mask = np.arange(8)[None, :] < np.array([[3], [5]])
     generated = lm.generate({"token_ids": tokens[:2, :8] * prompt_mask, "padding_mask": prompt_mask},
                             stop_token_ids=None)  # fmt: skip
@@ -759,3 +780,24 @@ def kerashub_text_classifier(env):
     history = classifier.fit(texts, labels, batch_size=8, epochs=2, verbose=0)
     evaluated = classifier.evaluate(texts, labels, batch_size=8, verbose=0)
     return _result(classifier, history, evaluate=evaluated, predict=classifier.predict(texts[:4], verbose=0))
+
+
+@pattern
+def partial_last_batches(env):
+    """Data that ends in a partial batch split unevenly (3 rows: 2 and 1) or leaving a worker no row at all (1 row),
+    with Dropout, metrics, evaluate and predict."""
+    import keras
+
+    out = {}
+    for samples in (99, 97):
+        keras.utils.set_random_seed(SEED)
+        x, y = _classification(samples=samples)
+        with env.scope():
+            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dropout(0.2), keras.layers.Dense(3)])  # fmt: skip
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True),
+                          metrics=["accuracy"])  # fmt: skip
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        out[str(samples)] = _result(model, history, evaluate=model.evaluate(x, y, batch_size=16, verbose=0),
+                                    predict=model.predict(x, batch_size=16, verbose=0))  # fmt: skip
+    return out

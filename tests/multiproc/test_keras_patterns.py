@@ -6,6 +6,12 @@ All patterns run in two launches (one process, then 2 workers), each importing T
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,14 +19,19 @@ from tests.conftest import run_ranks
 from tests.multiproc.patterns import PATTERNS
 
 MODULE = "tests.multiproc.patterns"
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = list(PATTERNS)
 TOLERANCE = 1e-5  # float32 sums over the replicas' rows in another order; mixed precision patterns give their own
 pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("patterns"))
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("patterns"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp):
     (one,) = run_ranks("run", 1, module=MODULE, timeout=600, names=NAMES, distributed=False, tmp=tmp)
     workers = run_ranks("run", 2, module=MODULE, timeout=600, names=NAMES, distributed=True, tmp=tmp)
     return one.value, [w.value for w in workers]
@@ -81,3 +92,22 @@ def test_lora_sends_only_the_lora_gradients(runs):
     wire = runs[1][0]["kerashub_lora"]["wire"]
     assert wire["all"] > 10 * wire["trainable"]
     assert 2 * wire["trainable"] <= wire["sent"] <= 2 * wire["trainable"] + (64 << 10), wire
+
+
+def test_kerashub_files_saved_under_the_strategy_load_without_rdkeras(runs, tmp):
+    # The chief saved the trained GPT-2 as a .keras file and as a KerasHub preset; a process that never imports
+    # rdkeras loads both, as Keras's and KerasHub's own classes, with the weights the workers ended with.
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[2]); from tests.multiproc.patterns import load_saved;"
+        "print('@@' + json.dumps(load_saved(sys.argv[1])))"
+    )
+    folder = os.path.join(tmp, "kerashub_gpt2", "distributed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")} | {"PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", code, folder, str(ROOT)], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    loaded = json.loads(lines[0][2:])
+    assert not loaded["rdkeras_imported"] and loaded["file_class"] == "GPT2CausalLM"
+    trained = runs[1][0]["kerashub_gpt2"]["weights"]
+    assert loaded["file"] == trained and loaded["preset"] == trained
