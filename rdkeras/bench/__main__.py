@@ -1,4 +1,4 @@
-"""python -m rdkeras.bench {sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic} [options]"""
+"""python -m rdkeras.bench {sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic,embedding} [options]"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     to_stderr()  # an application: rdkeras's messages are shown
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    from rdkeras.bench import algorithms, allreduce, elastic, fit, hosts, paper, pipeline, sendrecv
+    from rdkeras.bench import algorithms, allreduce, elastic, embedding, fit, hosts, paper, pipeline, sendrecv
 
     benches = {
         "sendrecv": sendrecv,
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         "paper": paper,
         "hosts": hosts,
         "elastic": elastic,
+        "embedding": embedding,
     }
     for name, module in benches.items():
         module.add_arguments(sub.add_parser(name, help=(module.__doc__ or name).splitlines()[0]))
