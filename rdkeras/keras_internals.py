@@ -526,8 +526,9 @@ def global_batch_step(batch: Any) -> Iterator[None]:
     """While a data-parallel step is traced on this thread, its random draws and its losses are the global batch's.
 
     `batch` gives ``start``, ``rows`` and ``total`` (this replica's first row in the global batch, its rows, the
-    global batch's rows: ints or scalar tensors) and ``reduce_loss(keras_reduce, values, sample_weight, mask,
-    reduction, dtype)``:
+    global batch's rows: ints or scalar tensors), ``reduce_loss(keras_reduce, values, sample_weight, mask,
+    reduction, dtype)`` and ``draws`` (None, or a dict the micro-batches of one pipeline step share: each draw's
+    seed is then the one the first micro-batch drew at the same place):
 
     - a draw of keras.random (or the backend's, which layers call) whose first dimension is `rows` draws `total`
       rows with the same seed and returns rows ``start:start + rows``: what one process, drawing for the whole
@@ -543,6 +544,19 @@ def global_batch_step(batch: Any) -> Iterator[None]:
 
     thread = threading.get_ident()
     start, rows, total = batch.start, batch.rows, batch.total
+    shared = getattr(batch, "draws", None)  # a pipeline's micro-batches: the step's draws, made once
+    made: dict[int, int] = {}  # draws made here so far, by seed generator
+
+    def draw_seed(seed: Any) -> Any:
+        """The seed of a draw: the generator's next one; in a pipeline's micro-batch, the seed the step's first
+        micro-batch drew at the same place (the generator advances once a step, as in one process)."""
+        if shared is None or not isinstance(seed, seed_generator.SeedGenerator):
+            return seed_generator.draw_seed(seed)
+        key = (id(seed), made.get(id(seed), 0))
+        made[id(seed)] = key[1] + 1
+        if key not in shared:
+            shared[key] = seed_generator.draw_seed(seed)
+        return shared[key]
 
     class _Drawn(seed_generator.SeedGenerator):  # a seed already drawn, handed to Keras's own function
         def __init__(self, seed: Any) -> None:  # no state variable: nothing to track
@@ -561,10 +575,12 @@ def global_batch_step(batch: Any) -> Iterator[None]:
     def make(previous: Any) -> Any:
         @functools.wraps(previous)
         def draw(shape: Any, *args: Any, seed: Any = None, **kwargs: Any) -> Any:
-            dims = list(shape) if isinstance(shape, (tuple, list)) else None
-            if threading.get_ident() != thread or not dims:
+            if threading.get_ident() != thread:
                 return previous(shape, *args, seed=seed, **kwargs)
-            drawn = _Drawn(seed_generator.draw_seed(seed))  # the generator advances once, as in one process
+            drawn = _Drawn(draw_seed(seed))  # the generator advances once, as in one process
+            dims = list(shape) if isinstance(shape, (tuple, list)) else None
+            if not dims:  # no rows (RandomCrop's offsets): the one draw of the step, as one process's
+                return previous(shape, *args, seed=drawn, **kwargs)
             return of_global(
                 dims[0],
                 lambda: previous(shape, *args, seed=drawn, **kwargs),
@@ -582,7 +598,7 @@ def global_batch_step(batch: Any) -> Iterator[None]:
         inputs = tf.convert_to_tensor(inputs)
         dims = list(inputs.shape) if noise_shape is None else list(noise_shape)  # (Dropout fills in the batch's)
         dims = [tf.shape(inputs)[i] if d is None else d for i, d in enumerate(dims)]
-        drawn = backend_random._cast_seed(seed_generator.draw_seed(seed))  # as Keras's own dropout casts it
+        drawn = backend_random._cast_seed(draw_seed(seed))  # as Keras's own dropout casts it
 
         def keep(first: Any) -> Any:
             # TensorFlow's own stateless dropout of ones: the keep mask it draws for this shape and seed.

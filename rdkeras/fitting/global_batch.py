@@ -13,7 +13,8 @@ each replica went its own way, and are made the global batch's here:
   replica without the collective. A loss's values keep the batch's rows as their first dimension (Keras's own
   losses all do).
 - **the loss trackers** (the ``loss`` of the logs): Keras weighs each step's loss by the batch's rows; here by
-  the global batch's rows over N, so the trackers' state summed over replicas is one process's.
+  the global batch's rows over N, so the trackers' state summed over replicas is one process's. (A pipeline's
+  micro-batches are parts of the batch alike, on one worker: their losses are shares that add up to the batch's.)
 - **metric state**: at an epoch's end and evaluate's, every metric's variables are summed over the replicas (by
   their ``aggregation``) before ``result()``, in one collective, then given back their own values: AUC, Precision
   or Recall over the whole data, not the mean of each replica's.
@@ -48,15 +49,23 @@ class GlobalBatch:
         start: The replica's first row in the global batch (an int or a scalar tensor).
         rows: The replica's rows.
         total: The global batch's rows.
-        replicas: N, the replicas the batch is split over.
-        sum_over_replicas: A float64 vector tensor summed over the replicas (a collective, inside the step).
+        replicas: N, the replicas the batch is split over; their losses are averaged (a pipeline's micro-batches:
+            1, their losses are summed).
+        sum_over_replicas: A float64 vector tensor summed over the replicas (a collective, inside the step); None
+            where the parts are not computed together (a pipeline's micro-batches, in turn): a loss whose count
+            needs the other parts is then this part's mean weighted by its rows.
+        draws: None, or the draws a pipeline step's micro-batches share (see ``keras_internals.global_batch_step``).
+        parts: The parts whose loss-tracker updates add up to the batch's: the replicas (default), or a pipeline
+            step's micro-batches.
     """
 
     start: Any
     rows: Any
     total: Any
     replicas: Any
-    sum_over_replicas: Callable[[Any], Any]
+    sum_over_replicas: Callable[[Any], Any] | None
+    draws: dict | None = None
+    parts: Any = None
 
     def reduce_loss(
         self,
@@ -71,7 +80,7 @@ class GlobalBatch:
         its part, so that the replicas' mean is one process's)."""
         from keras import ops
 
-        values = ops.convert_to_tensor(values, dtype=dtype)
+        values = raw = ops.convert_to_tensor(values, dtype=dtype)
         if reduction in (None, "none") or len(values.shape) == 0:
             return keras_reduce(values, sample_weight, mask, reduction, dtype)
         weights = None if sample_weight is None else ops.cast(sample_weight, values.dtype)
@@ -101,19 +110,30 @@ class GlobalBatch:
             per_row = ops.divide_no_nan(ops.cast(ops.size(values), "float64"), ops.cast(self.rows, "float64"))
             count = per_row * ops.cast(self.total, "float64")  # (a replica without rows: 0, and so is its loss)
             return ops.divide_no_nan(total * replicas, ops.cast(count, values.dtype))
+        if self.sum_over_replicas is None:  # Keras's mean of this part, weighted by its share of the rows
+            share = ops.divide_no_nan(ops.cast(self.rows, values.dtype), ops.cast(self.total, values.dtype))
+            return keras_reduce(raw, sample_weight, mask, reduction, dtype) * share * replicas
         (count,) = tf.unstack(tf.stop_gradient(self.sum_over_replicas(tf.reshape(count, [1]))))
         return ops.divide_no_nan(total * replicas, ops.cast(count, values.dtype))
 
-    def tracker_weight(self) -> Any:
-        """The weight of a step's loss in the loss trackers: the global batch's rows over N."""
+    def tracked(self, value: Any) -> tuple[Any, Any]:
+        """(value, weight) a loss tracker records for this part's loss: over the parts' updates, their weighted
+        mean is the batch's loss, and their weights add up to its rows. A replica's loss is N times its share of
+        the batch's, weighted by the batch's rows over N; a micro-batch's loss is its share, counted M times over
+        the rows over M."""
         import tensorflow as tf
 
-        return tf.cast(self.total, tf.float32) / tf.cast(self.replicas, tf.float32)
+        parts = tf.cast(self.replicas if self.parts is None else self.parts, tf.float32)
+        scale = parts / tf.cast(self.replicas, tf.float32)
+        return value * tf.cast(scale, value.dtype), tf.cast(self.total, tf.float32) / parts
 
 
 def weigh_loss_trackers(model: Any) -> None:
     """Makes the model's loss trackers weigh a step's loss by the global batch's rows over N inside a data-parallel
-    step (:class:`GlobalBatch`); idempotent, and done again for the trackers a recompile makes."""
+    step or a pipeline's micro-batch (:meth:`GlobalBatch.tracked`); idempotent, and done again for the trackers a
+    recompile makes."""
+    import tensorflow as tf
+
     for tracker in keras_internals.loss_trackers(model):
         if keras_internals.untracked(tracker, _WEIGHED):
             continue
@@ -122,7 +142,7 @@ def weigh_loss_trackers(model: Any) -> None:
         def update_state(self: Any, values: Any, sample_weight: Any = None) -> Any:
             batch = keras_internals.current_global_batch()
             if batch is not None and sample_weight is not None:
-                sample_weight = batch.tracker_weight()
+                values, sample_weight = batch.tracked(tf.convert_to_tensor(values))
             return keras_internals.original(self, "update_state")(values, sample_weight=sample_weight)
 
         keras_internals.override(tracker, "update_state", update_state)

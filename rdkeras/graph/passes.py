@@ -44,7 +44,10 @@ def pass_gradients(
     sources = [variables[i] for i in direct] + back + layer_outputs
     with tf.control_dependencies(list(after)):
         grads = tape.gradient(targets, sources, output_gradients=output_grads) if targets else []
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads] or [None] * len(sources)
+    # An Embedding's weight gradient stays IndexedSlices (the optimizer applies it as it would in one process).
+    n = len(direct)
+    grads = [g if g is None or (i < n and isinstance(g, tf.IndexedSlices)) else tf.convert_to_tensor(g)
+             for i, g in enumerate(grads)] or [None] * len(sources)  # fmt: skip
     weight_grads: list[Any] = [None] * len(variables)
     for i, g in zip(direct, grads[: len(direct)], strict=True):
         weight_grads[i] = g

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import keras_internals
+from rdkeras.fitting.global_batch import GlobalBatch
 from rdkeras.parallel.sharding import unpack
 
 
@@ -89,7 +90,23 @@ class Feeds:
         # each knows the batch's row count locally.
         first = keras.tree.flatten(x)[0]
         self.rows = tf.cast(tf.shape(first)[0], keras.config.floatx())
+        self._batch_rows = first.shape[0] if first.shape[0] is not None else tf.shape(first, out_type=tf.int64)[0]
         self._metric_batches: list[tuple] = []
+        self._draws: dict = {}  # the step's random draws, made by its first micro-batch and shared by the others
+
+    def global_batch(self, m: int) -> GlobalBatch:
+        """Micro-batch m as a part of the batch: its draws are its rows of one draw for the whole batch, with the
+        seed one process uses, and its loss its share of the batch's (their sum is the batch's loss)."""
+        import tensorflow as tf
+
+        micro, n = self.plan.micro_batches, self._batch_rows
+        if isinstance(n, int) and n % micro == 0:
+            rows: Any = n // micro
+            start: Any = m * rows
+        else:  # as split() cuts them: the first micro-batches one row longer
+            sizes = [(n + micro - 1 - i) // micro for i in range(micro)]
+            rows, start = sizes[m], tf.add_n([tf.cast(r, tf.int64) for r in sizes[:m]]) if m else 0
+        return GlobalBatch(start, rows, n, 1, None, draws=self._draws, parts=micro)
 
     def after_data(self) -> list[Any]:
         """What the step's first transfer waits for: this batch. A worker that only receives must not
@@ -117,7 +134,6 @@ class Feeds:
     def loss(self, m: int, outs: list[Any], received: dict[str, Any], training: bool) -> Any:
         """Loss worker: micro-batch m's share of the full batch's loss."""
         import keras
-        import tensorflow as tf
 
         flat_pred = self.model_outputs(outs, received, m)
         y_pred = keras.tree.pack_sequence_as(keras_internals.outputs_struct(self.graph), flat_pred)
@@ -132,12 +148,12 @@ class Feeds:
         compile_loss = keras_internals.compiled_loss(self.model)
         if compile_loss is None:
             return None
-        loss = compile_loss(y, y_pred, sw)
         if self.plan.micro_batches == 1:
-            return loss
-        # The full batch's mean = sum over micro-batches of (rows_m / rows) x micro-batch mean.
-        rows_m = tf.cast(tf.shape(keras.tree.flatten(flat_pred)[0])[0], loss.dtype)
-        return loss * rows_m / tf.cast(self.rows, loss.dtype)
+            return compile_loss(y, y_pred, sw)
+        # Micro-batch m's share of the batch's loss: its sum over the batch's count where every value counts, else
+        # its mean weighted by its rows (fitting.global_batch); the shares add up to the batch's loss.
+        with keras_internals.global_batch_step(self.global_batch(m)):
+            return compile_loss(y, y_pred, sw)
 
     def update_metrics(self, total_loss: Any) -> None:
         if total_loss is not None:

@@ -196,8 +196,19 @@ def _backward_one(
     chain = [*chain, _computed(weight_grads, input_grads, later)]
     for i, g in enumerate(weight_grads):
         if g is not None:
-            summed[i] = g if summed[i] is None else summed[i] + g
+            summed[i] = g if summed[i] is None else _add_gradients(summed[i], g)
     return chain, later
+
+
+def _add_gradients(a: Any, b: Any) -> Any:
+    """Two micro-batches' gradients added; an Embedding's IndexedSlices stay sparse (their rows and indices, in
+    micro-batch order: the IndexedSlices one process computes for the batch, which Adam applies differently from
+    a dense gradient)."""
+    import tensorflow as tf
+
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return a + b
 
 
 def test_step(model: Any, run: Pipeline, data: Any) -> Any:
@@ -248,7 +259,10 @@ def _run_stage(
     # TensorFlow would otherwise run every micro-batch's forward before the first send, and
     # the next stage could not overlap with this one.
     with tf.control_dependencies(chain):
-        return run_stage_model(stage, inputs, training)
+        if not training or feeds.plan.micro_batches == 1:
+            return run_stage_model(stage, inputs, training)
+        with keras_internals.global_batch_step(feeds.global_batch(m)):  # a Dropout mask: m's rows of the batch's
+            return run_stage_model(stage, inputs, training)
 
 
 def _send_data(run: Pipeline, feeds: Feeds, m: int, chain: list[Any]) -> list[Any]:
@@ -309,7 +323,9 @@ def _or_zeros(gradient: Any, variable: Any) -> Any:
     """A summed gradient, or zeros where no micro-batch of this worker's reached the variable."""
     import tensorflow as tf
 
-    return tf.zeros(variable.shape, variable.dtype) if gradient is None else gradient
+    if gradient is None:
+        return tf.zeros(variable.shape, variable.dtype)
+    return tf.convert_to_tensor(gradient)  # (an IndexedSlices made dense: the pair's sum is)
 
 
 def _sum(total: Any, loss: Any) -> Any:
@@ -322,7 +338,8 @@ def _computed(*tensors: Any) -> Any:
     import keras
     import tensorflow as tf
 
-    return tf.group(*[t for t in keras.tree.flatten(list(tensors)) if t is not None])
+    flat = [t for t in keras.tree.flatten(list(tensors)) if t is not None]
+    return tf.group(*[t.values if isinstance(t, tf.IndexedSlices) else t for t in flat])
 
 
 def _regularization(stage: Stage, micro_batches: int) -> Any:

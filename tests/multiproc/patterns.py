@@ -20,6 +20,9 @@ import numpy as np
 
 PATTERNS: dict = {}
 SEED = 1234
+# The patterns that apply to a pipeline too (a Functional or Sequential model of several layers, one per strategy).
+PIPELINE_PATTERNS = ["fit_default_shuffle", "tf_data_seeded_shuffle", "dropout_lstm", "embedding_adam",
+                     "noise_and_dropout_layers", "image_augmentation", "functional_multi_input_output"]  # fmt: skip
 
 
 def pattern(fn):
@@ -41,8 +44,9 @@ class Env:
         return self.strategy is not None
 
 
-def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None = None) -> dict:
-    """Runs each named pattern in turn; returns {name: its results as lists, or {"error": traceback}}."""
+def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None = None, label: str = "") -> dict:
+    """Runs each named pattern in turn (each with a strategy of `strategy_kwargs` where `distributed`, its files in
+    a folder of `tmp` named after it and `label`); returns {name: its results as lists, or {"error": traceback}}."""
     import keras
 
     from tests.multiproc.in_turn import _fresh_keras
@@ -56,7 +60,7 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
                 import rdkeras
 
                 strategy = rdkeras.RDMAStrategy(**(strategy_kwargs or {}))
-            folder = os.path.join(tmp, name, "distributed" if distributed else "one")
+            folder = os.path.join(tmp, name, label or ("distributed" if distributed else "one"))
             os.makedirs(folder, exist_ok=True)
             out[name] = _plain(PATTERNS[name](Env(strategy, folder)))
         except Exception:

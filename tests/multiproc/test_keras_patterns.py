@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_ranks
-from tests.multiproc.patterns import PATTERNS
+from tests.multiproc.patterns import PATTERNS, PIPELINE_PATTERNS
 
 MODULE = "tests.multiproc.patterns"
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,15 @@ def runs(tmp):
     (one,) = run_ranks("run", 1, module=MODULE, timeout=600, names=NAMES, distributed=False, tmp=tmp)
     workers = run_ranks("run", 2, module=MODULE, timeout=600, names=NAMES, distributed=True, tmp=tmp)
     return one.value, [w.value for w in workers]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp, runs):
+    """The patterns that apply, as a 2-stage pipeline of 2 micro-batches (cut automatically), against one process."""
+    kwargs = {"parallelism": "pipeline", "micro_batches": 2}
+    workers = run_ranks("run", 2, module=MODULE, timeout=600, names=PIPELINE_PATTERNS, distributed=True, tmp=tmp,
+                        strategy_kwargs=kwargs, label="pipeline")  # fmt: skip
+    return runs[0], [w.value for w in workers]
 
 
 def _leaves(value, path=""):
@@ -73,6 +82,15 @@ def _compare(got: dict, want: dict, tolerance: float, who: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_pattern_computes_what_one_process_computes(runs, name):
+    _check(runs, name)
+
+
+@pytest.mark.parametrize("name", PIPELINE_PATTERNS)
+def test_the_pattern_as_a_pipeline_computes_what_one_process_computes(pipeline_runs, name):
+    _check(pipeline_runs, name)
+
+
+def _check(runs, name):
     one, workers = runs
     reference = one[name]
     assert "error" not in reference, f"{name} failed in one process:\n{reference['error'][-3000:]}"

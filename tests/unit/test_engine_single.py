@@ -323,7 +323,10 @@ def test_the_rdkeras_command_runs_each_entry_point_by_name(tmp_path):
         return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
     bench = run("bench", "--help")
-    assert bench.returncode == 0 and "{sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic}" in bench.stdout
+    assert (
+        bench.returncode == 0
+        and "{sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic,embedding}" in bench.stdout
+    )
     launch = run("launch", "--help")
     assert launch.returncode == 0 and "-n PER_NODE" in launch.stdout
     train = run("train", "trainer.epoch=1", f"hydra.run.dir={tmp_path}")
