@@ -143,49 +143,6 @@ def fit_over_transports(runs: list, kind: str, batch: int, epochs: int = 1) -> d
     return out
 
 
-def fit_inputs(source: str, samples: int = 96, distributed: bool = True) -> dict:
-    """fit_model('mlp') fed as arrays, a tf.data.Dataset or a keras.utils.PyDataset of global batches."""
-    import rdkeras
-
-    strategy = rdkeras.RDMAStrategy() if distributed else None
-    out = _fit_inputs_with(strategy, source, samples)
-    if strategy:
-        strategy.close()
-    return out
-
-
-def _fit_inputs_with(strategy, source: str, samples: int, batch: int = 16, epochs: int = 2) -> dict:
-    """(with samples % batch != 0: a partial last batch, split over the workers)"""
-    import contextlib
-
-    import keras
-    import tensorflow as tf
-
-    x, y = _data("mlp", samples)
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        model = _model("mlp", seed=100 + (strategy.worker_index if strategy else 0))
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        )
-    if source == "arrays":
-        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False)
-    else:
-        if source == "dataset":
-            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-        else:
-
-            class Batches(keras.utils.PyDataset):
-                def __len__(self):
-                    return -(-len(x) // batch)
-
-                def __getitem__(self, i):
-                    return x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
-
-            data = Batches()
-        model.fit(data, epochs=epochs, verbose=0, shuffle=False)  # (a PyDataset would shuffle its batch order)
-    return {"weights": [w.tolist() for w in model.get_weights()]}
-
-
 def next_port(strategy, tag: str) -> None:
     """Rank 0 picks the rendezvous port of the next strategy in this process and tells the others."""
     from rdkeras.launch import free_port
@@ -195,25 +152,6 @@ def next_port(strategy, tag: str) -> None:
         store.set(f"next_port/{tag}", str(free_port()).encode())
     (port,) = store.get([f"next_port/{tag}"], waiting_for=[0])
     os.environ["RDKERAS_MASTER_PORT"] = port.decode()
-
-
-def fit_inputs_all(cases: list) -> dict:
-    """fit_inputs for every (source, samples) case in this one pair of processes (TensorFlow imports once),
-    one strategy after another; then rank 0 trains each case in one plain Keras process."""
-    import rdkeras
-
-    out = {}
-    for i, (source, samples) in enumerate(cases):
-        strategy = rdkeras.RDMAStrategy()
-        out[f"{source}/{samples}"] = _fit_inputs_with(strategy, source, samples)
-        if i + 1 < len(cases):
-            next_port(strategy, str(i))
-        rank = strategy.worker_index
-        strategy.close()
-    if rank == 0:
-        for source, samples in cases:
-            out[f"{source}/{samples}/reference"] = _fit_inputs_with(None, source, samples)
-    return out
 
 
 def fit_callbacks(checkpoint_dir: str) -> dict:

@@ -490,38 +490,6 @@ def mwms_custom_loop(distributed: bool = True, steps: int = 6) -> dict:
     return out
 
 
-def batchnorm(synchronized: bool, distributed: bool = True, epochs: int = 2) -> dict:
-    """An MLP with BatchNormalization fit on this worker's part of each global batch (or in one
-    process): its weights and moving statistics."""
-    import keras
-
-    import rdkeras
-
-    x, y = _data()
-    strategy = rdkeras.RDMAStrategy() if distributed else None
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        keras.utils.set_random_seed(9)
-        model = keras.Sequential(
-            [keras.Input((10,)), keras.layers.Dense(16, name="hidden"),
-             keras.layers.BatchNormalization(synchronized=synchronized, name="bn"), keras.layers.Activation("relu"),
-             keras.layers.Dense(4, name="logits")],
-        )  # fmt: skip
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.05),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False,
-        )
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False)
-    bn = model.get_layer("bn")
-    out = {
-        "weights": [w.tolist() for w in model.get_weights()],
-        "statistics": [np.asarray(v.numpy()).tolist() for v in (bn.moving_mean, bn.moving_variance)],
-    }
-    if strategy:
-        strategy.close()
-    return out
-
-
 def ran_out_of_data() -> dict:
     """A dataset of unknown size that runs out in the second epoch: Keras's warnings each worker saw."""
     import warnings

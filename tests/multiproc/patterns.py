@@ -118,6 +118,18 @@ def _result(model, history=None, **more) -> dict:
     return out
 
 
+def _classify(env, layers, x, y, optimizer, **fit) -> dict:
+    """The common shape of a guide's classifier: ``keras.Sequential(layers())`` built and compiled in the scope
+    with `optimizer` and sparse categorical cross-entropy on logits, fit (2 epochs unless `fit` says), results."""
+    import keras
+
+    with env.scope():
+        model = keras.Sequential(layers())
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, **{"epochs": 2, "verbose": 0, **fit})
+    return _result(model, history)
+
+
 def _classification(samples: int = 96, features: int = 12, classes: int = 3, seed: int = 7):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((samples, features)).astype("float32")
@@ -199,14 +211,12 @@ def dropout_lstm(env):
     rng = np.random.default_rng(5)
     x = rng.integers(1, 50, (64, 10)).astype("int32")
     y = (x[:, 0] > 25).astype("int32")
-    with env.scope():
-        model = keras.Sequential([keras.Input((10,), dtype="int32"), keras.layers.Embedding(50, 8),
-                                  keras.layers.LSTM(8), keras.layers.Dropout(0.3),
-                                  keras.layers.Dense(2)])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    return _result(model, history)
+
+    def layers():
+        return [keras.Input((10,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.LSTM(8),
+                      keras.layers.Dropout(0.3), keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16, shuffle=False)
 
 
 @pattern
@@ -251,13 +261,12 @@ def embedding_adam(env):
     rng = np.random.default_rng(13)
     x = rng.integers(0, 100, (64, 6)).astype("int32")
     y = (x.sum(1) % 2).astype("int32")
-    with env.scope():
-        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(100, 8),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
-    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-    return _result(model, history)
+
+    def layers():
+        return [keras.Input((6,), dtype="int32"), keras.layers.Embedding(100, 8),
+                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16, epochs=3, shuffle=False)
 
 
 @pattern
@@ -583,14 +592,13 @@ def noise_and_dropout_layers(env):
     rng = np.random.default_rng(43)
     x = rng.standard_normal((48, 6, 4)).astype("float32")
     y = (x[:, :, 0].sum(1) > 0).astype("int32")
-    with env.scope():
-        model = keras.Sequential([keras.Input((6, 4)), keras.layers.SpatialDropout1D(0.2),
-                                  keras.layers.GaussianNoise(0.3), keras.layers.Flatten(),
-                                  keras.layers.Dense(8, activation="selu"), keras.layers.AlphaDropout(0.2),
-                                  keras.layers.GaussianDropout(0.2), keras.layers.Dense(2)])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    return _result(model, history)
+
+    def layers():
+        return [keras.Input((6, 4)), keras.layers.SpatialDropout1D(0.2), keras.layers.GaussianNoise(0.3),
+                      keras.layers.Flatten(), keras.layers.Dense(8, activation="selu"), keras.layers.AlphaDropout(0.2),
+                      keras.layers.GaussianDropout(0.2), keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16)
 
 
 @pattern
@@ -601,15 +609,14 @@ def image_augmentation(env):
     rng = np.random.default_rng(47)
     x = rng.random((32, 12, 12, 1)).astype("float32")
     y = (x[:, :6].mean((1, 2, 3)) > x[:, 6:].mean((1, 2, 3))).astype("int32")
-    with env.scope():
-        model = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.RandomFlip(),
-                                  keras.layers.RandomRotation(0.1), keras.layers.RandomZoom(0.1),
-                                  keras.layers.RandomTranslation(0.1, 0.1), keras.layers.RandomCrop(10, 10),
-                                  keras.layers.Conv2D(4, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
-                                  keras.layers.Dense(2)])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
-    return _result(model, history)
+
+    def layers():
+        return [keras.Input((12, 12, 1)), keras.layers.RandomFlip(), keras.layers.RandomRotation(0.1),
+                      keras.layers.RandomZoom(0.1), keras.layers.RandomTranslation(0.1, 0.1),
+                      keras.layers.RandomCrop(10, 10), keras.layers.Conv2D(4, 3, activation="relu"),
+                      keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=8)
 
 
 @pattern
@@ -664,33 +671,26 @@ def gan_with_keras_random(env):
 
 
 @pattern
-def mixed_precision_bfloat16(env):
-    """The mixed_bfloat16 policy (keras.io mixed precision guide)."""
+def mixed_precision(env):
+    """The keras.io mixed precision guide's policies: mixed_bfloat16, and mixed_float16 with its LossScaleOptimizer,
+    whose dynamic loss scale moves alike everywhere."""
     import keras
 
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
     x, y = _classification()
-    with env.scope():
-        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(3, dtype="float32")])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    return _result(model, history, tolerance=1e-3)  # (bfloat16/float16 sums in another order)
+    out = {"tolerance": 1e-3}  # (bfloat16/float16 sums in another order)
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        keras.utils.set_random_seed(SEED)
+        keras.mixed_precision.set_global_policy(policy)
 
+        def layers():
+            return [
+                keras.Input((12,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(3, dtype="float32"),
+            ]
 
-@pattern
-def mixed_precision_float16_loss_scaling(env):
-    """The mixed_float16 policy: a LossScaleOptimizer, its dynamic loss scale moving alike everywhere."""
-    import keras
-
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    x, y = _classification()
-    with env.scope():
-        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(3, dtype="float32")])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    return _result(model, history, tolerance=1e-3)  # (bfloat16/float16 sums in another order)
+        out[policy] = _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16)
+    return out
 
 
 @pattern
@@ -726,13 +726,13 @@ def bidirectional_gru_masked(env):
     x = rng.integers(1, 40, (48, 10)).astype("int32")
     x[np.arange(10)[None, :] >= rng.integers(3, 11, 48)[:, None]] = 0
     y = (x[:, 0] % 2).astype("int32")
-    with env.scope():
-        model = keras.Sequential([keras.Input((10,), dtype="int32"), keras.layers.Embedding(40, 6, mask_zero=True),
-                                  keras.layers.Bidirectional(keras.layers.GRU(6, dropout=0.2, recurrent_dropout=0.2)),
-                                  keras.layers.Dense(2)])  # fmt: skip
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    return _result(model, history)
+
+    def layers():
+        return [keras.Input((10,), dtype="int32"), keras.layers.Embedding(40, 6, mask_zero=True),
+                      keras.layers.Bidirectional(keras.layers.GRU(6, dropout=0.2, recurrent_dropout=0.2)),
+                      keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16)
 
 
 @pattern

@@ -22,9 +22,6 @@ MORE_CONFIGS = [["cnn", "tcp", m] for m in ("allreduce", "ps")] + [["mlp", "rpc+
 # Overlap: 64-byte buckets make every gradient tensor a bucket of its own (the MLP has 6, the CNN 4); 0: one
 # exchange.
 BUCKETED = [[k, m, o] for k in ("mlp", "cnn") for m in ("allreduce", "ps") for o in (64, 0)]
-# Arrays, a tf.data dataset batched at the global batch and a PyDataset; 104 = 6 x 16 + 8: the last global batch
-# (8 rows) is split 4 + 4, as one process uses it whole.
-CASES = [[source, samples] for source in ("arrays", "dataset", "pydataset") for samples in (96, 104)]
 
 
 def _run(target: str, world_size: int, transport: str, **kwargs):
@@ -38,7 +35,6 @@ def two_workers(tmp_path_factory):
         "global batch": (f"{TARGET}:fit_model_many", {"configs": CONFIGS, "batch": 16}),
         "per-worker batch": (f"{TARGET}:fit_model", {"kind": "mlp", "batch": 8, "global_batch": False}),
         "mlp in one process": (f"{TARGET}:fit_model", {"kind": "mlp", "batch": 16, "distributed": False}),
-        "inputs": (f"{TARGET}:fit_inputs_all", {"cases": CASES}),
         "callbacks": (f"{TARGET}:fit_callbacks", {"checkpoint_dir": str(tmp_path_factory.mktemp("checkpoints"))}),
         "tensorboard": (f"{TARGET}:fit_with_stats", {"log_dir": str(tmp_path_factory.mktemp("tensorboard"))}),
         "two transports": (
@@ -104,17 +100,6 @@ def test_per_worker_batches_on_request(two_workers):
     results, reference = two_workers("per-worker batch"), two_workers("mlp in one process")[0].value
     for got, want in zip(results[0].value["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-
-
-def test_each_global_batch_is_split_over_the_workers(two_workers):
-    results = two_workers("inputs")
-    for source, samples in CASES:
-        key = f"{source}/{samples}"
-        for got, want in zip(
-            results[0].value[key]["weights"], results[0].value[key + "/reference"]["weights"], strict=True
-        ):
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=key)
-        assert results[0].value[key] == results[1].value[key], f"{key}: the workers differ"
 
 
 def test_callbacks_see_metrics_averaged_over_workers(two_workers):

@@ -92,6 +92,7 @@ def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, 
     assert re.search(r"TB elastic/workers step (\d+) value 2", done.stdout), done.stdout[-2000:]
 
 
+@pytest.mark.extended
 def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
     done = _launch(tmp_path, "--kill", "3:0:2", "--kill", "1:1:3", workers=4)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -104,6 +105,7 @@ def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
     assert re.search(r"lost worker 1 .*; 2 workers \(0, 2\) went on from step 8", done.stderr), done.stderr[-2000:]
 
 
+@pytest.mark.extended
 def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path, tmp_path_factory):
     # Each step waits 0.4 s, so the replacement (TensorFlow's import included) starts while the group trains.
     reference = _one_process(SCRIPT, tmp_path_factory.mktemp("one6"), "--epochs", "6")

@@ -6,6 +6,7 @@ All patterns run in two launches (one process, then 2 workers), each importing T
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -31,19 +32,31 @@ def tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp):
-    (one,) = run_ranks("run", 1, module=MODULE, timeout=600, names=NAMES, distributed=False, tmp=tmp)
-    workers = run_ranks("run", 2, module=MODULE, timeout=600, names=NAMES, distributed=True, tmp=tmp)
-    return one.value, [w.value for w in workers]
+def launches(tmp):
+    """The three launches, side by side (each waits on its peers and on TensorFlow's start-up much of the time):
+    every pattern in one process; on 2 data-parallel workers; those that apply as a 2-stage pipeline of 2
+    micro-batches, cut automatically."""
+    pipeline = {"parallelism": "pipeline", "micro_batches": 2}
+    runs = {
+        "one": (1, {"names": NAMES, "distributed": False}),
+        "data": (2, {"names": NAMES, "distributed": True}),
+        "pipeline": (2, {"names": PIPELINE_PATTERNS, "distributed": True, "strategy_kwargs": pipeline,
+                         "label": "pipeline"}),
+    }  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = {key: pool.submit(run_ranks, "run", world, module=MODULE, timeout=600, tmp=tmp, **kwargs)
+                   for key, (world, kwargs) in runs.items()}  # fmt: skip
+        return {key: [r.value for r in future.result()] for key, future in futures.items()}
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(tmp, runs):
-    """The patterns that apply, as a 2-stage pipeline of 2 micro-batches (cut automatically), against one process."""
-    kwargs = {"parallelism": "pipeline", "micro_batches": 2}
-    workers = run_ranks("run", 2, module=MODULE, timeout=600, names=PIPELINE_PATTERNS, distributed=True, tmp=tmp,
-                        strategy_kwargs=kwargs, label="pipeline")  # fmt: skip
-    return runs[0], [w.value for w in workers]
+def runs(launches):
+    return launches["one"][0], launches["data"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(launches):
+    return launches["one"][0], launches["pipeline"]
 
 
 def _leaves(value, path=""):

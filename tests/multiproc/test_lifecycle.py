@@ -75,11 +75,6 @@ def two_workers(killed, tmp_path_factory, request):
     jobs["gan in one process"] = (f"{TARGET}:gan", {"distributed": False})
     jobs["mwms custom loop"] = (f"{TARGET}:mwms_custom_loop", {})
     jobs["mwms custom loop in one process"] = (f"{TARGET}:mwms_custom_loop", {"distributed": False})
-    jobs["synchronized batchnorm"] = (f"{TARGET}:batchnorm", {"synchronized": True})
-    jobs["synchronized batchnorm in one process"] = (
-        f"{TARGET}:batchnorm",
-        {"synchronized": True, "distributed": False},
-    )
     return launch_in_turn(jobs, 2, timeout=900)
 
 
@@ -211,12 +206,6 @@ def test_tf_distribute_custom_loop_runs_with_only_the_strategy_line_changed(two_
     # Model and optimizer made in scope (rank 1 seeded apart: the scope gives it the chief's values),
     # apply_gradients inside strategy.run sums over replicas, reduce(SUM, axis=None) gives the global loss.
     _replicas_agree_with_one_process(two_workers, "mwms custom loop", ["weights", "losses"])
-
-
-def test_synchronized_batchnorm_normalizes_with_the_global_batch(two_workers):
-    # BatchNormalization(synchronized=True): moments over both workers' rows, so weights and moving statistics
-    # are one process's (unsynchronized, each worker's own batch gives other moments: 0.03 apart after 2 epochs).
-    _replicas_agree_with_one_process(two_workers, "synchronized batchnorm", ["weights", "statistics"])
 
 
 def _replicas_agree_with_one_process(two_workers, key: str, fields: list[str]) -> None:

@@ -153,7 +153,10 @@ def test_tensorboard_holds_loss_throughput_traffic_registrations_and_the_plan(sw
 
 
 # Hybrid on 4 workers is slow here (test_model_parallel trains hybrid to the one-process weights by default).
-@pytest.mark.parametrize(("parallel", "workers"), [("model", 2), pytest.param("hybrid", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("parallel", "workers"),
+    [pytest.param("model", 2, marks=pytest.mark.extended), pytest.param("hybrid", 4, marks=pytest.mark.slow)],
+)
 def test_vgg16_model_parallel_recipe_trains_two_steps(tmp_path, parallel, workers):
     args = ("+recipe=vgg16_model", f"parallel={parallel}", f"cluster.num_workers={workers}", *TWO_STEPS)
     done = _train(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)

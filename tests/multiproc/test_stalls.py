@@ -52,11 +52,15 @@ def _stall(transport: str, victim: int, kind: str, host_store: bool, rng: random
     )
 
 
-# One trial per transport, the launcher alternating (the slow run does every combination 20 times).
+# One trial per transport, the launcher alternating (shm here, the others with -m extended; the slow run does every
+# combination 20 times).
 @pytest.mark.parametrize(
     ("transport", "host_store"),
-    [("shm", True), ("tcp", False), ("shm+tcp", True)],
-    ids=["shm-launcher", "tcp-no-launcher", "shm+tcp-launcher"],
+    [
+        pytest.param("shm", True, id="shm-launcher"),
+        pytest.param("tcp", False, id="tcp-no-launcher", marks=pytest.mark.extended),
+        pytest.param("shm+tcp", True, id="shm+tcp-launcher", marks=pytest.mark.extended),
+    ],
 )
 def test_a_stalled_rank_is_named_by_every_other_rank(transport, host_store):
     rng = random.Random(f"{transport}/{host_store}")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import TESTS_DIR
 
@@ -62,6 +63,7 @@ def test_the_readmes_first_run_learns_the_digits_and_compares_with_one_process(t
     assert summary.splitlines()[-1] in done.stdout  # the comparison is the output's last line
 
 
+@pytest.mark.extended
 def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     run, straight = tmp_path / "run", tmp_path / "straight"
     kill = ["+callbacks.kill._target_=tests.multiproc.lifecycle_workers.KillAtEpoch", "+callbacks.kill.epoch=1"]

@@ -16,7 +16,11 @@ from tests.conftest import TESTS_DIR
 
 REPO = TESTS_DIR.parent
 WHY = netns.why_not()
-pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}"), pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(WHY is not None, reason=f"two namespaces: {WHY}"),
+    pytest.mark.timeout(600),
+    pytest.mark.extended,
+]
 SCRIPT = str(TESTS_DIR / "multiproc" / "elastic_fit.py")
 
 

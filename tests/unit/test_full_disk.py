@@ -120,6 +120,7 @@ def test_a_disk_that_fills_in_the_middle_of_an_hdf5_write_is_an_error_not_a_cras
         assert "no space left in" in done.stderr and _temporaries(disk) == []
 
 
+@pytest.mark.extended
 def test_the_train_apps_checkpoint_on_a_full_disk_ends_in_one_clear_error(tmp_path):
     with _tmpfs(tmp_path / "disk", 300) as disk:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")}
