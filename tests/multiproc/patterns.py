@@ -805,3 +805,26 @@ def partial_last_batches(env):
         out[str(samples)] = _result(model, history, evaluate=model.evaluate(x, y, batch_size=16, verbose=0),
                                     predict=model.predict(x, batch_size=16, verbose=0))  # fmt: skip
     return out
+
+
+@pattern
+def ragged_inputs(env):
+    """Sequences of different lengths as a tf.RaggedTensor (Keras takes them where a layer does): each worker
+    gets its rows of every ragged global batch."""
+    import keras
+    import tensorflow as tf
+
+    class RaggedMean(keras.layers.Layer):
+        def call(self, x):
+            return tf.reduce_mean(x, axis=1)
+
+    rng = np.random.default_rng(73)
+    lengths = rng.integers(1, 8, 48)
+    tokens = tf.ragged.constant([rng.integers(0, 30, n).tolist() for n in lengths], dtype=tf.int32)
+    y = (lengths > 4).astype("int32")
+
+    def layers():
+        return [keras.Input((None,), dtype="int32", ragged=True), keras.layers.Embedding(30, 4), RaggedMean(),
+                keras.layers.Dense(2)]  # fmt: skip
+
+    return _classify(env, layers, tokens, y, keras.optimizers.Adam(0.01), batch_size=16)
