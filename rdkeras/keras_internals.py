@@ -13,13 +13,17 @@ backups across workers) is its own policy, in :mod:`rdkeras.fitting`. Here:
   rdkeras overrides (``BUILD_HOOK``, ``EPOCH_LOGS_HOOK``, the backup's hooks);
 - class-level patches, each bounded: ``Model.compile`` while a strategy's
   ``scope()`` is open on this thread (Keras has no per-scope compile hook outside
-  tf.distribute's own strategies, which rdkeras is not); ``Model.fit`` while a
-  multi-worker strategy lives (the only place to refuse an undistributed model's
-  fit, which would train each worker alone); ``Optimizer.apply`` while
-  ``strategy.run`` runs on this thread (tf.distribute's replica context, where
-  ``apply_gradients`` sums over replicas); and ``keras.random``'s draws while a
-  data-parallel train step is traced on this thread (a draw the size of this
-  replica's batch becomes its rows of the global batch's draw).
+  tf.distribute's own strategies, which rdkeras is not); ``Model.fit``,
+  ``evaluate`` and ``predict`` while a strategy lives, routed to rdkeras's policy
+  for its models wherever Keras's own are reached (``model.fit``, or a subclass's
+  override through ``super()``, as KerasHub's tasks) and refusing an undistributed
+  model's fit in a multi-worker job, which would train each worker alone;
+  ``Optimizer.apply`` while ``strategy.run`` runs on this thread (tf.distribute's
+  replica context, where ``apply_gradients`` sums over replicas); and the
+  backend's random draws and the loss reduction while a data-parallel step (or a
+  pipeline's micro-batch) is traced on this thread (:func:`global_batch_step`: a
+  draw the size of this replica's rows becomes its rows of the global batch's
+  draw, and losses reduce as over the global batch).
 """
 
 from __future__ import annotations

@@ -288,7 +288,8 @@ class RDMAStrategy:
             yield self
         self._share_created(created)
         if self.parallelism == "data" and self.num_workers > 1:  # a custom loop's metrics report every replica's rows
-            fitting.merge_results(metrics, self._collectives())
+            owned = {id(m) for model in self._parallel.models for m in model.metrics}  # (fit merges those itself)
+            fitting.merge_results([m for m in metrics if id(m) not in owned], self._collectives())
 
     def _share_created(self, created: list[Any]) -> None:
         """Variables created in the scope start from the chief's values, as tf.distribute's do (a custom loop's

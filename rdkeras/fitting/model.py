@@ -8,7 +8,7 @@ class, through :mod:`rdkeras.keras_internals`):
   the policy here: the arguments are bound to Keras's signature, the data given to the parallelism
   (which splits each global batch), chief-only callbacks and the progress bar dropped on the
   other workers, BackupAndRestore adapted (:mod:`rdkeras.fitting.backup`);
-- Keras's build-before-training hook: the model is built on a first batch, so every
+- Keras's build-before-training hook: the model is built from the data's spec, so every
   worker holds the same model before any computes a gradient;
 - the per-epoch and per-evaluation logs: the metrics' state merged over the replicas before their
   results are read (:mod:`rdkeras.fitting.global_batch`), so logs are one process's and callbacks
