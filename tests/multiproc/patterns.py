@@ -63,6 +63,8 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
             folder = os.path.join(tmp, name, label or ("distributed" if distributed else "one"))
             os.makedirs(folder, exist_ok=True)
             out[name] = _plain(PATTERNS[name](Env(strategy, folder)))
+            if strategy is not None and strategy.parallelism != "data" and "error" not in out[name]:
+                out[name]["plan"] = strategy.plan_text()  # (what the pipeline's automatic cut chose)
         except Exception:
             out[name] = {"error": traceback.format_exc()}
         finally:

@@ -13,6 +13,8 @@ from tests.multiproc.test_model_parallel import TARGET, _check
 pytestmark = pytest.mark.timeout(600)
 
 
+# (By default, test_keras_patterns.py's pipeline patterns check an automatic cut trains like one process.)
+@pytest.mark.extended
 def test_an_automatically_cut_pipeline_trains_like_one_process():
     results = run_ranks(
         "train_and_compare",
@@ -33,6 +35,7 @@ def test_an_automatically_cut_pipeline_trains_like_one_process():
         assert r.value["plan_text"] == text
 
 
+@pytest.mark.extended  # (alternate_layers is off by default)
 def test_a_layer_too_large_to_balance_alternates_between_the_stages():
     # widen | big | narrow | out: between layers, one stage gets `big` whole. Alternating it by micro-batch gives
     # each stage half; both keep its weights, sum their partial gradients and apply the same update.

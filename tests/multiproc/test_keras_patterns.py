@@ -113,7 +113,7 @@ def _check(runs, name):
         if rank > 0:  # what the chief-only callbacks wrote, the chief reports
             reference = {k: v for k, v in reference.items() if k != "saved"}
         _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, worker {rank}")
-    shared = [{k: v for k, v in w[name].items() if k not in ("wire", "saved")} for w in workers]
+    shared = [{k: v for k, v in w[name].items() if k not in ("wire", "saved", "plan")} for w in workers]
     assert shared[0] == shared[1], f"{name}: the workers differ"  # bit for bit
 
 
@@ -142,3 +142,14 @@ def test_kerashub_files_saved_under_the_strategy_load_without_rdkeras(runs, tmp)
     assert not loaded["rdkeras_imported"] and loaded["file_class"] == "GPT2CausalLM"
     trained = runs[1][0]["kerashub_gpt2"]["weights"]
     assert loaded["file"] == trained and loaded["preset"] == trained
+
+
+def test_the_pipelines_were_cut_automatically_alike_on_every_worker(pipeline_runs):
+    # No placement: the layers were timed on rank 0 (at fit, on a micro-batch's rows: 16 / 2) and cut into 2 stages
+    # balanced by those times, the same cut on both workers.
+    for name in PIPELINE_PATTERNS:
+        plans = [w[name]["plan"] for w in pipeline_runs[1]]
+        assert plans[0] == plans[1], name
+        assert "automatic placement: 2 stages balanced by measured cost; expected speed-up" in plans[0], name
+        assert "cut 0: after " in plans[0], name
+    assert "(layers timed on batches of 8 rows)" in pipeline_runs[1][0]["fit_default_shuffle"]["plan"]

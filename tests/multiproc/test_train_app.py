@@ -89,6 +89,7 @@ def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     assert len(resumed) == 8 and all(np.array_equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
 
 
+@pytest.mark.extended
 def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
     # One worker a trial, in the sweep's own process (cluster=env outside a job): the sweep is under test here
     # (the killed run above trains on two).
