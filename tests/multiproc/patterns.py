@@ -21,8 +21,8 @@ import numpy as np
 PATTERNS: dict = {}
 SEED = 1234
 # The patterns that apply to a pipeline too (a Functional or Sequential model of several layers, one per strategy).
-PIPELINE_PATTERNS = ["fit_default_shuffle", "tf_data_seeded_shuffle", "dropout_lstm", "embedding_adam",
-                     "noise_and_dropout_layers", "image_augmentation", "functional_multi_input_output"]  # fmt: skip
+PIPELINE_PATTERNS = ["fit_default_shuffle", "dropout_lstm", "embedding_adam", "image_augmentation",
+                     "functional_multi_input_output"]  # fmt: skip
 
 
 def pattern(fn):

@@ -104,30 +104,40 @@ RUNS = {
 }
 
 
-def _launch(workers: int):
-    """Every run here on `workers` workers, one after another in one launch (TensorFlow imports once a worker)."""
+# More cases of what the others check (a pipeline over tcp, GPipe's schedule): run with -m extended.
+EXTENDED = {"cnn-2-tcp", "rnn gpipe", "skip gpipe"}
+
+
+def _launch(workers: int, config):
+    """Every run here on `workers` workers, one after another in one launch (TensorFlow imports once a worker); the
+    EXTENDED ones only where -m selects extended tests."""
+    extended = "extended" in (config.option.markexpr or "").replace("not extended", "")
     jobs = {
         key: (f"{TARGET}:train_and_compare", {"kind": k, "placement": p, "micro_batches": m}, {"RDKERAS_TRANSPORT": t})
         for key, (k, p, w, m, t) in SPLITS.items()
-        if w == workers
+        if w == workers and (extended or key not in EXTENDED)
     }
     for key, (w, function, kwargs, transport) in RUNS.items():
-        if w == workers:
+        if w == workers and (extended or key not in EXTENDED):
             jobs[key] = (f"{TARGET}:{function}", kwargs, {"RDKERAS_TRANSPORT": transport})
     return launch_in_turn(jobs, workers, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def two_workers():
-    return _launch(2)
+def _cases(keys):
+    return [pytest.param(key, marks=[pytest.mark.extended] if key in EXTENDED else []) for key in keys]
 
 
 @pytest.fixture(scope="module")
-def three_workers():
-    return _launch(3)
+def two_workers(request):
+    return _launch(2, request.config)
 
 
-@pytest.mark.parametrize("case", SPLITS)
+@pytest.fixture(scope="module")
+def three_workers(request):
+    return _launch(3, request.config)
+
+
+@pytest.mark.parametrize("case", _cases(SPLITS))
 def test_split_model_matches_one_process(case, request):
     kind, _, workers, micro, _ = SPLITS[case]
     results = request.getfixturevalue({2: "two_workers", 3: "three_workers"}[workers])(case)
@@ -174,7 +184,13 @@ STASHED = {
 }
 
 
-@pytest.mark.parametrize(("run", "stashed"), STASHED.items())
+@pytest.mark.parametrize(
+    ("run", "stashed"),
+    [
+        pytest.param(run, stashed, marks=[pytest.mark.extended] if run in EXTENDED else [])
+        for run, stashed in STASHED.items()
+    ],
+)
 def test_skip_connection_across_two_boundaries(three_workers, run, stashed):
     # a (worker 0) feeds b (worker 1) and, skipping worker 1, add (worker 2); 4 micro-batches, either schedule.
     first = _check(three_workers(run))
@@ -199,7 +215,7 @@ def test_two_inputs_on_different_workers(two_workers):
     ]
 
 
-@pytest.mark.parametrize("run", ["rnn", "rnn gpipe"])
+@pytest.mark.parametrize("run", _cases(["rnn", "rnn gpipe"]))
 def test_variable_length_sequences_use_dynamic_edges(two_workers, run):
     first = _check(two_workers(run))
     assert _edges(first) == [("gru:0->1", "dynamic", True), ("labels[0]->1", "static", False)]
