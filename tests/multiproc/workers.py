@@ -646,6 +646,22 @@ def _resources(eng: rdkeras.Engine | None = None) -> dict:
     return out
 
 
+def _settled_resources(quiet_s: float = 0.2, limit_s: float = 2.0) -> dict:
+    """`_resources()` once the OS thread count has held still for `quiet_s`: a thread whose
+    Python side was joined may still be ending, and must not count as one that stays."""
+    sample, deadline = _resources(), time.monotonic() + limit_s
+    still_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = _resources()
+        if now["threads"] != sample["threads"] or "(ended)" in now["os_thread_names"]:
+            still_since = time.monotonic()
+        elif time.monotonic() - still_since >= quiet_s:
+            return now
+        sample = now
+    return sample
+
+
 def soak(steps: int, sample_every: int, warmup: int) -> dict:
     """Channels (static and dynamic), a ring allreduce and a parameter-server step, every step,
     for `steps` steps; samples the resources after `warmup` steps and every `sample_every`."""
@@ -703,7 +719,7 @@ def engine_cycles(cycles: int) -> dict:
         del eng, ring
         gc.collect()
         if i == 0:  # the first engine warms up imports, pools and caches
-            before = _resources()
+            before = _settled_resources()
     # Python's join() returns once a thread's Python state is gone, a moment before the OS thread
     # itself has ended (the store's thread is joined so): one still ending is no leak.
     after, settle = _resources(), time.monotonic() + 2.0
