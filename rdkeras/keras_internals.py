@@ -399,7 +399,47 @@ def restore(obj: Any) -> None:
         obj.__dict__.pop(name, None)
 
 
-# -- class-level hooks (while a strategy lives) -----------------------------------------
+# -- the patch table: class- and module-level replacements, each undone on the way out ----------------
+
+_RANDOM_DRAW = "global_batch_step: a traced data-parallel step's draw is its rows of the global batch's draw"
+# Every attribute of Keras's that rdkeras replaces for a while (a strategy's life, a scope, a traced step), and
+# why: :func:`_replace` refuses any other, and :func:`active_patches` names those in effect.
+PATCH_TABLE = {
+    "Model.compile": "on_compile: models compiled in a strategy's scope (load_model's too) train distributed",
+    "Model.fit": "route_trainer_methods: Keras's own fit, reached by a subclass's super().fit (KerasHub) too",
+    "Model.evaluate": "route_trainer_methods: as fit",
+    "Model.predict": "route_trainer_methods: as fit",
+    "Optimizer.apply": "on_apply: apply_gradients in a custom loop's replica context sums the replicas' gradients",
+    "random.normal": _RANDOM_DRAW,
+    "random.uniform": _RANDOM_DRAW,
+    "random.truncated_normal": _RANDOM_DRAW,
+    "random.randint": _RANDOM_DRAW,
+    "random.dropout": "global_batch_step: Dropout's keep mask, its rows of the global batch's mask",
+    "losses.reduce_weighted_values": "global_batch_step: a loss reduces as one process's over the global batch",
+}
+_active: list[tuple[str, Any, str, Any]] = []  # (site, owner, attribute, the value it replaced), in order
+
+
+def _replace(site: str, owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """Sets attribute `name` of `owner` (a class or a module of Keras's) to `value` for the table's `site`;
+    returns the function that puts the previous value back."""
+    if site not in PATCH_TABLE:
+        raise KeyError(f"{site!r} is not in keras_internals.PATCH_TABLE: add it there, with its reason")
+    previous = vars(owner)[name]
+    setattr(owner, name, value)
+    entry = (site, owner, name, previous)
+    _active.append(entry)
+
+    def undo() -> None:
+        setattr(owner, name, previous)
+        _active.remove(entry)
+
+    return undo
+
+
+def active_patches() -> list[str]:
+    """The replacements in effect, as "site (owner.attribute)": none once every strategy is closed."""
+    return [f"{site} ({getattr(owner, '__name__', owner)}.{name})" for site, owner, name, _ in _active]
 
 
 def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
@@ -409,13 +449,7 @@ def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) ->
     import keras
 
     owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
-    previous = owner.__dict__[name]
-    setattr(owner, name, make(previous))
-
-    def undo() -> None:
-        setattr(owner, name, previous)
-
-    return undo
+    return _replace(f"Model.{name}", owner, name, make(owner.__dict__[name]))
 
 
 @contextlib.contextmanager
@@ -505,13 +539,12 @@ def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
             finally:
                 _apply_state.inside = False
 
-        owner.apply = functools.wraps(previous)(apply)
-        undo.append((owner, previous))
+        undo.append(_replace("Optimizer.apply", owner, "apply", functools.wraps(previous)(apply)))
     try:
         yield
     finally:
-        for owner, previous in undo:
-            owner.apply = previous
+        for put_back in reversed(undo):
+            put_back()
 
 
 # keras.random's draws whose first dimension may be the batch's (the TensorFlow backend's, which keras.random,
@@ -620,20 +653,18 @@ def global_batch_step(batch: Any) -> Iterator[None]:
             return keras_reduce(values, *args, **kwargs)
         return batch.reduce_loss(keras_reduce, values, *args, **kwargs)
 
-    previous = {name: getattr(backend_random, name) for name in _DRAWS}
-    for name, fn in previous.items():
-        setattr(backend_random, name, make(fn))
-    backend_random.dropout = dropout
-    loss_module.reduce_weighted_values = reduce_weighted_values
+    undo = [_replace(f"random.{name}", backend_random, name, make(getattr(backend_random, name))) for name in _DRAWS]
+    undo.append(_replace("random.dropout", backend_random, "dropout", dropout))
+    undo.append(
+        _replace("losses.reduce_weighted_values", loss_module, "reduce_weighted_values", reduce_weighted_values)
+    )
     _step.batch = batch
     try:
         yield
     finally:
         _step.batch = None
-        for name, fn in previous.items():
-            setattr(backend_random, name, fn)
-        backend_random.dropout = keras_dropout
-        loss_module.reduce_weighted_values = keras_reduce
+        for put_back in reversed(undo):
+            put_back()
 
 
 def synchronized_batch_norms(model: Any) -> list[Any]:

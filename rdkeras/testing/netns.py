@@ -66,12 +66,27 @@ def why_not() -> str | None:
     return None
 
 
+def _tag() -> str:
+    """What begins the names of the namespaces and links this process makes."""
+    return f"{PREFIX}{os.getpid()}x"
+
+
+def names() -> list[str]:
+    """Every network namespace on the machine, by name."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def left_by_this_process() -> list[str]:
+    """The namespaces :func:`hosts` made in this process that still exist (none once every `hosts()` block is
+    left); another job's namespaces, made beside this one, are not looked at."""
+    return [name for name in names() if name.startswith(_tag())]
+
+
 def cleanup_stale() -> list[str]:
     """Deletes namespaces this module made in processes that no longer run; returns their names."""
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     removed = []
-    for line in done.stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
+    for name in names():
         pid = name[len(PREFIX) :].split("x")[0]
         if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
@@ -115,7 +130,7 @@ def hosts(count: int = 2, *, rate: str | None = None, delay: str | None = None) 
     why = why_not()
     if why:
         raise NetnsError(why)
-    tag = f"{os.getpid()}x{os.urandom(2).hex()}"
+    tag = f"{_tag()[len(PREFIX) :]}{os.urandom(2).hex()}"
     subnet = f"10.{200 + os.getpid() % 50}.{int.from_bytes(os.urandom(1), 'big')}"
     switch = f"{PREFIX}{tag}sw"
     made = [Host(f"{PREFIX}{tag}{side}", f"{subnet}.{i + 1}", f"{PREFIX}{tag[-4:]}{side}") for i, side in

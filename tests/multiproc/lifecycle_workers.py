@@ -57,6 +57,38 @@ def _state(model) -> dict:
     }
 
 
+def _keras_sites() -> dict:
+    """Every attribute of Keras's that rdkeras may replace (keras_internals.PATCH_TABLE's sites, found here
+    independently), by "owner.name": its current value's id."""
+    import keras
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.losses import loss as loss_module
+
+    owners = [c for c in keras.Model.__mro__ if {"compile", "fit", "evaluate", "predict"} & set(vars(c))]
+    owners += [c for k in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer) for c in k.__mro__]
+    sites = {f"{c.__qualname__}.{n}": id(vars(c)[n]) for c in owners for n in
+             ("compile", "fit", "evaluate", "predict", "apply") if n in vars(c)}  # fmt: skip
+    for name in ("normal", "uniform", "truncated_normal", "randint", "dropout"):
+        sites[f"random.{name}"] = id(getattr(backend_random, name))
+    sites["losses.reduce_weighted_values"] = id(loss_module.reduce_weighted_values)
+    return sites
+
+
+def _patches_seen() -> tuple[list, object]:
+    """A list, and a callback that adds keras_internals.active_patches() to it at every training batch's end."""
+    import keras
+
+    from rdkeras import keras_internals
+
+    seen: list = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.extend(p for p in keras_internals.active_patches() if p not in seen)
+
+    return seen, Record()
+
+
 def save_all(out_dir: str, mode: str, policies: list) -> dict:
     """save_everything once per dtype policy, into out_dir/POLICY, in this one pair of processes."""
     out = {}
@@ -74,18 +106,21 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: 
     import keras
 
     import rdkeras
-    from rdkeras import fitting
+    from rdkeras import fitting, keras_internals
 
     keras.mixed_precision.set_global_policy(policy)
     x, y = _data()
+    sites = _keras_sites()
     strategy = rdkeras.RDMAStrategy(mode=mode)
     rank = strategy.worker_index
     with strategy.scope():
         model = _model(seed=10 + rank)  # different on every worker: the chief's must win
         _compile(model)
+    patches, record = _patches_seen()
     checkpoints = [
         keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ck.keras")),
         keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ck.weights.h5"), save_weights_only=True),
+        record,
     ]
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=checkpoints)
     out = {"rank": rank, "trained": _state(model), "predict": model.predict(x[:8], verbose=0).tolist()}
@@ -123,6 +158,9 @@ def save_everything(out_dir: str, mode: str, policy: str = "float32", next_tag: 
         "optimizer_overrides": "apply" in model.optimizer.__dict__,
         "class": f"{type(model).__module__}.{type(model).__name__}",
         "optimizer_class": f"{type(model.optimizer).__module__}.{type(model.optimizer).__name__}",
+        "patches_during_fit": patches,
+        "patches": keras_internals.active_patches(),
+        "sites_changed": sorted(k for k, v in _keras_sites().items() if sites[k] != v),
     }
     if rank == 0:  # the same two trainings in one plain Keras process (the global batch is the same)
         ref = _model(seed=10)
@@ -456,8 +494,10 @@ def mwms_custom_loop(distributed: bool = True, steps: int = 6) -> dict:
     import tensorflow as tf
 
     import rdkeras
+    from rdkeras import keras_internals
 
     global_batch = BATCH
+    sites = _keras_sites()
     strategy = rdkeras.RDMAStrategy() if distributed else tf.distribute.get_strategy()
     rank = strategy.worker_index if distributed else 0
     x, y = _data()
@@ -469,7 +509,10 @@ def mwms_custom_loop(distributed: bool = True, steps: int = 6) -> dict:
         optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
         loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
+    patches: list = []
+
     def train_step(inputs):
+        patches.extend(p for p in keras_internals.active_patches() if p not in patches)  # (as it is traced)
         features, labels = inputs
         with tf.GradientTape() as tape:
             per_example = loss_object(labels, model(features, training=True))
@@ -487,6 +530,8 @@ def mwms_custom_loop(distributed: bool = True, steps: int = 6) -> dict:
     out = {"weights": [w.tolist() for w in model.get_weights()], "losses": losses}
     if distributed:
         strategy.close()
+        out["patches"] = {"during": patches, "after": keras_internals.active_patches(),
+                          "sites_changed": sorted(k for k, v in _keras_sites().items() if sites[k] != v)}  # fmt: skip
     return out
 
 

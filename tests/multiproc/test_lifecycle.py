@@ -111,6 +111,10 @@ def _check_saved(chief: dict, other: dict, loaded: dict, policy: str) -> None:
         assert r["after_close"]["model_overrides"] == [] and not r["after_close"]["optimizer_overrides"]
         assert r["after_close"]["class"] == "keras.src.models.sequential.Sequential"
         assert r["after_close"]["optimizer_class"].startswith("keras.src.optimizers.")
+        # Keras's own fit is routed while the strategy lives (the patch table's entry), and every class- or
+        # module-level replacement is gone after close(): each patched attribute is Keras's own object again.
+        assert any(p.startswith("Model.fit ") for p in r["after_close"]["patches_during_fit"])
+        assert r["after_close"]["patches"] == [] and r["after_close"]["sites_changed"] == []
 
     assert not loaded["rdkeras_imported"]
     assert loaded["m.keras/class"] == loaded["ck.keras/class"] == "keras.src.models.sequential.Sequential"
@@ -202,6 +206,9 @@ def test_tf_distribute_custom_loop_runs_with_only_the_strategy_line_changed(two_
     # Model and optimizer made in scope (rank 1 seeded apart: the scope gives it the chief's values),
     # apply_gradients inside strategy.run sums over replicas, reduce(SUM, axis=None) gives the global loss.
     _replicas_agree_with_one_process(two_workers, "mwms custom loop", ["weights", "losses"])
+    for r in two_workers("mwms custom loop"):  # apply_gradients was patched in strategy.run, and restored
+        assert any(p.startswith("Optimizer.apply ") for p in r.value["patches"]["during"]), r.value["patches"]
+        assert r.value["patches"]["after"] == [] and r.value["patches"]["sites_changed"] == []
 
 
 def _replicas_agree_with_one_process(two_workers, key: str, fields: list[str]) -> None:

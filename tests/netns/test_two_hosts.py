@@ -94,14 +94,9 @@ def two_host_job(tmp_path_factory):
             ).stdout.strip()
             for h in (a, b)
         ]
-    assert not any(name.startswith(netns.PREFIX) for name in _netns_names()), "namespaces left behind"
+    assert not netns.left_by_this_process(), "namespaces left behind"
     load = lambda d, n: [json.loads((d / f"rank-{r}.json").read_text()) for r in range(n)]  # noqa: E731
     return {"across": load(across, 4), "within": load(within, 2), "logs": outs, "identities": identities}
-
-
-def _netns_names() -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.strip()]
 
 
 def test_auto_picks_tcp_between_hosts_and_shm_within_one(two_host_job):
@@ -190,7 +185,7 @@ def test_hosts_on_one_switch_sum_hierarchically_with_bf16_between_them(count):
             hosts=made, env={"PYTHONPATH": str(REPO)}, timeout=300,
         )  # fmt: skip
     assert ranks is not None, "a rank failed (its output is printed above)"
-    assert not any(name.startswith(netns.PREFIX) for name in _netns_names()), "namespaces left behind"
+    assert not netns.left_by_this_process(), "namespaces left behind"
     assert all(r.value["algorithm"] == "hierarchical" for r in ranks)
     assert all(r.value["calls"] == ranks[0].value["calls"] for r in ranks), "the ranks hold different bits"
     for call, got in enumerate(ranks[0].value["calls"]):

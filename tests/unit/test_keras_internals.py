@@ -163,3 +163,26 @@ def test_a_kill_during_a_save_leaves_the_previous_file_loadable(tmp_path, name):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.load_weights(path)
     assert np.array_equal(model.get_weights()[0], np.load(str(path) + ".expected.npy")), "not the first save"
+
+
+def test_every_patch_is_in_the_table_and_undone_on_the_way_out():
+    from types import SimpleNamespace
+
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.losses import loss as loss_module
+
+    before = {name: getattr(backend_random, name) for name in ("normal", "uniform", "dropout")}
+    reduce = loss_module.reduce_weighted_values
+    batch = SimpleNamespace(start=0, rows=2, total=4, reduce_loss=None, draws=None)
+    with keras_internals.global_batch_step(batch):
+        inside = keras_internals.active_patches()
+        assert backend_random.dropout is not before["dropout"]
+    assert {p.split()[0] for p in inside} == {
+        s for s in keras_internals.PATCH_TABLE if s.startswith(("random.", "losses."))
+    }
+    assert keras_internals.active_patches() == []
+    assert {name: getattr(backend_random, name) for name in before} == before
+    assert loss_module.reduce_weighted_values is reduce
+    with pytest.raises(KeyError, match=r"not in keras_internals\.PATCH_TABLE"):
+        keras_internals._replace("Model.train_step", keras.Model, "train_step", None)
+    assert "train_step" not in vars(keras.Model)
