@@ -58,7 +58,7 @@ def run_ranks(
     env: dict | None = None,
     per_rank_env: list | None = None,
     only_ranks: list | None = None,
-    module: str = "tests.multiproc.workers",
+    module: str = "tests.ranks.workers",
     **kwargs,
 ) -> list[RankResult]:
     """Runs ``<module>:<target>(**kwargs)`` on every rank and returns the results.
@@ -93,7 +93,7 @@ def run_threads(
     *,
     transport: str = "shm",
     timeout: float = 120,
-    module: str = "tests.multiproc.workers",
+    module: str = "tests.ranks.workers",
     **kwargs,
 ) -> list[RankResult]:
     """Runs ``<module>:<target>(**kwargs)`` on every rank as a thread of this process (gloo's spawn pattern):
@@ -102,7 +102,7 @@ def run_threads(
     Every rank must return within `timeout`; a rank that raised fails the test with its traceback. Values go
     through JSON as they do from a process, so the same worker serves both.
     """
-    from tests.multiproc import workers
+    from tests.ranks import workers
 
     fn = getattr(importlib.import_module(module), target)
     engine = {
@@ -170,7 +170,7 @@ def launch_in_turn(
     jobs: dict[str, tuple], world_size: int, *, transport: str = "shm", timeout: float = 600, env: dict | None = None
 ) -> InTurn:
     """Runs several tests' workloads in one launch of `world_size` rank processes, one after another, so that a
-    process imports TensorFlow once rather than once per test (tests.multiproc.in_turn).
+    process imports TensorFlow once rather than once per test (tests.ranks.in_turn).
 
     `jobs` maps a key to ``("module:function", kwargs)``, or ``(target, kwargs, env)`` with variables for that job
     alone (e.g. its RDKERAS_TRANSPORT). Each job gets a rendezvous port of its own and starts with a fresh Keras
@@ -192,7 +192,7 @@ def launch_in_turn(
         timeout=timeout,
         check=False,
         env=env,
-        module="tests.multiproc.in_turn",
+        module="tests.ranks.in_turn",
         jobs=spec,
     )
     return InTurn(ranks, {job["key"]: job["kwargs"] for job in spec})

@@ -21,7 +21,7 @@ ENV = {"PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "2", "RDKERAS_TIMEOUT"
 def data_parallel_worker(batch: int, distributed: bool) -> dict:
     """One worker of the data-parallel check: its GPU by local rank, then the test suite's MLP fit."""
     from rdkeras import devices
-    from tests.multiproc.keras_workers import fit_model
+    from tests.ranks.keras_workers import fit_model
 
     device = devices.use_local_gpu()
     result = fit_model("mlp", batch, epochs=2, distributed=distributed)
@@ -32,7 +32,7 @@ def data_parallel_worker(batch: int, distributed: bool) -> dict:
 def pipeline_worker() -> dict:
     """One stage of the 2-stage pipeline check (rank 0 also trains the same model alone and compares)."""
     from rdkeras import devices
-    from tests.multiproc.mp_workers import train_and_compare
+    from tests.ranks.mp_workers import train_and_compare
 
     device = devices.use_local_gpu()
     result = train_and_compare("mlp", {"fc1": 0, "fc2": 0, "fc3": 1, "out": 1}, micro_batches=2)

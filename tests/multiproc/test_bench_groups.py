@@ -22,6 +22,6 @@ def test_an_undistributed_group_keeps_each_processs_rank_so_each_pins_its_own_co
     assert given["workers"] == 2 and given["distributed"] is False
     monkeypatch.undo()
     ranks = rdkeras.bench.run_ranks(
-        "test", "ranks", "tests.multiproc.workers:resolved_rank", 2, {}, env=given["env"], timeout=60
+        "test", "ranks", "tests.ranks.workers:resolved_rank", 2, {}, env=given["env"], timeout=60
     )
     assert sorted(r.value["rank"] for r in ranks) == [0, 1]

@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import VERBS, launch_in_turn, run_ranks
 
-TARGET = "tests.multiproc.keras_workers"
-OVERLAP = "tests.multiproc.overlap_workers"
+TARGET = "tests.ranks.keras_workers"
+OVERLAP = "tests.ranks.overlap_workers"
 # The module fixtures below run several tests' trainings in one launch.
 pytestmark = pytest.mark.timeout(900)
 # MLP and CNN over shm, the MLP over tcp and an RPC baseline, each with ring allreduce and parameter servers (the

@@ -1,6 +1,6 @@
 """Elastic training: a worker lost in the middle of fit, and the survivors go on with the same global batch.
 
-Each run is ``python -m rdkeras.launch -n N --min-workers M tests/multiproc/elastic_fit.py`` -- an unchanged
+Each run is ``python -m rdkeras.launch -n N --min-workers M tests/ranks/elastic_fit.py`` -- an unchanged
 Keras script -- whose workers SIGKILL (or SIGSTOP) themselves at a given batch, so the loss lands in the middle
 of an epoch every time. The survivors' weights must be bit-identical and equal to one process's.
 """
@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import TESTS_DIR
 
 REPO = TESTS_DIR.parent
-SCRIPT = TESTS_DIR / "multiproc" / "elastic_fit.py"
-LOOP = TESTS_DIR / "multiproc" / "elastic_loop.py"  # a custom loop: rdkeras.elastic.State and run
+SCRIPT = TESTS_DIR / "ranks" / "elastic_fit.py"
+LOOP = TESTS_DIR / "ranks" / "elastic_loop.py"  # a custom loop: rdkeras.elastic.State and run
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "RDKERAS_TIMEOUT": "60"}
 
 

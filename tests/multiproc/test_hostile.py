@@ -1,7 +1,7 @@
 """Hostile and broken input on the transports' set-up sockets: strangers, garbage, floods,
 wrong keys and replayed handshakes get nothing, and the job still forms.
 
-Rank 0 is a real process; rank 1 is this test (tests/multiproc/impostor.py), which holds
+Rank 0 is a real process; rank 1 is this test (tests/ranks/impostor.py), which holds
 the token like the launcher does. While rank 0 waits for rank 1's connections, the
 test attacks rank 0's listener without the key, then connects honestly.
 """
@@ -17,7 +17,7 @@ import warnings
 import pytest
 
 from tests.conftest import ALL_TRANSPORTS, run_ranks
-from tests.multiproc import impostor as imp
+from tests.ranks import impostor as imp
 
 
 def _attacks_without_the_key(connect, link: str) -> dict:

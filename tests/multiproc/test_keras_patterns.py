@@ -1,4 +1,4 @@
-"""The conformance suite: the Keras guides' patterns (tests/multiproc/patterns.py) compute on 2 data-parallel workers
+"""The conformance suite: the Keras guides' patterns (tests/ranks/patterns.py) compute on 2 data-parallel workers
 what they compute in one plain Keras process -- weights, the history's losses and metrics, evaluate's and predict's
 results -- and the workers end bit-identical.
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_ranks
-from tests.multiproc.patterns import PATTERNS, PIPELINE_PATTERNS
+from tests.ranks.patterns import PATTERNS, PIPELINE_PATTERNS
 
-MODULE = "tests.multiproc.patterns"
+MODULE = "tests.ranks.patterns"
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = list(PATTERNS)
 TOLERANCE = 1e-5  # float32 sums over the replicas' rows in another order; mixed precision patterns give their own
@@ -129,7 +129,7 @@ def test_kerashub_files_saved_under_the_strategy_load_without_rdkeras(runs, tmp)
     # The chief saved the trained GPT-2 as a .keras file and as a KerasHub preset; a process that never imports
     # rdkeras loads both, as Keras's and KerasHub's own classes, with the weights the workers ended with.
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[2]); from tests.multiproc.patterns import load_saved;"
+        "import json, sys; sys.path.insert(0, sys.argv[2]); from tests.ranks.patterns import load_saved;"
         "print('@@' + json.dumps(load_saved(sys.argv[1])))"
     )
     folder = os.path.join(tmp, "kerashub_gpt2", "distributed")

@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from tests.conftest import VERBS
-from tests.multiproc.supervisor import Trial, run_trial
+from tests.ranks.supervisor import Trial, run_trial
 
 KINDS = ["channels", "ring", "ps"]
 

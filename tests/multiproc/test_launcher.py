@@ -48,7 +48,7 @@ def test_plain_keras_script_runs_on_two_workers():
 
 def test_dead_worker_stops_the_job_and_is_named():
     started = time.monotonic()
-    done = _launch("-n", "2", str(TESTS_DIR / "multiproc" / "dying_worker.py"))
+    done = _launch("-n", "2", str(TESTS_DIR / "ranks" / "dying_worker.py"))
     elapsed = time.monotonic() - started
     assert done.returncode != 0
     assert "finished training" not in done.stdout
@@ -82,7 +82,7 @@ def test_launch_runs_a_function_on_workers_like_a_notebook():
 
 
 def _start_sleepers(tmp_path, *extra: str) -> subprocess.Popen:
-    worker = str(TESTS_DIR / "multiproc" / "sleepy_worker.py")
+    worker = str(TESTS_DIR / "ranks" / "sleepy_worker.py")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rdkeras.launch", "-n", "2", *extra, worker, str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -160,7 +160,7 @@ def test_two_launchers_make_one_job_across_nodes(tmp_path):
     port = str(free_port())
     env = {k: v for k, v in ENV.items() if k != "RDKERAS_JOB_TOKEN"}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
-    script = str(TESTS_DIR / "multiproc" / "ring_sum.py")
+    script = str(TESTS_DIR / "ranks" / "ring_sum.py")
     launcher = [sys.executable, "-m", "rdkeras.launch", "--master-addr", "127.0.0.1"]
     procs = [
         subprocess.Popen(
@@ -181,6 +181,6 @@ def test_two_launchers_make_one_job_across_nodes(tmp_path):
 
 
 def test_a_module_runs_with_dash_m_as_python_has_it():
-    done = _launch("-n", "2", "--timeout", "120", "-m", "tests.multiproc.ring_sum", timeout=180)
+    done = _launch("-n", "2", "--timeout", "120", "-m", "tests.ranks.ring_sum", timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert sorted(re.findall(r"^\[(\d)\] rank \d local \d of 2: sum 3\.0$", done.stdout, re.M)) == ["0", "1"]

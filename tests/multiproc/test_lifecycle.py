@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import launch_in_turn, run_ranks
 
-TARGET = "tests.multiproc.lifecycle_workers"
+TARGET = "tests.ranks.lifecycle_workers"
 MODES = ["allreduce", "ps"]
 # Parameter-server mode's saving and resuming run with -m slow (the default run keeps allreduce's): the fixtures
 # below train it only where a slow test is selected.
@@ -80,7 +80,7 @@ def two_workers(killed, tmp_path_factory, request):
 @pytest.fixture(scope="module")
 def loaded(two_workers, request) -> dict:
     """Every saved folder, loaded in one fresh process that never imports rdkeras."""
-    from tests.multiproc.lifecycle_workers import load_in_fresh_process
+    from tests.ranks.lifecycle_workers import load_in_fresh_process
 
     folders = [two_workers.kwargs[f"save/{mode}"]["out_dir"] for mode in _modes(request.config)]
     return load_in_fresh_process(folders, POLICIES)
@@ -237,7 +237,7 @@ def test_tensorflow_multi_worker_tutorial_runs_with_only_the_strategy_line_chang
         {**base, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in (0, 1)
     ]
     code = (
-        "import json; from tests.multiproc.lifecycle_workers import tf_tutorial; "
+        "import json; from tests.ranks.lifecycle_workers import tf_tutorial; "
         f"print({_RESULT_MARK!r} + json.dumps(tf_tutorial()), flush=True)"
     )
     results = run_workers([[sys.executable, "-c", code]] * 2, envs, timeout=240)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import launch_in_turn, run_ranks
 
-TARGET = "tests.multiproc.mp_workers"
+TARGET = "tests.ranks.mp_workers"
 # The module fixtures below run several tests' trainings in one launch.
 pytestmark = pytest.mark.timeout(900)
 MLP_2 = {"fc1": 0, "fc2": 0, "fc3": 1, "out": 1}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("raising_worker.py")
+SCRIPT = Path(__file__).parents[1] / "ranks" / "raising_worker.py"
 
 
 def _launch(culprit: int, step: int) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from tests.conftest import run_ranks
 
 
 def test_messages_are_tensor_messages_split_into_frames_over_the_inner_wire():
-    (sender, receiver) = run_ranks("rpc_wire_format", transport="rpc+shm", module="tests.multiproc.rpc_workers")
+    (sender, receiver) = run_ranks("rpc_wire_format", transport="rpc+shm", module="tests.ranks.rpc_workers")
     # 3 MiB + header in 1 MiB frames: 4 frames, each one native write plus a flag.
     assert sender.value["inner_writes"] == 4 and sender.value["inner_flags"] == 4
     assert sender.value["serialized_is_tensor_message"]

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from tests.conftest import run_ranks
-from tests.multiproc.supervisor import Trial, run_trial
+from tests.ranks.supervisor import Trial, run_trial
 
 HEARTBEAT_S = 3.0
 TRANSPORTS = ["shm", "tcp", "shm+tcp"]
@@ -91,7 +91,7 @@ def test_many_stall_trials(transport):
 def test_a_long_step_holding_the_gil_is_not_a_stall(transport):
     received, busy = run_ranks(
         "busy_then_send",
-        module="tests.multiproc.stall_workers",
+        module="tests.ranks.stall_workers",
         transport=transport,
         env={"RDKERAS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)},
         busy_seconds=2 * HEARTBEAT_S,  # twice the time that declares a silent peer stalled
@@ -101,9 +101,7 @@ def test_a_long_step_holding_the_gil_is_not_a_stall(transport):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_closing_the_engine_ends_another_threads_wait_at_once(transport):
-    waiter, _ = run_ranks(
-        "close_while_another_thread_waits", module="tests.multiproc.stall_workers", transport=transport
-    )
+    waiter, _ = run_ranks("close_while_another_thread_waits", module="tests.ranks.stall_workers", transport=transport)
     kind, message = waiter.value["error"]
     assert kind == "EngineError" and "the engine was closed while this thread waited for rank 1" in message
     assert waiter.value["seconds"] < 5  # not the operation timeout

@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import run_ranks, run_threads
 
-MODULE = "tests.multiproc.op_workers"
+MODULE = "tests.ranks.op_workers"
 STEPS = 3
 
 

@@ -66,7 +66,7 @@ def test_the_readmes_first_run_learns_the_digits_and_compares_with_one_process(t
 @pytest.mark.extended
 def test_a_killed_run_resumes_when_started_again_in_its_folder(tmp_path):
     run, straight = tmp_path / "run", tmp_path / "straight"
-    kill = ["+callbacks.kill._target_=tests.multiproc.lifecycle_workers.KillAtEpoch", "+callbacks.kill.epoch=1"]
+    kill = ["+callbacks.kill._target_=tests.ranks.lifecycle_workers.KillAtEpoch", "+callbacks.kill.epoch=1"]
     died = _train(*TINY, *kill, f"hydra.run.dir={run}", env={**ENV, "RDKERAS_TEST_KILL": "1"})
     assert died.returncode == 1 and "worker rank 1 failed first (rank 1 " in died.stderr, died.stderr[-3000:]
     assert "then signal 9)" in died.stderr

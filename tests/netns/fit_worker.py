@@ -1,4 +1,4 @@
-"""One worker of the two-host job: tests.multiproc.keras_workers' fit, its result (and what went over
+"""One worker of the two-host job: tests.ranks.keras_workers' fit, its result (and what went over
 which link) written as JSON; with a third argument "reference", rank 0 then trains the same model in one
 plain Keras process (the same global batch) too."""
 
@@ -7,7 +7,7 @@ import os
 import sys
 
 import rdkeras
-from tests.multiproc.keras_workers import _fit_model_with
+from tests.ranks.keras_workers import _fit_model_with
 
 out, batch = sys.argv[1], int(sys.argv[2])
 strategy = rdkeras.RDMAStrategy()

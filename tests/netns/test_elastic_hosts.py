@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.extended,
 ]
-SCRIPT = str(TESTS_DIR / "multiproc" / "elastic_fit.py")
+SCRIPT = str(TESTS_DIR / "ranks" / "elastic_fit.py")
 
 
 def _weights(path) -> list[np.ndarray]:

@@ -179,7 +179,7 @@ def test_hosts_on_one_switch_sum_hierarchically_with_bf16_between_them(count):
     with netns.hosts(count, rate="1gbit") as made:
         assert len({h.addr for h in made}) == count
         ranks = run_ranks_on_hosts(
-            "test", f"{count} hosts", "tests.multiproc.workers:hosts_allreduce", 2 * count,
+            "test", f"{count} hosts", "tests.ranks.workers:hosts_allreduce", 2 * count,
             {"hosts": [f"h{r // 2}" for r in range(2 * count)], "algorithm": "hierarchical", "sizes": sizes,
              "compression": "bf16", "bucket": 4096},
             hosts=made, env={"PYTHONPATH": str(REPO)}, timeout=300,

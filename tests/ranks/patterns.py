@@ -49,7 +49,7 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
     a folder of `tmp` named after it and `label`); returns {name: its results as lists, or {"error": traceback}}."""
     import keras
 
-    from tests.multiproc.in_turn import _fresh_keras
+    from tests.ranks.in_turn import _fresh_keras
 
     out = {}
     for i, name in enumerate(names):
@@ -69,7 +69,7 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
             out[name] = {"error": traceback.format_exc()}
         finally:
             if strategy is not None:
-                from tests.multiproc.keras_workers import next_port
+                from tests.ranks.keras_workers import next_port
 
                 next_port(strategy, f"pattern{i}")
                 strategy.close()

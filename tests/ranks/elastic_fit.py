@@ -1,7 +1,7 @@
 """An unchanged Keras script for the elastic tests: a small MLP, global batch 12, 3 epochs of 4 steps.
 
-    python -m rdkeras.launch -n 3 --min-workers 2 tests/multiproc/elastic_fit.py OUT [--kill WORKER:EPOCH:BATCH ...]
-    python tests/multiproc/elastic_fit.py OUT --one-process
+    python -m rdkeras.launch -n 3 --min-workers 2 tests/ranks/elastic_fit.py OUT [--kill WORKER:EPOCH:BATCH ...]
+    python tests/ranks/elastic_fit.py OUT --one-process
 
 Each worker that ends writes its weights to OUT/weights-WORKER.npz (WORKER: its first rank); a worker
 named by --kill SIGKILLs itself at that batch (after the step, before the next begins).

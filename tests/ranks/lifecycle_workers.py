@@ -14,7 +14,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np
 
-from tests.multiproc.keras_workers import next_port
+from tests.ranks.keras_workers import next_port
 
 SAMPLES, BATCH = 96, 16
 
@@ -224,7 +224,7 @@ def load_in_fresh_process(out_dirs: list, policies: list) -> dict:
     imports rdkeras; by out_dir, then policy."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[3]);"
-        "from tests.multiproc.lifecycle_workers import load_all_without_rdkeras;"
+        "from tests.ranks.lifecycle_workers import load_all_without_rdkeras;"
         "print('@@' + json.dumps(load_all_without_rdkeras(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.multiproc.workers import open_engine
+from tests.ranks.workers import open_engine
 
 
 def _op_types(fn: Any, *args: Any) -> list[str]:

@@ -74,7 +74,7 @@ def run_trial(
     host_store: bool = True,
     extra_env: dict[str, str] | None = None,
 ) -> Trial:
-    """Starts `world_size` workers running ``tests.multiproc.workers:<target>(**kwargs)``, sends `victim`
+    """Starts `world_size` workers running ``tests.ranks.workers:<target>(**kwargs)``, sends `victim`
     `stop_signal` (SIGKILL: a death; SIGSTOP: a stall) `kill_after` seconds later, and waits (up to `timeout`)
     for the rest to end. `host_store`: this process hosts the store and reports deaths, as a launcher does;
     else rank 0 hosts it and nobody reports, as under srun, TF_CONFIG or torchrun."""
@@ -85,7 +85,7 @@ def run_trial(
     port = server.port if server is not None else free_port()
     code = (
         "import json, sys\n"
-        "from tests.multiproc import workers\n"
+        "from tests.ranks import workers\n"
         f"value = getattr(workers, {target!r})(**json.loads(sys.argv[1]))\n"
         f"print({_MARK!r} + json.dumps(value), flush=True)\n"
     )

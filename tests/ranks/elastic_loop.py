@@ -1,8 +1,8 @@
 """A custom training loop for the elastic tests (rdkeras.elastic.State and run): a small MLP, global batch 12,
 3 epochs of 4 steps, Adam; the loss is scaled by the global batch, as the tf.distribute tutorials do.
 
-    python -m rdkeras.launch -n 3 --min-workers 2 tests/multiproc/elastic_loop.py OUT [--kill WORKER:EPOCH:BATCH ...]
-    python tests/multiproc/elastic_loop.py OUT --one-process
+    python -m rdkeras.launch -n 3 --min-workers 2 tests/ranks/elastic_loop.py OUT [--kill WORKER:EPOCH:BATCH ...]
+    python tests/ranks/elastic_loop.py OUT --one-process
 
 Each worker that ends writes its weights to OUT/weights-WORKER.npz; a worker named by --kill SIGKILLs itself
 after committing that batch.

@@ -3,7 +3,7 @@ exchange in buckets."""
 
 from __future__ import annotations
 
-from tests.multiproc.keras_workers import fit_in_turn
+from tests.ranks.keras_workers import fit_in_turn
 
 
 def fit_bucketed_many(configs: list, batch: int) -> dict:
