@@ -9,6 +9,7 @@ from rdkeras.errors import (
     ReplicasDivergedError,
     TimeoutError,  # noqa: A004
 )
+from rdkeras.parallel.options import DataParallelOptions, ParallelOptions, PipelineOptions
 from rdkeras.strategy import DistributedGradientTape, RDMAStrategy
 
 __version__ = "0.1.0"
@@ -16,10 +17,13 @@ __version__ = "0.1.0"
 __all__ = [
     "TRANSPORTS",
     "AuthenticationError",
+    "DataParallelOptions",
     "DistributedGradientTape",
     "Engine",
     "EngineError",
+    "ParallelOptions",
     "PeerError",
+    "PipelineOptions",
     "RDMAStrategy",
     "RemoteAccessError",
     "ReplicasDivergedError",

@@ -22,10 +22,23 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rdkeras import cluster as cluster_lib
-from rdkeras import fitting, keras_internals, options
+from rdkeras import fitting, keras_internals
+from rdkeras import options as env_options
 from rdkeras.engine import Engine
-from rdkeras.parallel import canonical, check_settings, is_auto
+from rdkeras.parallel import canonical
 from rdkeras.parallel.base import Parallelism
+from rdkeras.parallel.options import DataParallelOptions, ParallelOptions, PipelineOptions, from_flat
+
+# RDMAStrategy's keywords that are a parallelism's options, with their defaults: a thin layer over
+# rdkeras.parallel.options, whose classes check them (once).
+_PARALLEL_KEYWORDS = {
+    "parallelism": "data",
+    "bucket_bytes": 64 << 20,
+    "global_batch": True,
+    **{f.name: f.default for f in dataclasses.fields(DataParallelOptions)},
+    "mode": None,
+    **{f.name: f.default for f in dataclasses.fields(PipelineOptions)},
+}
 
 
 class RDMAStrategy:
@@ -111,24 +124,25 @@ class RDMAStrategy:
         compression: str | None = None,
         compress_within_hosts: bool = False,
         sparse_as_dense: bool = False,
+        options: ParallelOptions | None = None,
     ):
-        if placement is not None and not isinstance(placement, str):
-            placement = dict(placement)  # also accepts an OmegaConf DictConfig
-        settings = options.from_env()
-        mode = mode or settings.data_mode
-        parallelism = canonical(parallelism)
-        check_settings(parallelism, mode, placement, micro_batches, stages=stages, schedule=schedule)  # first
-        from rdkeras.parallel.collectives import ALGORITHMS, COMPRESSIONS
-
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        settings = env_options.from_env()
+        given = {k: v for k, v in locals().items() if k in _PARALLEL_KEYWORDS and v != _PARALLEL_KEYWORDS[k]}
+        if options is None:
+            options = from_flat(**{**given, "mode": given.get("mode") or settings.data_mode})  # checked, once
+        elif set(given) - {"parallelism"} or canonical(parallelism) not in ("data", canonical(options.parallelism)):
+            raise ValueError(
+                f"give the parallelism's settings either as options=ParallelOptions(...) or as keywords, not both "
+                f"(also given: {', '.join(sorted(given))})"
+            )
         keras_internals.check()
         c = cluster_lib.resolve() if cluster is None else cluster
         cluster_lib.export_local_rank(c)
         self.cluster = c
-        check_settings(parallelism, mode, placement, micro_batches, c.world_size, stages)
+        options = options.resolved()
+        options.check_workers(c.world_size)
+        self.options = options
+        parallelism = options.parallelism
         elastic = None
         if settings.min_workers and c.world_size > 1:
             if parallelism != "data":
@@ -157,48 +171,39 @@ class RDMAStrategy:
             settings=settings,
         )
         self.parallelism = parallelism
+        data, pipeline = options.data, options.pipeline
         try:
             if parallelism == "data":
                 from rdkeras.parallel.data_parallel import DataParallel
 
+                assert data is not None  # (ParallelOptions gives data parallelism its default options)
                 self._parallel: Parallelism = DataParallel(
                     engine,
-                    mode,
-                    bucket_bytes,
-                    global_batch,
-                    algorithm=algorithm,
-                    compression=compression,
-                    compress_within_hosts=compress_within_hosts,
+                    data.mode,
+                    options.bucket_bytes,
+                    options.global_batch,
+                    algorithm=data.algorithm,
+                    compression=data.compression,
+                    compress_within_hosts=data.compress_within_hosts,
                     elastic=elastic,
-                    sparse_as_dense=sparse_as_dense,
+                    sparse_as_dense=data.sparse_as_dense,
                 )
-                self.overlap_bytes = overlap_bytes
+                self.overlap_bytes = data.overlap_bytes
             else:
                 from rdkeras.parallel.model_parallel import ModelParallel
 
-                if overlap_bytes is not None:
-                    raise ValueError("overlap_bytes needs parallelism='data'")
-                if algorithm != "auto" or compression is not None:
-                    raise ValueError("algorithm and compression need parallelism='data'")
-                if parallelism == "model" and stages not in (None, c.world_size):
-                    raise ValueError(f"parallelism='model' runs one {c.world_size}-stage pipeline; stages={stages}")
-                if is_auto(placement):
-                    placement = None  # ModelParallel measures the layers and cuts them when the model arrives
-                elif parallelism == "hybrid":
-                    assert isinstance(placement, dict)  # (check_settings)
-                    stages = stages or (max(placement.values()) + 1)
-                assert not isinstance(placement, str)  # ("auto" became None above)
+                assert pipeline is not None  # (as data above)
                 self._parallel = ModelParallel(
                     engine,
-                    placement,
-                    stages,
-                    micro_batches,
-                    bucket_bytes,
-                    global_batch,
-                    schedule=schedule,
-                    defer_weight_gradients=defer_weight_gradients,
-                    alternate_layers=alternate_layers,
-                    split_layers=split_layers,
+                    pipeline.layout,  # None: ModelParallel measures the layers and cuts them when the model arrives
+                    pipeline.stages if parallelism == "model" else options.stages,
+                    pipeline.micro_batches,
+                    options.bucket_bytes,
+                    options.global_batch,
+                    schedule=pipeline.schedule,
+                    defer_weight_gradients=pipeline.defer_weight_gradients,
+                    alternate_layers=pipeline.alternate_layers,
+                    split_layers=pipeline.split_layers,
                 )
         except BaseException:
             engine.close()

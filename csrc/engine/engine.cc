@@ -138,10 +138,9 @@ void Engine::heartbeatLoop() {
     uint64_t offset;
     uint64_t seen = 0;
     int64_t heard = 0;
-    Clock::time_point since;
+    Clock::time_point since = Clock::now();
   };
   Watch watches[2] = {{left, kBeatsFromLeft}, {right, kBeatsFromRight}};
-  for (Watch& w : watches) w.since = Clock::now();
   const uint64_t* block = reinterpret_cast<const uint64_t*>(control_->data());
   for (uint64_t beat = 1;; ++beat) {
     {

@@ -26,6 +26,7 @@ import numpy as np
 from rdkeras import errors, transports
 from rdkeras.channels import Ring
 from rdkeras.engine import Engine
+from rdkeras.parallel.options import ALGORITHMS, COMPRESSIONS
 
 _FLOAT_KINDS = ("float32", "float64")
 
@@ -39,8 +40,6 @@ def _wire_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.kind == "f" or dtype.name == "bfloat16" else np.dtype(np.float64)
 
 
-ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")
-COMPRESSIONS = (None, "fp16", "bf16")
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
 # Where a host runs more workers than it has cores, a message also waits for its receiver to be scheduled:
 # ~150 us a message with 3 and 4 workers on 2 cores (python -m rdkeras.bench algorithms).

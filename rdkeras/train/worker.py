@@ -7,7 +7,6 @@ each spawned worker, with the config the app resolved.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -22,44 +21,23 @@ from rdkeras.train.config import ConfigError, check_placement
 
 
 def make_strategy(cfg: Any) -> Any:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
     import rdkeras
 
-    parallel = cfg.parallel
-    kind = canonical(parallel.parallelism)  # ("pipeline" is "model")
-    kwargs: dict[str, Any] = {
-        "parallelism": kind,
-        "transport": None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
-        "timeout": cfg.transport.timeout,
-        "heartbeat_timeout": cfg.transport.get("heartbeat_timeout"),
-    }
-    if kind in ("data", "hybrid"):
-        kwargs.update(mode=parallel.mode, bucket_bytes=parallel.bucket_bytes)
-    if kind == "data":
-        for key in ("algorithm", "compression", "compress_within_hosts", "sparse_as_dense"):
-            if parallel.get(key) is not None:
-                kwargs[key] = parallel[key]
-    if kind in ("model", "hybrid"):
-        placement = parallel.get("placement")  # None or "auto": the strategy cuts the model itself
-        kwargs.update(
-            placement=placement if placement is None or isinstance(placement, str) else dict(placement),
-            micro_batches=parallel.micro_batches,
-            schedule=parallel.get("schedule", "1f1b"),
-            defer_weight_gradients=parallel.get("defer_weight_gradients", True),
-            alternate_layers=parallel.get("alternate_layers", False),
-            split_layers=parallel.get("split_layers", False),
-        )
-    if parallel.get("stages") is not None:
-        kwargs.update(stages=parallel.stages)
-    accepted = inspect.signature(rdkeras.RDMAStrategy).parameters
-    missing = [k for k in kwargs if k not in accepted]
-    if missing:
-        raise ConfigError(
-            f"parallel={parallel.parallelism} is not available in this rdkeras "
-            f"(RDMAStrategy takes no {', '.join(missing)}); use parallel=data"
-        )
     try:
-        return rdkeras.RDMAStrategy(**kwargs)
-    except ValueError as e:  # parallelism/mode/placement the strategy rejects
+        # The parallel group names its own _target_: rdkeras.parallel.options.from_flat, which checks it.
+        options = instantiate(cfg.parallel, _convert_="all")
+        return rdkeras.RDMAStrategy(
+            transport=None if cfg.transport.name == "auto" else cfg.transport.name,  # auto: RDKERAS_TRANSPORT wins
+            timeout=cfg.transport.timeout,
+            heartbeat_timeout=cfg.transport.get("heartbeat_timeout"),
+            options=options,
+        )
+    except InstantiationException as e:
+        raise ConfigError(f"parallel: {e.__cause__ or e}") from None
+    except ValueError as e:  # what the strategy rejects for this job (placement and workers)
         raise ConfigError(str(e)) from None
 
 
