@@ -128,12 +128,7 @@ class Engine:
         )
         arena_bytes = int(settings.arena_bytes if arena_bytes is None else arena_bytes)
         if self.transport != "auto":
-            spec = transports.get(self.transport)  # an unknown name fails here, before any connection
-            if why := spec.why_not_viable():
-                raise EngineError(
-                    f"transport={self.transport!r} is not viable here: {why} "
-                    "(`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
-                )
+            transports.check_viable(self.transport)  # an unknown or unusable one fails here, before any connection
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
         if token is None:  # RDKERAS_JOB_TOKEN, a token file, or this user's secret keyed by the job
@@ -176,7 +171,9 @@ class Engine:
                 options=options,
                 heartbeat_timeout=self.heartbeat_timeout,
             )
-            self.backend: Backend = transports.create(self.transport, config)
+            spec = transports.check_viable(self.transport)  # ("auto" chose among the viable ones)
+            self.capabilities = spec.capabilities  # what the collectives may ask of it
+            self.backend: Backend = spec.create(config)
             descriptors = self._gather_at_start("endpoints", self.backend.descriptor.encode())
             # Peers prove they hold a key derived from the token; no secret is in the store or on the wire.
             # While waiting for peers, the store says whether one of them already failed.
@@ -404,7 +401,7 @@ class Engine:
         says ``hierarchical``); collective, as :meth:`ring`, and called the same way."""
         self._check_open(f"allreduce {name!r}")
         members = list(range(self.world_size)) if members is None else [int(m) for m in members]
-        if not transports.get(self.transport).hierarchical:
+        if not self.capabilities.runs("doubling"):
             raise ValueError(f"recursive doubling runs in the engine; transport {self.transport!r} has only its ring")
         if capacity_bytes < 0 or self.rank not in members:
             raise ValueError(f"allreduce {name!r}: capacity_bytes must be >= 0 and this rank among {members}")

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     misses = []
     for transport in [t.strip() for t in args.transports.split(",") if t.strip()]:
-        if not transports.get(transport).hierarchical:
+        if not transports.get(transport).capabilities.composes_rings:
             print(f"[algorithms] {transport}: a baseline with a flat ring of its own; skipped")
             continue
         for n in [int(w) for w in args.workers.split(",")]:

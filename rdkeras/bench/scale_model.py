@@ -365,7 +365,7 @@ PART_LABELS = {
     "casts": "casts to 16 bits and back",
     "pcie": "GPU <-> host copies",
 }
-ALGORITHMS = ("ring", "hierarchical", "doubling", "auto")
+ALGORITHMS = collectives.ALGORITHMS  # the collectives' own names (the model predicts each)
 
 # NVIDIA's cost model of NCCL's ring allreduce, Simple protocol (NVIDIA/nccl src/graph/tuning.cc at 01afd20:
 # baseLat[Ring][Simple], hwLat[PCI][Ring][Simple], hwLat[NET][Ring][Simple], and the x1.9 "plateau effect of

@@ -158,7 +158,7 @@ class DataParallel(Parallelism):
             hierarchical = self.collectives.algorithm[0] == "hierarchical"
         overlap = self.overlap_bytes
         if overlap is None:
-            overlap = collectives.overlap_bytes(self.engine.transport, hierarchical)
+            overlap = collectives.overlap_bytes(self.engine.capabilities, hierarchical)
         self._overlap = overlap  # the plan says it
         if self.mode == "ps":
             from rdkeras.parallel.parameter_server import ParameterServer

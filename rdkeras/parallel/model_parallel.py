@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import fitting, keras_internals, transports
+from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.graph import Plan, analyze, assign_layers, deferrable
@@ -149,7 +149,7 @@ class ModelParallel(Parallelism):
         self._cut_rows = rows
         names, cut_bytes, _ = costs.layer_order(model, rows)
         seconds = self._rank0_seconds(model, "the layers", len(names), lambda: costs.measure(model, rows).seconds)
-        per_byte = transports.get(self.engine.transport).costs[1]
+        per_byte = self.engine.capabilities.costs[1]
         micro = self.micro_batches
         try:
             cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)

@@ -66,7 +66,7 @@ class ParameterServer:
         self.published = 0  # the last step whose parameters this rank published (workers pull, then flag)
         self.owner: list[int] = []
         # Pushes overlap backprop in buckets of this many bytes (0: one push after the backward pass).
-        self.overlap_bytes = collectives.overlap_bytes(engine.transport) if overlap_bytes is None else overlap_bytes
+        self.overlap_bytes = collectives.overlap_bytes(engine.capabilities) if overlap_bytes is None else overlap_bytes
         self._pipeline: BucketPipeline | None = None
         self._buckets: list[list[list[int]]] = []  # per traced exchange: the variables of each bucket
 

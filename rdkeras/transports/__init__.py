@@ -11,11 +11,12 @@ What lives where:
   through ``rdkeras._engine``.
 
 The registry maps a name to a factory, a viability check and what other code
-may need to know about a transport (its capabilities, e.g. ``copies_on_own_cores``);
-``rdkeras.Engine`` asks it for ``create(name, config)`` and never looks at the
-name itself, and other code asks ``get(name)`` for a capability instead of
-branching on the name. Adding a backend is one ``register(BackendSpec(...))``
-call (as tensorpipe and gloo register theirs).
+may need to know about a transport (its :class:`~rdkeras.transports.base.Capabilities`).
+``rdkeras.Engine`` checks it once (``check_viable``), makes the backend with the
+spec's ``create`` and never looks at the name itself; it then holds the transport's
+capabilities (``Engine.capabilities``), which other code asks instead of branching
+on the name. Adding a backend is one ``register(BackendSpec(...))`` call (as
+tensorpipe and gloo register theirs).
 """
 
 from __future__ import annotations
@@ -24,27 +25,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rdkeras import _engine
-from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
+from rdkeras.transports.base import Backend, BackendConfig, Capabilities, TransportOptions
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A registered backend: how to tell whether it can run here, and how to make one."""
+    """A registered backend: how to tell whether it can run here, how to make one, and what it can do."""
 
     name: str
     summary: str
     why_not_viable: Callable[[], str]  # "" when it can run in this process
     create: Callable[[BackendConfig], Backend]
-    # The exchange's bytes are copied by this process's own cores (shm: a memcpy into the peer's memory),
-    # so overlapping it with compute on the same cores only takes turns (rdkeras.parallel.collectives).
-    copies_on_own_cores: bool = False
-    # Its rings run in the engine, which also composes them into the hierarchical allreduce across hosts (the
-    # baselines' rings are flat, in Python, as TensorFlow's gRPC collective is).
-    hierarchical: bool = True
-    # What a sum costs on it: seconds per message, per byte moved and per byte added (the engine's, on one core),
-    # from which "auto" picks recursive doubling for small tensors (rdkeras.parallel.collectives.doubling_below).
-    # Fitted to ``python -m rdkeras.bench algorithms`` on a 2-core x86 VM (the sum: ~5 GB/s on one core).
-    costs: tuple[float, float, float] = (50e-6, 0.7e-9, 0.2e-9)
+    capabilities: Capabilities
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -68,14 +60,15 @@ def get(name: str) -> BackendSpec:
     return _REGISTRY[name]
 
 
-def create(name: str, config: BackendConfig) -> Backend:
-    """A backend of transport `name`, listening but not yet connected."""
+def check_viable(name: str) -> BackendSpec:
+    """Transport `name`'s spec, once it is known to run in this process: the one viability check (the engine
+    makes it before any connection)."""
     spec = get(name)
     if why := spec.why_not_viable():
         raise _engine.EngineError(
             f"transport={name!r} is not viable here: {why} (`rdkeras doctor` explains; use 'auto', 'shm' or 'tcp')"
         )
-    return spec.create(config)
+    return spec
 
 
 def auto_facts() -> str:
@@ -142,17 +135,20 @@ register(
         "one host: peers map each other's memory",
         _compiled("shm"),
         _native("shm"),
-        copies_on_own_cores=True,
-        costs=(1e-6, 0.1e-9, 0.2e-9),  # a flag seen in ~1 us, a memcpy at ~10 GB/s
+        # a flag seen in ~1 us, a memcpy at ~10 GB/s
+        Capabilities("shm", copies_on_own_cores=True, costs=(1e-6, 0.1e-9, 0.2e-9)),
     )
 )
-register(BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp")))  # (default)
+register(
+    BackendSpec("tcp", "one-sided semantics over TCP sockets", _compiled("tcp"), _native("tcp"), Capabilities("tcp"))
+)
 register(
     BackendSpec(
         "shm+tcp",
         "several hosts: shm between the ranks of one host, tcp between hosts",
         _compiled("shm+tcp"),
         _native("shm+tcp"),
+        Capabilities("shm+tcp"),
     )
 )
 register(
@@ -161,11 +157,17 @@ register(
         "InfiniBand/RoCE RDMA over RC queue pairs",
         _engine.verbs_why_not_viable,  # says what is missing: the build, the library or a device
         _native("verbs"),
-        costs=(3e-6, 0.1e-9, 0.2e-9),  # an RDMA write and its flag; ~100 Gbit/s
+        Capabilities("verbs", costs=(3e-6, 0.1e-9, 0.2e-9)),  # an RDMA write and its flag; ~100 Gbit/s
     )
 )
 register(
-    BackendSpec("grpc", "the RPC baseline: TensorProto-style messages over gRPC", lambda: "", _grpc, hierarchical=False)
+    BackendSpec(
+        "grpc",
+        "the RPC baseline: TensorProto-style messages over gRPC",
+        lambda: "",
+        _grpc,
+        Capabilities("grpc", composes_rings=False),
+    )
 )
 
 
@@ -186,8 +188,8 @@ for _inner in ("shm", "tcp", "verbs"):
             f"the RPC baseline carried over {_inner}: serialized messages, frames, parsing on arrival",
             get(_inner).why_not_viable,
             _rpc(_inner),
-            copies_on_own_cores=get(_inner).copies_on_own_cores,  # the frames move as the inner's bytes do
-            hierarchical=False,
+            # The frames move as the inner transport's bytes do; the ring is the baseline's own, flat.
+            Capabilities(f"rpc+{_inner}", False, get(_inner).capabilities.copies_on_own_cores),
         )
     )
 
@@ -195,9 +197,10 @@ __all__ = [
     "Backend",
     "BackendConfig",
     "BackendSpec",
+    "Capabilities",
     "TransportOptions",
+    "check_viable",
     "choose_auto",
-    "create",
     "get",
     "names",
     "register",

@@ -41,6 +41,28 @@ class TransportOptions:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do for the collectives: the engine holds its transport's once
+    (``Engine.capabilities``), and everything that depends on it asks there rather than branching on a name."""
+
+    transport: str
+    # Its rings run in the engine, which composes them: recursive doubling, the hierarchical allreduce across
+    # hosts and 16-bit compression (the baselines' rings are flat, in Python, as TensorFlow's gRPC collective is).
+    composes_rings: bool = True
+    # The exchange's bytes are copied by this process's own cores (shm: a memcpy into the peer's memory), so
+    # overlapping it with compute on the same cores only takes turns (rdkeras.parallel.collectives.buckets).
+    copies_on_own_cores: bool = False
+    # What a sum costs on it: seconds per message, per byte moved and per byte added (the engine's, on one core),
+    # from which "auto" picks recursive doubling for small tensors (rdkeras.parallel.collectives.algorithms).
+    # Fitted to ``python -m rdkeras.bench algorithms`` on a 2-core x86 VM (the sum: ~5 GB/s on one core).
+    costs: tuple[float, float, float] = (50e-6, 0.7e-9, 0.2e-9)
+
+    def runs(self, algorithm: str) -> bool:
+        """Whether an allreduce `algorithm` ("ring", "hierarchical", "doubling") or a compression runs on it."""
+        return algorithm == "ring" or self.composes_rings
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     """What the face hands a backend factory."""
 

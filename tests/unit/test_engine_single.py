@@ -181,12 +181,13 @@ def test_overlap_is_off_where_this_process_copies_the_bytes(monkeypatch):
     from rdkeras import transports
     from rdkeras.parallel import collectives
 
-    assert {n for n in transports.names() if transports.get(n).copies_on_own_cores} == {"shm", "rpc+shm"}
+    assert {n for n in transports.names() if transports.get(n).capabilities.copies_on_own_cores} == {"shm", "rpc+shm"}
     monkeypatch.delitem(sys.modules, "tensorflow", raising=False)  # no TensorFlow compute here, so no GPU
     on = collectives.BUCKET_BYTES
-    assert [collectives.overlap_bytes(n) for n in ("shm", "rpc+shm", "tcp", "rpc+tcp", "grpc")] == [0, 0, on, on, on]
+    of = lambda name, *hierarchical: collectives.overlap_bytes(transports.get(name).capabilities, *hierarchical)  # noqa: E731
+    assert [of(n) for n in ("shm", "rpc+shm", "tcp", "rpc+tcp", "grpc")] == [0, 0, on, on, on]
     # Across hosts, the hierarchical allreduce runs once after backprop (its passes pipeline inside the call).
-    assert [collectives.overlap_bytes("shm+tcp"), collectives.overlap_bytes("shm+tcp", hierarchical=True)] == [on, 0]
+    assert [of("shm+tcp"), of("shm+tcp", True)] == [on, 0]
 
 
 def test_the_face_has_no_transport_branch():
