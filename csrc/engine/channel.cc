@@ -9,8 +9,6 @@ namespace {
 
 constexpr size_t kFlagStride = 64;  // one cache line per flag
 
-size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
-
 std::shared_ptr<Engine> checkPeerRank(std::shared_ptr<Engine> engine, int peer) {
   if (peer < 0 || peer >= engine->worldSize() || peer == engine->rank())
     throw EngineError(strCat("channel peer ", peer, " is not another rank of this world (size ",

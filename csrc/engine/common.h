@@ -73,6 +73,9 @@ class Deadline {
   Clock::time_point end_;
 };
 
+// n rounded up to a multiple of a.
+inline size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
 inline void cpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();

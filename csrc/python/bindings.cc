@@ -12,10 +12,12 @@
 
 #include "bench/bench_loops.h"
 #include "engine/channel.h"
-#include "engine/collectives.h"
 #include "engine/copy.h"
+#include "engine/doubling.h"
 #include "engine/engine.h"
+#include "engine/hierarchical.h"
 #include "engine/op_channels.h"
+#include "engine/ring.h"
 #include "engine/socket_util.h"
 
 namespace py = pybind11;

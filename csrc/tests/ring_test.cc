@@ -1,5 +1,7 @@
 // The ring allreduce: its layout and chunk arithmetic, and RingAllreduce itself run by N engines in
 // this process (one thread per rank), so a wrong step schedule gives wrong sums here.
+#include "engine/ring.h"
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,7 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/collectives.h"
+#include "engine/doubling.h"
+#include "engine/hierarchical.h"
 
 using namespace rdkeras;
 

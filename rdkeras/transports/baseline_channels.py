@@ -1,6 +1,6 @@
 """The Python baselines' channel ends and ring allreduce, over a baseline's links.
 
-What ``csrc/engine/channel.cc`` and ``collectives.cc`` are to a native transport: the native
+What ``csrc/engine/channel.cc`` and ``ring.cc`` are to a native transport: the native
 channel ends' checks and errors, and one ring (reduce-scatter, then allgather), built on a
 :class:`Link` -- whole messages, in order -- which each baseline implements its own way
 (``rdkeras.transports.baseline.BaselineBackend.link``).

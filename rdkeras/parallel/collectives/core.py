@@ -252,7 +252,7 @@ class Collectives:
 
 
 class HierarchicalAllreduce:
-    """A sum over hosts of L members each, in the engine (``hierarchicalAllreduce``, csrc/engine/collectives.cc):
+    """A sum over hosts of L members each, in the engine (``hierarchicalAllreduce``, csrc/engine/hierarchical.cc):
     a ring inside each host reduce-scatters every pass (shared memory), the members holding the same chunk on
     every host (one per position) sum it across hosts -- every host's L links busy at once, each host sending
     2(H-1)/H of the bytes in all where a flat ring sends 2(N-1)/N per rank -- and the ring inside the host

@@ -1,0 +1,98 @@
+// RingAllreduce: sums (or averages) a list of tensors across all ranks.
+//
+// The classic bandwidth-optimal ring: every rank sends to rank+1 and receives
+// from rank-1; for each bucket, N-1 reduce-scatter steps then N-1 allgather
+// steps, each moving 1/N of the bucket. Reduce-scatter chunks land in a
+// registered, double-buffered staging slot on the right neighbour (write, then
+// flag; acked one-sidedly like a StaticChannel); the receiver adds them to its
+// own input with a vectorized loop straight into its output block. Allgather
+// chunks are written by the left neighbour straight into this rank's output
+// block -- no staging, no copy on the receiving side.
+//
+// The inputs are read in place (e.g. TensorFlow's gradient buffers) and never
+// concatenated; the outputs are views into one of two registered output
+// blocks (alternating per call, so the previous call's results stay intact),
+// each tensor starting on a 64-byte boundary. Every rank must pass tensors of
+// the same sizes in the same order: each call's first message carries a
+// signature of them (dtype, count, sizes), and a rank whose left member's
+// differs raises and tells the others. One thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/collectives.h"
+
+namespace rdkeras {
+
+// Pure arithmetic of the ring, shared by run() and the unit tests.
+// Bytes [lo, hi) of chunk c (taken modulo n) when bucket [b0, b1) is split over n ranks:
+// 64-byte aligned, in order, the last chunks possibly short or empty.
+struct ChunkRange {
+  size_t lo, hi;
+};
+ChunkRange ringChunk(size_t b0, size_t b1, int n, int c);
+
+class RingAllreduce {
+ public:
+  // capacity_bytes: the largest total (with 64-byte padding per tensor) a call may
+  // reduce; bucket_bytes: how much one ring pass moves; members: the engine ranks
+  // in ring order (empty: all of them), this rank among them.
+  RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
+                std::vector<int> members = {});
+  // Waits (a few seconds at most) for the right member's ack of the last chunk this rank sent: a
+  // one-sided write into this ring's block, which must stay registered until it landed.
+  ~RingAllreduce();
+  RingAllreduce(const RingAllreduce&) = delete;
+  RingAllreduce& operator=(const RingAllreduce&) = delete;
+
+  std::string localDescriptor() const;
+  // Descriptors of the left (whom we ack) and right (whom we write to) members.
+  void connect(const std::string& left, const std::string& right);
+
+  using Result = AllreduceResult;
+  // Between its reduce-scatter and its allgather, a pass may hand the chunk this rank then holds summed
+  // (bytes of the output block, padding included) to a hook that changes it in place: the hierarchical
+  // allreduce sums it across hosts there.
+  using ChunkHook = std::function<void(uint8_t* chunk, size_t bytes)>;
+  // Reduces `inputs` (all of one dtype) into the next output block. With
+  // `average`, the sum is divided by the number of members.
+  Result run(const std::vector<ConstSpan>& inputs, DType dtype, bool average,
+             const ChunkHook& between = nullptr);
+
+  size_t capacity() const { return capacity_; }
+  int size() const { return world_; }
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
+  WireScratch& wireScratch() { return scratch_; }
+
+ private:
+  void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
+                         size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
+                         size_t recv_end, uint8_t* out, DType dtype, double scale, uint64_t signature);
+  void allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin, size_t send_end);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<int> members_;
+  int rank_, world_, left_,
+      right_;  // rank_/world_: position among / count of members_; left_/right_: engine ranks
+  size_t capacity_, bucket_bytes_, slot_bytes_;
+  // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag]
+  std::unique_ptr<RegisteredBlock> registered_;
+  uint8_t* block_ = nullptr;  // registered_->data()
+  uint64_t right_key_ = 0, left_key_ = 0;
+  uint64_t messages_ = 0;  // reduce-scatter messages sent (= received) so far
+  uint64_t gathers_ = 0;   // allgather chunks received so far
+  uint64_t calls_ = 0;
+  uint64_t total_bytes_ = 0;  // of the current call (for error messages)
+  size_t offSlot(int i) const { return 2 * capacity_ + i * slot_bytes_; }
+  size_t offFlag(int i) const { return 2 * capacity_ + 2 * slot_bytes_ + i * 64; }
+  size_t offAck() const { return offFlag(2); }
+  size_t offGather() const { return offFlag(3); }
+  size_t offSignature() const { return offFlag(4); }  // the left member's call signature
+  WireScratch scratch_;
+};
+
+}  // namespace rdkeras
