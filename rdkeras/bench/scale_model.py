@@ -121,7 +121,7 @@ def calibrate(sendrecv: dict[str, Any]) -> dict[str, Any]:
     """Per transport (a, b) from the Send/Recv rows and latencies; memcpy's per-byte cost."""
     rows = sendrecv["rows"]
     costs: dict[str, dict[str, Any]] = {}
-    for t in {r["transport"] for r in rows if r["transport"] != "memcpy"}:
+    for t in sorted({r["transport"] for r in rows if r["transport"] != "memcpy"}):  # (the same order every run)
         mode = "static" if any(r["transport"] == t and r["mode"] == "static" for r in rows) else "rpc"
         points = [(r["bytes"], r["seconds"]) for r in rows if r["transport"] == t and r["mode"] == mode]
         latency = dict(sendrecv["latency"].get(t, []))
