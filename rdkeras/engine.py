@@ -328,9 +328,7 @@ class Engine:
         sending = self.rank == src
         peer = dst if sending else src
         channel = make(sending, peer)
-        mine, theirs = ("send", "recv") if sending else ("recv", "send")
-        self.store.set(f"ch/{kind}/{name}/{mine}", f"{spec}\n{channel.descriptor}".encode())
-        (remote,) = self.store.get([f"ch/{kind}/{name}/{theirs}"], waiting_for=[peer])
+        (remote,) = self.exchange(f"ch/{kind}/{name}", f"{spec}\n{channel.descriptor}".encode(), [peer])
         remote_spec, remote_desc = remote.decode().split("\n", 1)
         if remote_spec != spec:
             raise ValueError(f"channel {name!r}: this rank declares {spec}, rank {peer} declares {remote_spec}")
@@ -389,8 +387,7 @@ class Engine:
         ring = self.backend.ring(capacity_bytes, bucket_bytes, members)
         n, at = len(members), members.index(self.rank)
         left, right = members[(at - 1) % n], members[(at + 1) % n]
-        self.store.set(f"ring/{name}/{self.rank}", ring.descriptor.encode())
-        descs = self.store.get([f"ring/{name}/{left}", f"ring/{name}/{right}"], waiting_for=[left, right])
+        descs = self.exchange(f"ring/{name}", ring.descriptor.encode(), [left, right])
         if n > 1:
             ring.connect(descs[0].decode(), descs[1].decode())
         return Ring(name, ring, members)
@@ -409,15 +406,36 @@ class Engine:
             raise ValueError(f"name {name!r} is already used on this engine")
         self._names.add(name)
         end = cast(NativeBackend, self.backend).doubling(capacity_bytes, members)
-        self.store.set(f"doubling/{name}/{self.rank}", end.descriptor.encode())
         partners = [members[p] for p in end.partners]
-        got = self.store.get([f"doubling/{name}/{r}" for r in partners], waiting_for=partners)
+        got = self.exchange(f"doubling/{name}", end.descriptor.encode(), partners)
         descriptors = [""] * len(members)
         for p, d in zip(end.partners, got, strict=True):
             descriptors[p] = d.decode()
         if len(members) > 1:
             end.connect(descriptors)
         return Ring(name, end, members)
+
+    def exchange(self, name: str, value: bytes | None, sources: Sequence[int] | None = None) -> list[bytes]:
+        """The one set-up primitive past the engine's face (the rendezvous store stays behind it): this rank
+        publishes `value` under `name` (nothing where None) and gets what each rank of `sources` (default: every
+        rank) published under it, in that order, waiting within the engine's timeout; a rank that failed
+        meanwhile is named. Collective among the ranks involved; each name is used once."""
+        self._check_open(f"exchange {name!r}")
+        if value is not None:
+            self.store.set(f"{name}/{self.rank}", bytes(value))
+        ranks = list(range(self.world_size)) if sources is None else [int(r) for r in sources]
+        return self.store.get([f"{name}/{r}" for r in ranks], waiting_for=ranks) if ranks else []
+
+    def successor(self) -> dict[str, Any]:
+        """What the next engine of this worker (an elastic group's next) is made with: this one's settings and
+        the job token it proves (keyword arguments of :class:`Engine`)."""
+        return dict(
+            transport=self.transport,
+            timeout=self.timeout,
+            heartbeat_timeout=self.heartbeat_timeout,
+            rendezvous_timeout=self.rendezvous_timeout,
+            token=self._token,
+        )
 
     def barrier(self, name: str = "barrier") -> None:
         self.store.barrier(name)

@@ -131,10 +131,8 @@ def next_job(strategy: Any, i: int) -> Any:
     cluster to give the next strategy (``RDMAStrategy(cluster=...)``)."""
     from rdkeras.launch import free_port
 
-    store = strategy.engine.store
-    if strategy.worker_index == 0:
-        store.set(f"next_port/{i}", str(free_port()).encode())
-    (port,) = store.get([f"next_port/{i}"], waiting_for=[0])
+    mine = str(free_port()).encode() if strategy.worker_index == 0 else None
+    (port,) = strategy.engine.exchange(f"next_port/{i}", mine, [0])
     return dataclasses.replace(strategy.cluster, master_port=int(port))
 
 

@@ -61,8 +61,8 @@ class ElasticGroup:
         next one, and what it is."""
         began = time.monotonic()
         failure = engine.backend.failure
-        settings = engine_settings(engine)
-        token, address, rank = engine._token, engine.store_address, engine.rank
+        settings = engine.successor()
+        token, address, rank = settings.pop("token"), engine.store_address, engine.rank
         if failure is not None:
             engine.store.abort(failure[0], failure[2])  # a stall is known only to the peers that saw it
         store = engine.abandon()
@@ -147,13 +147,3 @@ class ElasticGroup:
         if self._first_step_pending:
             self._first_step_pending = False
             engine.store.set(FIRST_STEP, repr(time.time()).encode())
-
-
-def engine_settings(engine: Engine) -> dict[str, Any]:
-    """What the next engine of this worker takes over from `engine`."""
-    return dict(
-        transport=engine.transport,
-        timeout=engine.timeout,
-        heartbeat_timeout=engine.heartbeat_timeout,
-        rendezvous_timeout=engine.rendezvous_timeout,
-    )

@@ -429,10 +429,9 @@ class DataParallel(Parallelism):
         """A replacement: leaves its solitary engine for the group's once the group takes it in (the caller
         then receives the group's state from ``group.source``)."""
         assert self.elastic is not None and self.elastic.joining is not None
-        from rdkeras.elastic.group import engine_settings
-
         address, port, lobby_world = self.elastic.joining
-        token, settings = self.engine._token, engine_settings(self.engine)
+        settings = self.engine.successor()
+        token = settings.pop("token")
         settings["transport"] = "auto"  # (alone it chose shm; the group may span hosts)
         self.engine.close()
         engine, group = self.elastic.join(address, port, lobby_world, token, settings, max(self.engine.timeout, 3600))

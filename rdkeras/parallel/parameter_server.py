@@ -101,10 +101,7 @@ class ParameterServer:
         self.block = self.engine.empty(lay["bytes"])
         self.block[lay["flags"] :] = 0
         self.key = self.engine.register(self.block)
-        store = self.engine.store
-        store.set(f"ps/{self.name}/{r}", str(self.key).encode())
-        keys = store.get([f"ps/{self.name}/{k}" for k in range(n)], waiting_for=list(range(n)))
-        self.keys = [int(k) for k in keys]
+        self.keys = [int(k) for k in self.engine.exchange(f"ps/{self.name}", str(self.key).encode())]
         # Where pulled parameters land (this rank's copy of every other owner's buffer).
         self.pulled = {o: self.engine.empty(max(self.owned_bytes[o], 64)) for o in range(n) if o != r}
 
