@@ -16,15 +16,12 @@ MAX_LINES = 400
 # are what split the ones marked so.
 LONG_FILES = {
     "rdkeras/keras_internals.py": "the seam: every private Keras name in one module, by the house rule",
-    "rdkeras/bench/scale_model.py": "to split: the cluster model and its calibration (issue 47)",
     "rdkeras/parallel/data_parallel.py": "to split: elastic membership moves to one collaborator (issue 47)",
     "rdkeras/strategy.py": "to split: options validated in their own classes (issue 47)",
     "rdkeras/engine.py": "to split: the store leaves the engine's face for Engine.exchange() (issue 47)",
     "rdkeras/graph/analyzer.py": "to split: the pipeline planner moves to rdkeras/pipeline/ (issue 47)",
     "rdkeras/launch.py": "to split: the elastic agent's loop goes beside it (issue 47)",
     "rdkeras/parallel/model_parallel.py": "to split: orchestration only, the plan to rdkeras/pipeline/ (issue 47)",
-    "rdkeras/transports/rpc.py": "to split: the gRPC baseline's server and client (issue 47)",
-    "rdkeras/bench/figures/scale_model.py": "to split: one module per figure (issue 47)",
     "rdkeras/bench/hosts.py": "to split: the emulated hosts and their report (issue 47)",
 }
 CHANGELOG_WIDTH = 160
