@@ -22,7 +22,6 @@ LONG_FILES = {
     "rdkeras/graph/analyzer.py": "to split: the pipeline planner moves to rdkeras/pipeline/ (issue 47)",
     "rdkeras/launch.py": "to split: the elastic agent's loop goes beside it (issue 47)",
     "rdkeras/parallel/model_parallel.py": "to split: orchestration only, the plan to rdkeras/pipeline/ (issue 47)",
-    "rdkeras/bench/hosts.py": "to split: the emulated hosts and their report (issue 47)",
 }
 CHANGELOG_WIDTH = 160
 # Paths docs/architecture.md names that are not in the repository by design: what a build or a run writes (the

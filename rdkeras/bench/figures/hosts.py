@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rdkeras.bench.figures.common import Section, Target, load_note, pyplot, save_png, section
-from rdkeras.bench.hosts import BOUNDS, describe_parts, summarize
+from rdkeras.bench.hosts_summary import BOUNDS, describe_parts, summarize
 
 COLORS = {
     "flat ring": "tab:red",
