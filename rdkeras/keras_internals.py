@@ -524,8 +524,9 @@ def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
     import keras
 
     thread = threading.get_ident()
-    owners = {c for k in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
-              for c in k.__mro__ if "apply" in c.__dict__}  # fmt: skip
+    found = {c for k in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
+             for c in k.__mro__ if "apply" in c.__dict__}  # fmt: skip
+    owners = sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")  # the same order in every process
     undo = []
     for owner in owners:
         previous = owner.__dict__["apply"]

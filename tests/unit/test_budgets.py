@@ -17,7 +17,6 @@ MAX_LINES = 400
 LONG_FILES = {
     "rdkeras/keras_internals.py": "the seam: every private Keras name in one module, by the house rule",
     "rdkeras/parallel/data_parallel.py": "to split: elastic membership moves to one collaborator (issue 47)",
-    "rdkeras/strategy.py": "to split: options validated in their own classes (issue 47)",
     "rdkeras/engine.py": "to split: the store leaves the engine's face for Engine.exchange() (issue 47)",
     "rdkeras/graph/analyzer.py": "to split: the pipeline planner moves to rdkeras/pipeline/ (issue 47)",
     "rdkeras/launch.py": "to split: the elastic agent's loop goes beside it (issue 47)",
