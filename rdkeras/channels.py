@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from rdkeras.errors import EngineError
-from rdkeras.transports.base import Doubling, DynamicChannelEnd, HierarchicalRing, StaticChannelEnd
+from rdkeras.transports.base import Doubling, DynamicChannelEnd, HierarchicalRing, NativeBackend, StaticChannelEnd
 from rdkeras.transports.base import Ring as RingEnd
+
+if TYPE_CHECKING:
+    from rdkeras.transports.base import Backend, Capabilities
 
 
 def as_buffer(x: Any) -> Any:
@@ -132,3 +135,127 @@ class Ring:
         rings only (a backend whose spec says ``hierarchical``)."""
         inside, other = cast(HierarchicalRing, self.end), cast(HierarchicalRing, across.end)
         return inside.allreduce_hierarchical(arrays, average, other, world, wire, within)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Bytes of an array of `shape` and `dtype`, in Python integers (no silent int64 overflow)."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+class ChannelMaker:
+    """The engine's channels and rings, made collectively by name (:class:`rdkeras.Engine` provides what is
+    declared here): each end's descriptor goes to its peers through ``exchange``."""
+
+    if TYPE_CHECKING:
+        rank: int
+        world_size: int
+        transport: str
+        backend: Backend
+        capabilities: Capabilities
+        _names: set[str]
+
+        def _check_open(self, what: str) -> None: ...
+        def exchange(self, name: str, value: bytes | None, sources: Sequence[int] | None = None) -> list[bytes]: ...
+
+    def _pair(self, kind: str, name: str, src: int, dst: int, make: Any, spec: str) -> Any:
+        self._check_open(f"channel {name!r}")
+        for end in (src, dst):
+            if not 0 <= end < self.world_size:
+                raise ValueError(f"channel {name!r}: rank {end} is not in a world of {self.world_size}")
+        if self.rank not in (src, dst) or src == dst:
+            raise ValueError(f"channel {name!r} connects ranks {src}->{dst}; this is rank {self.rank}")
+        if name in self._names:
+            raise ValueError(f"channel name {name!r} is already used on this engine")
+        self._names.add(name)
+        sending = self.rank == src
+        peer = dst if sending else src
+        channel = make(sending, peer)
+        (remote,) = self.exchange(f"ch/{kind}/{name}", f"{spec}\n{channel.descriptor}".encode(), [peer])
+        remote_spec, remote_desc = remote.decode().split("\n", 1)
+        if remote_spec != spec:
+            raise ValueError(f"channel {name!r}: this rank declares {spec}, rank {peer} declares {remote_spec}")
+        channel.connect(remote_desc)
+        return channel
+
+    def static_channel(self, name: str, src: int, dst: int, shape: Sequence[int], dtype: Any) -> StaticChannel:
+        """A channel for tensors of one fixed shape and dtype (a pre-registered destination).
+
+        Both ranks call this with the same arguments; `src` sends on its end, `dst` receives.
+        """
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
+        nbytes = _nbytes(shape, dtype)
+        end = self._pair(
+            "static",
+            name,
+            src,
+            dst,
+            lambda sender, peer: self.backend.static_channel(sender, peer, nbytes),
+            f"{dtype.str}{list(shape)}",
+        )
+        return StaticChannel(name, end, self.rank == src, shape, dtype)
+
+    def dynamic_channel(self, name: str, src: int, dst: int) -> DynamicChannel:
+        """A channel for tensors whose shape/dtype is known only at run time; `src` sends, `dst` receives."""
+        end = self._pair(
+            "dynamic",
+            name,
+            src,
+            dst,
+            lambda sender, peer: self.backend.dynamic_channel(sender, peer),
+            "dynamic",
+        )
+        return DynamicChannel(name, end, self.rank == src)
+
+    def ring(
+        self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20, members: Sequence[int] | None = None
+    ) -> Ring:
+        """A ring allreduce over `members` (default: all ranks); collective: every member calls
+        this with the same arguments.
+
+        Call it: ``ring(arrays, average=False) -> list[np.ndarray]``; the outputs are views of
+        registered memory, valid until the next-but-one call.
+        """
+        self._check_open(f"ring {name!r}")
+        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
+        if capacity_bytes < 0 or bucket_bytes <= 0:
+            raise ValueError(f"ring {name!r}: capacity_bytes must be >= 0 and bucket_bytes > 0")
+        if self.rank not in members:
+            raise ValueError(f"ring {name!r}: this rank ({self.rank}) is not among its members {members}")
+        if name in self._names:
+            raise ValueError(f"name {name!r} is already used on this engine")
+        self._names.add(name)
+        ring = self.backend.ring(capacity_bytes, bucket_bytes, members)
+        n, at = len(members), members.index(self.rank)
+        left, right = members[(at - 1) % n], members[(at + 1) % n]
+        descs = self.exchange(f"ring/{name}", ring.descriptor.encode(), [left, right])
+        if n > 1:
+            ring.connect(descs[0].decode(), descs[1].decode())
+        return Ring(name, ring, members)
+
+    def doubling(self, name: str, capacity_bytes: int, members: Sequence[int] | None = None) -> Ring:
+        """A recursive-doubling allreduce over `members` (default: all ranks): log2(N) messages of every byte,
+        where a ring sends 2(N-1) of 1/N each -- faster for small tensors. Engine transports only (a spec that
+        says ``hierarchical``); collective, as :meth:`ring`, and called the same way."""
+        self._check_open(f"allreduce {name!r}")
+        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
+        if not self.capabilities.runs("doubling"):
+            raise ValueError(f"recursive doubling runs in the engine; transport {self.transport!r} has only its ring")
+        if capacity_bytes < 0 or self.rank not in members:
+            raise ValueError(f"allreduce {name!r}: capacity_bytes must be >= 0 and this rank among {members}")
+        if name in self._names:
+            raise ValueError(f"name {name!r} is already used on this engine")
+        self._names.add(name)
+        end = cast(NativeBackend, self.backend).doubling(capacity_bytes, members)
+        partners = [members[p] for p in end.partners]
+        got = self.exchange(f"doubling/{name}", end.descriptor.encode(), partners)
+        descriptors = [""] * len(members)
+        for p, d in zip(end.partners, got, strict=True):
+            descriptors[p] = d.decode()
+        if len(members) > 1:
+            end.connect(descriptors)
+        return Ring(name, end, members)

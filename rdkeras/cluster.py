@@ -308,3 +308,20 @@ def _from_tf_config(env: Mapping[str, str]) -> Cluster:
         task_id=task_id,
         hosts=hosts,
     )
+
+
+def job_shape(
+    rank: int | None, world_size: int | None, master_addr: str | None, master_port: int | None
+) -> tuple[int, int, str, int]:
+    """(rank, world size, rendezvous address and port): those given, the rest from the cluster the environment
+    describes (read only if needed); a port outside 0-65535 is an error."""
+    if None in (rank, world_size, master_addr, master_port):
+        job = resolve()
+        rank = job.rank if rank is None else rank
+        world_size = job.world_size if world_size is None else world_size
+        master_addr = job.master_addr if master_addr is None else master_addr
+        master_port = job.master_port if master_port is None else master_port
+    port = int(master_port)  # type: ignore[arg-type]
+    if not 0 <= port <= 65535:
+        raise EngineError(f"rendezvous port {port} is not a TCP port: choose one in 1-65535 (RDKERAS_MASTER_PORT)")
+    return int(rank), int(world_size), str(master_addr), port  # type: ignore[arg-type]

@@ -21,17 +21,17 @@ import atexit
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from rdkeras import _engine, cluster, jobtoken, reports, transports
 from rdkeras import options as options_lib
 from rdkeras._log import logger
-from rdkeras.channels import DynamicChannel, Ring, StaticChannel, as_buffer
+from rdkeras.channels import ChannelMaker, _nbytes, as_buffer
 from rdkeras.errors import EngineError, PeerError, TimeoutError, peer_error  # noqa: A004
 from rdkeras.rendezvous import Store, transport_key
-from rdkeras.transports.base import Backend, BackendConfig, NativeBackend, TransportOptions
+from rdkeras.transports.base import Backend, BackendConfig, TransportOptions
 
 TRANSPORTS = ("auto", *transports.names())
 
@@ -41,23 +41,7 @@ def host_identity() -> str:
     return _engine.host_identity()
 
 
-def _job_shape(
-    rank: int | None, world_size: int | None, master_addr: str | None, master_port: int | None
-) -> tuple[int, int, str, int]:
-    """The arguments given, the rest from the cluster the environment describes (read only if needed)."""
-    if None in (rank, world_size, master_addr, master_port):
-        job = cluster.resolve()
-        rank = job.rank if rank is None else rank
-        world_size = job.world_size if world_size is None else world_size
-        master_addr = job.master_addr if master_addr is None else master_addr
-        master_port = job.master_port if master_port is None else master_port
-    port = int(master_port)  # type: ignore[arg-type]
-    if not 0 <= port <= 65535:
-        raise EngineError(f"rendezvous port {port} is not a TCP port: choose one in 1-65535 (RDKERAS_MASTER_PORT)")
-    return int(rank), int(world_size), str(master_addr), port  # type: ignore[arg-type]
-
-
-class Engine:
+class Engine(ChannelMaker):
     """A process's endpoint in a job of `world_size` ranks.
 
     Every argument left out comes from the environment: the job's shape from
@@ -115,7 +99,9 @@ class Engine:
         store: Store | None = None,
     ):
         settings = options_lib.from_env() if settings is None else settings
-        self.rank, self.world_size, master_addr, master_port = _job_shape(rank, world_size, master_addr, master_port)
+        self.rank, self.world_size, master_addr, master_port = cluster.job_shape(
+            rank, world_size, master_addr, master_port
+        )
         self.transport = str(settings.transport if transport is None else transport)
         self.timeout = options_lib.check_timeout(settings.timeout if timeout is None else timeout)
         # Start-up is never bounded more loosely than any other wait (an explicit `timeout` of 5 s means 5).
@@ -315,106 +301,6 @@ class Engine:
         if self._closed:
             raise EngineError(f"{what}: the engine is closed")
 
-    def _pair(self, kind: str, name: str, src: int, dst: int, make: Any, spec: str) -> Any:
-        self._check_open(f"channel {name!r}")
-        for end in (src, dst):
-            if not 0 <= end < self.world_size:
-                raise ValueError(f"channel {name!r}: rank {end} is not in a world of {self.world_size}")
-        if self.rank not in (src, dst) or src == dst:
-            raise ValueError(f"channel {name!r} connects ranks {src}->{dst}; this is rank {self.rank}")
-        if name in self._names:
-            raise ValueError(f"channel name {name!r} is already used on this engine")
-        self._names.add(name)
-        sending = self.rank == src
-        peer = dst if sending else src
-        channel = make(sending, peer)
-        (remote,) = self.exchange(f"ch/{kind}/{name}", f"{spec}\n{channel.descriptor}".encode(), [peer])
-        remote_spec, remote_desc = remote.decode().split("\n", 1)
-        if remote_spec != spec:
-            raise ValueError(f"channel {name!r}: this rank declares {spec}, rank {peer} declares {remote_spec}")
-        channel.connect(remote_desc)
-        return channel
-
-    def static_channel(self, name: str, src: int, dst: int, shape: Sequence[int], dtype: Any) -> StaticChannel:
-        """A channel for tensors of one fixed shape and dtype (a pre-registered destination).
-
-        Both ranks call this with the same arguments; `src` sends on its end, `dst` receives.
-        """
-        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"static channel {name!r} needs a fully known shape, got {shape}")
-        nbytes = _nbytes(shape, dtype)
-        end = self._pair(
-            "static",
-            name,
-            src,
-            dst,
-            lambda sender, peer: self.backend.static_channel(sender, peer, nbytes),
-            f"{dtype.str}{list(shape)}",
-        )
-        return StaticChannel(name, end, self.rank == src, shape, dtype)
-
-    def dynamic_channel(self, name: str, src: int, dst: int) -> DynamicChannel:
-        """A channel for tensors whose shape/dtype is known only at run time; `src` sends, `dst` receives."""
-        end = self._pair(
-            "dynamic",
-            name,
-            src,
-            dst,
-            lambda sender, peer: self.backend.dynamic_channel(sender, peer),
-            "dynamic",
-        )
-        return DynamicChannel(name, end, self.rank == src)
-
-    def ring(
-        self, name: str, capacity_bytes: int, bucket_bytes: int = 64 << 20, members: Sequence[int] | None = None
-    ) -> Ring:
-        """A ring allreduce over `members` (default: all ranks); collective: every member calls
-        this with the same arguments.
-
-        Call it: ``ring(arrays, average=False) -> list[np.ndarray]``; the outputs are views of
-        registered memory, valid until the next-but-one call.
-        """
-        self._check_open(f"ring {name!r}")
-        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
-        if capacity_bytes < 0 or bucket_bytes <= 0:
-            raise ValueError(f"ring {name!r}: capacity_bytes must be >= 0 and bucket_bytes > 0")
-        if self.rank not in members:
-            raise ValueError(f"ring {name!r}: this rank ({self.rank}) is not among its members {members}")
-        if name in self._names:
-            raise ValueError(f"name {name!r} is already used on this engine")
-        self._names.add(name)
-        ring = self.backend.ring(capacity_bytes, bucket_bytes, members)
-        n, at = len(members), members.index(self.rank)
-        left, right = members[(at - 1) % n], members[(at + 1) % n]
-        descs = self.exchange(f"ring/{name}", ring.descriptor.encode(), [left, right])
-        if n > 1:
-            ring.connect(descs[0].decode(), descs[1].decode())
-        return Ring(name, ring, members)
-
-    def doubling(self, name: str, capacity_bytes: int, members: Sequence[int] | None = None) -> Ring:
-        """A recursive-doubling allreduce over `members` (default: all ranks): log2(N) messages of every byte,
-        where a ring sends 2(N-1) of 1/N each -- faster for small tensors. Engine transports only (a spec that
-        says ``hierarchical``); collective, as :meth:`ring`, and called the same way."""
-        self._check_open(f"allreduce {name!r}")
-        members = list(range(self.world_size)) if members is None else [int(m) for m in members]
-        if not self.capabilities.runs("doubling"):
-            raise ValueError(f"recursive doubling runs in the engine; transport {self.transport!r} has only its ring")
-        if capacity_bytes < 0 or self.rank not in members:
-            raise ValueError(f"allreduce {name!r}: capacity_bytes must be >= 0 and this rank among {members}")
-        if name in self._names:
-            raise ValueError(f"name {name!r} is already used on this engine")
-        self._names.add(name)
-        end = cast(NativeBackend, self.backend).doubling(capacity_bytes, members)
-        partners = [members[p] for p in end.partners]
-        got = self.exchange(f"doubling/{name}", end.descriptor.encode(), partners)
-        descriptors = [""] * len(members)
-        for p, d in zip(end.partners, got, strict=True):
-            descriptors[p] = d.decode()
-        if len(members) > 1:
-            end.connect(descriptors)
-        return Ring(name, end, members)
-
     def exchange(self, name: str, value: bytes | None, sources: Sequence[int] | None = None) -> list[bytes]:
         """The one set-up primitive past the engine's face (the rendezvous store stays behind it): this rank
         publishes `value` under `name` (nothing where None) and gets what each rank of `sources` (default: every
@@ -488,14 +374,6 @@ class Engine:
         if error is not None and not self._closed and isinstance(error, Exception):
             self.stop_on_error(error)  # leaving the block on an error: the others must not wait for this rank
         self.close()
-
-
-def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    """Bytes of an array of `shape` and `dtype`, in Python integers (no silent int64 overflow)."""
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
 
 
 _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet

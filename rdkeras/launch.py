@@ -44,6 +44,7 @@ from rdkeras._workers import (  # noqa: F401 (the launcher's names, re-exported)
     first_failure,
     run_workers,
 )
+from rdkeras.launch_elastic import ElasticSettings, add_elastic_arguments, elastic_outcome, run_elastic
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
@@ -188,83 +189,12 @@ def run_local(
             verbose=verbose,
             log_dir=log_dir,
         )
-    from rdkeras import cluster, jobtoken, options
-    from rdkeras.elastic import ElasticAgent
-
     job = dataclasses.replace(job, master_port=job.master_port or free_port())
     more = {**(env or {}), "RDKERAS_STORE": "launcher", "RDKERAS_MIN_WORKERS": str(elastic.min_workers)}
     ranks, envs = job_envs(job, more, per_rank_env, only_ranks=only_ranks, verbose=verbose,
                            token=secrets.token_hex(16) if job.nnodes == 1 else None)  # fmt: skip
-    if job.node_rank > 0:  # node 0's launcher hosts the group; here, workers are watched and nothing more
-        results = run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
-                              verbose=verbose, log_dir=log_dir, watch=_Follower())  # fmt: skip
-        elastic.follower = True
-        return results
-    # The token every worker proves: the launcher's own (one node), or what each resolves (several).
-    token = jobtoken.resolve(job.world_size, cluster.job_key(envs[0]), options.from_env(envs[0]))
-    agent = ElasticAgent("" if job.master_addr in ("0.0.0.0", "") else job.master_addr, int(job.master_port or 0),
-                         token, job.world_size, elastic.min_workers, elastic.reform_timeout,
-                         max_restarts=elastic.max_restarts)  # fmt: skip
-    try:
-        return run_workers([list(command)] * len(ranks), envs, ranks=ranks, timeout=timeout, forward=forward,
-                           verbose=verbose, log_dir=log_dir, watch=agent)  # fmt: skip
-    finally:
-        agent.close()
-        elastic.changes, elastic.error = list(agent.changes), agent.error
-
-
-class _Follower:
-    """An elastic job's launcher on a node other than 0: node 0's agent sees its workers through the store (a
-    dead one's connection drops), so this one only keeps them running until they end by themselves."""
-
-    error = None
-
-    def exited(self, worker: int, returncode: int) -> None:
-        pass
-
-    def finished(self) -> bool:
-        return False
-
-    def take_spawns(self, base_env: dict) -> list:
-        return []
-
-
-@dataclass
-class ElasticSettings:
-    """An elastic launch: the fewest workers the job goes on with, and (afterwards) what happened."""
-
-    min_workers: int
-    reform_timeout: float = 30.0
-    max_restarts: int = 0  # replacements to start in all, each after a loss
-    follower: bool = False  # set by the launch: this node is not node 0, whose launcher decides the outcome
-    changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
-    error: str | None = None
-
-    def lost(self) -> set[int]:
-        """The workers (ids: their first ranks) the job went on without."""
-        return {w for change in self.changes for w in change.lost}
-
-
-def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tuple[int, list[str]]:
-    """(exit status, lines to print) of an elastic launch: 0 when the group went on after every loss and every
-    worker left at the end exited 0."""
-    if elastic.follower:  # node 0's launcher knows the group; here, a worker killed by a signal may be a loss
-        died = [r for r in results if r.returncode is not None and r.returncode < 0 and not r.killed]
-        bad = next((r for r in results if r not in died and r.returncode != 0), None)
-        lines = [f"elastic: worker {r.rank} died ({_status(r)}); node 0's launcher says whether the job went on "
-                 "without it" for r in died]  # fmt: skip
-        if bad is not None:
-            return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad)]
-        return 0, lines
-    lines = [f"elastic: {change.line()}" for change in elastic.changes]
-    final = elastic.changes[-1].members if elastic.changes else [r.rank for r in results]
-    kept = [r for r in results if r.rank in final]  # (lost workers, and replacements the job ended without)
-    if elastic.error is not None:
-        return 1, [*lines, f"elastic: the job ended: {elastic.error}"]
-    bad = next((r for r in kept if r.returncode != 0), None)
-    if bad is not None:
-        return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad, kept)]
-    return 0, lines
+    return run_elastic([list(command)] * len(ranks), job, ranks, envs, elastic, timeout=timeout, forward=forward,
+                       verbose=verbose, log_dir=log_dir)  # fmt: skip
 
 
 def call_command(target: str, kwargs: dict | None = None) -> list[str]:
@@ -384,18 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", help="sets RDKERAS_TRANSPORT for every worker (auto, shm, tcp, shm+tcp, verbs, grpc, rpc+...)"
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped")
-    parser.add_argument(
-        "--min-workers",
-        type=int,
-        default=None,
-        help="elastic: when workers die, the others (at least this many) go on inside the same fit (data parallelism)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="elastic: start up to this many replacements in all, each joining the group at its next epoch end",
-    )
+    add_elastic_arguments(parser)
     parser.add_argument("--log-dir", default=None, help="also write each rank's output to DIR/worker-RANK.log")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up messages")
     parser.add_argument("script", help="the Python script to run, or -m MODULE")

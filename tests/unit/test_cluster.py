@@ -178,7 +178,7 @@ def test_out_of_range_ranks_are_refused(monkeypatch):
 
 
 def test_a_bare_engine_takes_its_place_from_the_cluster_under_slurm(monkeypatch):
-    from rdkeras.engine import _job_shape
+    from rdkeras.cluster import job_shape
 
     slurm = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
              "SLURM_STEP_NODELIST": "nodea", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}  # fmt: skip
@@ -187,15 +187,15 @@ def test_a_bare_engine_takes_its_place_from_the_cluster_under_slurm(monkeypatch)
     for name in ("RDKERAS_WORLD_SIZE", "TF_CONFIG", "RANK", "WORLD_SIZE", "RDKERAS_MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("rdkeras.cluster.expand_hostlist", lambda nodes: nodes.split(","))
-    assert _job_shape(None, None, None, None) == (1, 2, "nodea", 29507)
-    assert _job_shape(0, 1, "127.0.0.1", 0) == (0, 1, "127.0.0.1", 0)  # explicit arguments win
+    assert job_shape(None, None, None, None) == (1, 2, "nodea", 29507)
+    assert job_shape(0, 1, "127.0.0.1", 0) == (0, 1, "127.0.0.1", 0)  # explicit arguments win
 
 
 def test_a_port_out_of_range_is_named_before_any_socket():
-    from rdkeras.engine import _job_shape
+    from rdkeras.cluster import job_shape
 
     with pytest.raises(EngineError, match=r"rendezvous port 70000 is not a TCP port: choose one in 1-65535"):
-        _job_shape(0, 2, "127.0.0.1", 70000)
+        job_shape(0, 2, "127.0.0.1", 70000)
 
 
 def test_slurm_and_tf_config_jobs_get_local_rank_exported(monkeypatch, scontrol):
