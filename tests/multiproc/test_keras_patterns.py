@@ -2,7 +2,8 @@
 what they compute in one plain Keras process -- weights, the history's losses and metrics, evaluate's and predict's
 results -- and the workers end bit-identical.
 
-All patterns run in two launches (one process, then 2 workers), each importing TensorFlow once."""
+All patterns run in two launches side by side (one process, 2 workers), each importing TensorFlow once; those that
+apply also as a 2-stage pipeline (-m extended)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,8 @@ def tmp(tmp_path_factory):
     return str(tmp_path_factory.mktemp("patterns"))
 
 
-@pytest.fixture(scope="module")
-def launches(tmp):
-    """The three launches, side by side (each waits on its peers and on TensorFlow's start-up much of the time):
-    every pattern in one process; on 2 data-parallel workers; those that apply as a 2-stage pipeline of 2
-    micro-batches, cut automatically."""
-    pipeline = {"parallelism": "pipeline", "micro_batches": 2}
-    runs = {
-        "one": (1, {"names": NAMES, "distributed": False}),
-        "data": (2, {"names": NAMES, "distributed": True}),
-        "pipeline": (2, {"names": PIPELINE_PATTERNS, "distributed": True, "strategy_kwargs": pipeline,
-                         "label": "pipeline"}),
-    }  # fmt: skip
+def _side_by_side(runs: dict, tmp: str) -> dict:
+    """The launches at once (each waits on its peers and on TensorFlow's start-up much of the time)."""
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         futures = {key: pool.submit(run_ranks, "run", world, module=MODULE, timeout=600, tmp=tmp, **kwargs)
                    for key, (world, kwargs) in runs.items()}  # fmt: skip
@@ -50,13 +41,24 @@ def launches(tmp):
 
 
 @pytest.fixture(scope="module")
-def runs(launches):
-    return launches["one"][0], launches["data"]
+def runs(tmp):
+    """Every pattern in one process, and on 2 data-parallel workers."""
+    done = _side_by_side({"one": (1, {"names": NAMES, "distributed": False}),
+                          "data": (2, {"names": NAMES, "distributed": True})}, tmp)  # fmt: skip
+    return done["one"][0], done["data"]
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(launches):
-    return launches["one"][0], launches["pipeline"]
+def pipeline_runs(tmp):
+    """The patterns that apply, in one process and as a 2-stage pipeline of 2 micro-batches, cut automatically
+    (-m extended; the default run checks pipelines against one process in tests/multiproc/test_model_parallel.py)."""
+    pipeline = {"parallelism": "pipeline", "micro_batches": 2}
+    done = _side_by_side({
+        "one": (1, {"names": PIPELINE_PATTERNS, "distributed": False, "label": "pipeline-reference"}),
+        "pipeline": (2, {"names": PIPELINE_PATTERNS, "distributed": True, "strategy_kwargs": pipeline,
+                         "label": "pipeline"}),
+    }, tmp)  # fmt: skip
+    return done["one"][0], done["pipeline"]
 
 
 def _leaves(value, path=""):
@@ -98,6 +100,7 @@ def test_the_pattern_computes_what_one_process_computes(runs, name):
     _check(runs, name)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", PIPELINE_PATTERNS)
 def test_the_pattern_as_a_pipeline_computes_what_one_process_computes(pipeline_runs, name):
     _check(pipeline_runs, name)
@@ -144,6 +147,7 @@ def test_kerashub_files_saved_under_the_strategy_load_without_rdkeras(runs, tmp)
     assert loaded["file"] == trained and loaded["preset"] == trained
 
 
+@pytest.mark.extended
 def test_the_pipelines_were_cut_automatically_alike_on_every_worker(pipeline_runs):
     # No placement: the layers were timed on rank 0 (at fit, on a micro-batch's rows: 16 / 2) and cut into 2 stages
     # balanced by those times, the same cut on both workers.
