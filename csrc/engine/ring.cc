@@ -95,7 +95,7 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
       bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)),
       scratch_(engine_->tracker(), capacity_) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
-  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offSignature() + 64);
+  registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), registeredBytes());
   block_ = registered_->data();
 }
 
@@ -140,7 +140,7 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   // Send: the right neighbour's slot m%2 is free once it acked message m-2.
   if (m >= 2) engine_->waitFlag(block_ + offAck(), m - 1, right_, "allreduce: ack from the right neighbour");
   // The call's first message: the right member learns what we reduce (ordered before the flag).
-  if (signature) t.writeFlag(right_, right_key_, offSignature(), signature, deadline);
+  if (signature) t.writeFlag(right_, right_key_, offSignature(slot), signature, deadline);
   if (send_from_inputs) {
     forEachSegment(inputs, offsets, send_begin, send_end, [&](size_t i, size_t lo, size_t hi) {
       t.write(right_, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), right_key_,
@@ -152,7 +152,7 @@ void RingAllreduce::reduceScatterStep(const std::vector<ConstSpan>& inputs,
   t.writeFlag(right_, right_key_, offFlag(slot), m + 1, deadline);
   // Receive the left neighbour's partial sum and add our input to it.
   engine_->waitFlag(block_ + offFlag(slot), m + 1, left_, "allreduce: data from the left neighbour");
-  if (signature && loadAcquire(block_ + offSignature()) != signature) {
+  if (signature && loadAcquire(block_ + offSignature(slot)) != signature) {
     const std::string why =
         strCat("allreduce: rank ", left_, " passed other tensors than this rank (rank ", engine_->rank(),
                ": ", inputs.size(), " tensors, ", total_bytes_, " bytes of ", dtypeName(dtype),
@@ -193,7 +193,7 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
   total_bytes_ = 0;
   for (const auto& in : inputs) total_bytes_ += in.bytes;
   const uint64_t signature = callSignature(inputs, dtype);
-  const size_t out_region_offset = (calls_++ % 2) * capacity_;
+  const size_t out_region_offset = nextOutput();
   uint8_t* out = block_ + out_region_offset;
   const int n = world_;
   if (n == 1) {
@@ -249,6 +249,90 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
     allgather(gather_b0, gather_b1);
   }
   return {out, std::move(offsets)};
+}
+
+size_t RingAllreduce::shardBytes(size_t bytes, size_t item, const char* what) const {
+  const size_t n = static_cast<size_t>(world_);
+  if (bytes > capacity_)
+    throw EngineError(
+        strCat(what, " of ", bytes, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
+  if (bytes % (n * kAlign) != 0 || bytes % item != 0)
+    throw EngineError(strCat(what, ": ", bytes, " bytes do not split into ", n, " shards of a multiple of ",
+                             kAlign, " bytes each; pad the buffer"));
+  return bytes / n;
+}
+
+uint8_t* RingAllreduce::reduceScatter(ConstSpan input, DType dtype, bool average) {
+  const int n = world_;
+  const size_t shard = shardBytes(input.bytes, dtypeSize(dtype), "reduce-scatter");
+  total_bytes_ = input.bytes;
+  const std::vector<ConstSpan> inputs = {input};
+  const std::vector<size_t> offsets = {0};
+  // Not an allreduce's signature of the same bytes: n tensors of one shard each.
+  const uint64_t signature = callSignature(std::vector<ConstSpan>(n, ConstSpan{nullptr, shard}), dtype);
+  uint8_t* out = block_ + nextOutput();
+  uint8_t* mine = out + rank_ * shard;
+  if (n == 1) {
+    if (shard) std::memcpy(mine, input.data, shard);
+    return mine;
+  }
+  if (right_key_ == 0) throw EngineError("reduce-scatter: called before connect()");
+  const double inv = average ? 1.0 / n : 1.0;
+  // Pass k moves piece k (a slot's bytes) of every shard: at step s send chunk rank-s-1, receive chunk
+  // rank-s-2, so the last step leaves shard `rank` summed here.
+  const size_t piece = slot_bytes_;
+  auto chunk = [&](int c, size_t p0) {
+    const size_t at = static_cast<size_t>((c % n + n) % n) * shard;
+    return ChunkRange{at + p0, at + std::min(shard, p0 + piece)};
+  };
+  for (size_t p0 = 0; p0 == 0 || p0 < shard; p0 += piece) {
+    for (int s = 0; s < n - 1; ++s) {
+      const ChunkRange send = chunk(rank_ - s - 1, p0), recv = chunk(rank_ - s - 2, p0);
+      reduceScatterStep(inputs, offsets, send.lo, send.hi, s == 0, recv.lo, recv.hi, out, dtype,
+                        s == n - 2 ? inv : 1.0, p0 == 0 && s == 0 ? signature : 0);
+    }
+  }
+  return mine;
+}
+
+uint8_t* RingAllreduce::allgather(ConstSpan shard_in) {
+  const int n = world_;
+  const size_t shard = shard_in.bytes;
+  shardBytes(shard * n, 1, "allgather");
+  total_bytes_ = shard * n;
+  const size_t region = nextOutput();
+  uint8_t* out = block_ + region;
+  if (shard && out + rank_ * shard != shard_in.data) std::memcpy(out + rank_ * shard, shard_in.data, shard);
+  if (n == 1) return out;
+  if (right_key_ == 0) throw EngineError("allgather: called before connect()");
+  Transport& t = engine_->transport();
+  const uint64_t call = ++allgathers_;
+  // The left member may write into this block from now on; the right one into ours once it says so.
+  t.writeFlag(left_, left_key_, offReady(), call, engine_->deadline());
+  engine_->waitFlag(block_ + offReady(), call, right_, "allgather: the right member to enter the call");
+  const uint64_t signature =
+      callSignature(std::vector<ConstSpan>(n, ConstSpan{nullptr, shard}), DType::kFloat64);
+  t.writeFlag(right_, right_key_, offGatherSignature(), signature, engine_->deadline());
+  const size_t piece = slot_bytes_;
+  bool checked = false;
+  for (size_t p0 = 0; p0 == 0 || p0 < shard; p0 += piece) {
+    // At step s send the complete shard rank-s (its piece), receive shard rank-s-1 from the left.
+    for (int s = 0; s < n - 1; ++s) {
+      const size_t send = static_cast<size_t>((rank_ - s + n) % n) * shard;
+      const size_t len = std::min(shard, p0 + piece) - std::min(shard, p0);
+      allgatherStep(out, region, send + p0, send + p0 + len);
+      if (!checked && loadAcquire(block_ + offGatherSignature()) != signature) {
+        const std::string why =
+            strCat("allgather: rank ", left_, " passed another shard size than this rank (rank ",
+                   engine_->rank(), ": ", shard, " bytes); every member must pass the same");
+        engine_->reportOwnFailure(why);
+        throw EngineError(why);
+      }
+      checked = true;
+      engine_->countReceived(len);  // the left member's piece of shard rank-s-1
+    }
+  }
+  return out;
 }
 
 }  // namespace rdkeras

@@ -63,6 +63,14 @@ class RingAllreduce {
   Result run(const std::vector<ConstSpan>& inputs, DType dtype, bool average,
              const ChunkHook& between = nullptr);
 
+  // The two halves of run() on their own, over one flat buffer of size() shards of equal bytes (a multiple
+  // of 64), member p owning shard p -- the layout sharded optimizers keep.
+  // reduceScatter: this member's shard of the sum (mean) of every member's `input`, in the next output block.
+  uint8_t* reduceScatter(ConstSpan input, DType dtype, bool average);
+  // allgather: every member's `shard` (same bytes everywhere), in member order, in the next output block.
+  // The left member writes into this one's block only once this one has entered the call (a flag each call).
+  uint8_t* allgather(ConstSpan shard);
+
   size_t capacity() const { return capacity_; }
   int size() const { return world_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
@@ -73,25 +81,36 @@ class RingAllreduce {
                          size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
                          size_t recv_end, uint8_t* out, DType dtype, double scale, uint64_t signature);
   void allgatherStep(uint8_t* out, size_t out_offset_in_region, size_t send_begin, size_t send_end);
+  // The next output block: its offset in the registered block (they alternate call by call).
+  size_t nextOutput() { return (calls_++ % 2) * capacity_; }
+  // Shard size of a flat buffer of `bytes` over the members, checked (capacity, alignment, dtype).
+  size_t shardBytes(size_t bytes, size_t item, const char* what) const;
 
   std::shared_ptr<Engine> engine_;
   std::vector<int> members_;
   int rank_, world_, left_,
       right_;  // rank_/world_: position among / count of members_; left_/right_: engine ranks
   size_t capacity_, bucket_bytes_, slot_bytes_;
-  // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag]
+  // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag |
+  //                        signature 0 | signature 1 | ready | allgather signature]
   std::unique_ptr<RegisteredBlock> registered_;
   uint8_t* block_ = nullptr;  // registered_->data()
   uint64_t right_key_ = 0, left_key_ = 0;
   uint64_t messages_ = 0;  // reduce-scatter messages sent (= received) so far
   uint64_t gathers_ = 0;   // allgather chunks received so far
   uint64_t calls_ = 0;
+  uint64_t allgathers_ = 0;   // allgather() calls so far (the ready flag counts them)
   uint64_t total_bytes_ = 0;  // of the current call (for error messages)
   size_t offSlot(int i) const { return 2 * capacity_ + i * slot_bytes_; }
   size_t offFlag(int i) const { return 2 * capacity_ + 2 * slot_bytes_ + i * 64; }
   size_t offAck() const { return offFlag(2); }
   size_t offGather() const { return offFlag(3); }
-  size_t offSignature() const { return offFlag(4); }  // the left member's call signature
+  // The left member's call signature, one per slot: it comes with the call's first message, and a slot is
+  // written again only once this member acked what it held.
+  size_t offSignature(int slot) const { return offFlag(4 + slot); }
+  size_t offReady() const { return offFlag(6); }            // the right member entered allgather() #n
+  size_t offGatherSignature() const { return offFlag(7); }  // the left member's allgather() signature
+  size_t registeredBytes() const { return offFlag(8); }
   WireScratch scratch_;
 };
 

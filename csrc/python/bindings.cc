@@ -483,6 +483,39 @@ PYBIND11_MODULE(_engine, m) {
       .def("allreduce", &groupAllreduce<RingAllreduce>, py::arg("arrays"), py::arg("average") = false,
            py::arg("wire") = py::none())
       .def(
+          "reduce_scatter",
+          [](py::object self, const py::array& array, bool average) {
+            auto& ring = self.cast<RingAllreduce&>();
+            DType dtype = DType::kFloat32;
+            const std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), {array}, &dtype);
+            uint8_t* shard;
+            {
+              py::gil_scoped_release nogil;
+              shard =
+                  guarded(*ring.engine(), -1, [&] { return ring.reduceScatter(spans[0], dtype, average); });
+            }
+            const auto count = static_cast<py::ssize_t>(array.size() / ring.size());
+            return py::array(array.dtype(), {count}, shard, self);
+          },
+          py::arg("array"), py::arg("average") = false)
+      .def(
+          "allgather",
+          [](py::object self, const py::array& shard) {
+            auto& ring = self.cast<RingAllreduce&>();
+            if (!(shard.flags() & py::array::c_style))
+              throw py::value_error("allgather: the shard must be C-contiguous");
+            const ConstSpan span{shard.data(), static_cast<size_t>(shard.nbytes())};
+            pin(*ring.engine(), shard, {const_cast<void*>(span.data), span.bytes});
+            uint8_t* all;
+            {
+              py::gil_scoped_release nogil;
+              all = guarded(*ring.engine(), -1, [&] { return ring.allgather(span); });
+            }
+            return py::array(shard.dtype(), {static_cast<py::ssize_t>(shard.size() * ring.size())}, all,
+                             self);
+          },
+          py::arg("shard"))
+      .def(
           "allreduce_hierarchical",
           [](py::object self, const std::vector<py::array>& arrays, bool average, RingAllreduce& across,
              int world, const std::optional<std::string>& wire, bool within) {

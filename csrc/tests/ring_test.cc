@@ -322,3 +322,84 @@ TEST_CASE("the wire types round to nearest even; sums on the wire add in float32
                                     0x1p-23f, 0x1p-24f, -5.0f, 2.0f,         2.0f + 0x4p-7f};
   CHECK(back == brain);
 }
+
+namespace {
+
+// Reduce-scatter then allgather over rings of `world` ranks: every member's shard is the sum (mean) of every
+// member's bytes of it, and the allgather hands every member all shards in member order; calls alternate
+// output blocks, so the previous call's results stay intact.
+void checkShards(int world, size_t bucket_bytes, size_t shard_floats, const std::string& transport) {
+  auto engines = connectedEngines(world, transport);
+  const size_t total = shard_floats * world;
+  std::vector<std::shared_ptr<RingAllreduce>> rings(world);
+  for (int r = 0; r < world; ++r)
+    rings[r] = std::make_shared<RingAllreduce>(engines[r], total * sizeof(float) + 64, bucket_bytes);
+  for (int r = 0; r < world; ++r)
+    rings[r]->connect(rings[(r + world - 1) % world]->localDescriptor(),
+                      rings[(r + 1) % world]->localDescriptor());
+  std::vector<std::vector<std::string>> wrong(world);
+  onEveryRank(world, [&](int r) {
+    for (int call = 0; call < 3; ++call) {
+      const bool average = call == 1;
+      std::vector<float> input(total);
+      for (size_t j = 0; j < total; ++j) input[j] = static_cast<float>(contribution(r, 0, j, call));
+      const auto* mine = reinterpret_cast<const float*>(
+          rings[r]->reduceScatter({input.data(), total * sizeof(float)}, DType::kFloat32, average));
+      std::vector<float> shard(mine, mine + shard_floats);  // (the next call may reuse the block)
+      for (size_t j = 0; j < shard_floats; ++j) {
+        double want = 0;
+        for (int m = 0; m < world; ++m) want += contribution(m, 0, r * shard_floats + j, call);
+        if (average) want /= world;
+        if (std::fabs(shard[j] - want) > 1e-6 * (1 + std::fabs(want))) {
+          wrong[r].push_back(strCat("call ", call, " shard element ", j, ": ", shard[j], " != ", want));
+          break;
+        }
+      }
+      for (auto& v : shard) v += static_cast<float>(r);  // what the member made of its shard
+      const auto* all =
+          reinterpret_cast<const float*>(rings[r]->allgather({shard.data(), shard_floats * sizeof(float)}));
+      for (size_t j = 0; j < total; ++j) {
+        const int owner = static_cast<int>(j / shard_floats);
+        double want = 0;
+        for (int m = 0; m < world; ++m) want += contribution(m, 0, j, call);
+        if (average) want /= world;
+        want += owner;
+        if (std::fabs(all[j] - want) > 1e-6 * (1 + std::fabs(want))) {
+          wrong[r].push_back(strCat("call ", call, " gathered element ", j, ": ", all[j], " != ", want));
+          break;
+        }
+      }
+    }
+  });
+  rings.clear();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank ", r, ": ", wrong[r].empty() ? "" : wrong[r][0]);
+    CHECK(wrong[r].empty());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("reduceScatter and allgather: each member's shard summed, then every shard everywhere") {
+  for (int world : {1, 2, 3, 4}) {
+    for (size_t bucket : {size_t{1} << 10, size_t{1} << 20}) {  // several passes per shard, and one
+      for (size_t shard_floats : {size_t{0}, size_t{16}, size_t{16 * 97}}) {
+        CAPTURE(world);
+        CAPTURE(bucket);
+        CAPTURE(shard_floats);
+        checkShards(world, bucket, shard_floats, "shm");
+      }
+    }
+  }
+  checkShards(3, size_t{1} << 10, 16 * 40, "tcp");
+}
+
+TEST_CASE("reduceScatter and allgather refuse a buffer that does not split into aligned shards") {
+  auto engines = connectedEngines(1, "shm");
+  RingAllreduce ring(engines[0], 1 << 12, 1 << 10);
+  std::vector<float> data(1 << 11);
+  CHECK_THROWS_WITH_AS(ring.reduceScatter({data.data(), 100}, DType::kFloat32, false),
+                       doctest::Contains("pad the buffer"), EngineError);
+  CHECK_THROWS_WITH_AS(ring.allgather({data.data(), 8192}), doctest::Contains("exceeds this ring's capacity"),
+                       EngineError);
+}

@@ -138,6 +138,17 @@ class Ring(Protocol):
         """Sums (or averages) float arrays over the members; every member passes the same sizes and dtype."""
 
 
+class ShardingRing(Ring, Protocol):
+    """An engine ring's two halves on their own, over one flat buffer of members x equal shards (each a whole
+    number of 64-byte lines), member p owning shard p: the layout sharded optimizers keep."""
+
+    def reduce_scatter(self, array: np.ndarray, average: bool = False) -> np.ndarray:
+        """This member's shard of the sum (mean) of every member's `array` (float32/float64)."""
+
+    def allgather(self, shard: np.ndarray) -> np.ndarray:
+        """Every member's `shard` (any dtype, the same bytes everywhere), in member order."""
+
+
 class HierarchicalRing(Ring, Protocol):
     """An engine ring (a backend whose spec says ``hierarchical``), which also runs the hierarchical allreduce
     (this ring inside the host, `across` over the members at this position on every host) and casts float32 to a

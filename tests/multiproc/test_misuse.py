@@ -23,6 +23,17 @@ def test_ring_calls_that_disagree_across_ranks_raise_everywhere(transport, how):
     assert any(r.value["error"][0] == "EngineError" for r in results), [r.value for r in results]
 
 
+@pytest.mark.parametrize("op", ["reduce_scatter", "allgather"])
+def test_shard_calls_that_disagree_across_ranks_raise_everywhere(op):
+    results = run_threads("shard_disagreement", 3, transport="shm", odd_rank=1, op=op)
+    said = {"reduce_scatter": "passed other tensors than this rank", "allgather": "passed another shard size"}[op]
+    for r in results:
+        assert r.value["error"] is not None, f"rank {r.rank} got a result from a mismatched {op}"
+        kind, message, rank = r.value["error"]
+        assert (kind == "EngineError" and said in message) or (kind == "PeerError" and rank in (1, 2)), r.value
+    assert any(r.value["error"][0] == "EngineError" for r in results), [r.value for r in results]
+
+
 def test_variables_made_in_scope_start_from_the_chiefs_and_must_match():
     # What strategy.scope() does with the variables created in it (a custom loop's model and optimizer).
     for r in run_threads("new_variables", 2, odd_rank=-1):

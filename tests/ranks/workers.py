@@ -11,7 +11,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -526,6 +526,21 @@ def ring_disagreement(odd_rank: int, how: str) -> dict:
         return {"error": _error(e)}
 
 
+def shard_disagreement(odd_rank: int, op: str) -> dict:
+    """Every rank reduce-scatters (`op`: or allgathers) a buffer of the same size, except `odd_rank`."""
+    try:
+        with open_engine() as eng:
+            end = cast(Any, eng.ring("r", 1 << 20).end)
+            floats = 16 * (2 if eng.rank == odd_rank else 1)
+            if op == "reduce_scatter":
+                end.reduce_scatter(np.ones(floats * eng.world_size, np.float32))
+            else:
+                end.allgather(np.ones(floats, np.float32))
+            return {"error": None}
+    except EngineError as e:
+        return {"error": _error(e)}
+
+
 class _Variable:
     """What share_new_variables reads and writes of a variable, in numpy."""
 
@@ -747,3 +762,27 @@ def resolved_rank() -> dict:
     from rdkeras import cluster
 
     return {"rank": cluster.resolve().rank}
+
+
+def shard_round_trip(counts: list[int], transport_bucket: int = 4096, calls: int = 3) -> dict:
+    """For each count: a flat float32 buffer padded to the members' shards, reduce-scattered (sums, then means),
+    each member adding its rank to its shard, then allgathered; and one float64 buffer the same way."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine() as eng:
+        collectives = Collectives(eng, transport_bucket)
+        out: dict = {"calls": []}
+        for call in range(calls):
+            for count in counts:
+                for dtype in (np.float32, np.float64):
+                    per = collectives.shard_elements(count, dtype)
+                    flat = np.zeros(per * collectives.size, dtype)
+                    flat[:count] = np.random.default_rng(1000 * call + eng.rank).standard_normal(count)
+                    average = call % 2 == 1
+                    mine = collectives.reduce_scatter(flat, average=average)
+                    gathered = collectives.allgather(mine + eng.rank)
+                    out["calls"].append(
+                        {"count": count, "average": average, "per": per, "dtype": np.dtype(dtype).name,
+                         "shard": mine.tolist(), "gathered": gathered.tolist()}
+                    )  # fmt: skip
+        return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from rdkeras.engine import Engine
 from rdkeras.parallel.collectives import algorithms
 from rdkeras.parallel.collectives.algorithms import Doubling, hierarchy_pass_bytes, host_groups
 from rdkeras.parallel.options import ALGORITHMS, COMPRESSIONS
+from rdkeras.transports.base import ShardingRing
 
 _FLOAT_KINDS = ("float32", "float64")
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
@@ -202,6 +204,52 @@ class Collectives:
                 wire = None
             calls.append((idx, functools.partial(self._ring(purpose, dtype, nbytes, algorithm), wire=wire)))
         return calls
+
+    # -- the two halves of a ring allreduce, over one flat buffer of `size` equal shards (sharded optimizers) --
+
+    def shard_elements(self, count: int, dtype: np.dtype | str) -> int:
+        """Elements of each member's shard of a flat buffer of `count` elements of `dtype`: an equal share,
+        rounded up to whole 64-byte lines (pad the buffer to ``size`` times this)."""
+        line = max(1, 64 // np.dtype(dtype).itemsize)
+        return -(-count // (self.size * line)) * line
+
+    def reduce_scatter(self, flat: np.ndarray, average: bool = True, purpose: str = "shards") -> np.ndarray:
+        """This member's shard (the ``position``-th of ``size`` equal ones) of the sum -- the mean with
+        `average` -- of every member's flat float32/float64 buffer of ``size * shard_elements`` elements: a view of
+        registered memory, valid until the next-but-one call for this purpose. Each member sends and receives
+        (N-1)/N of the buffer, half an allreduce's bytes."""
+        flat = np.ascontiguousarray(flat).reshape(-1)
+        self._check_shards(flat, "reduce_scatter")
+        ring = self._ring(purpose, flat.dtype.name, flat.nbytes, "ring")
+        if hasattr(ring.end, "reduce_scatter"):
+            return cast(ShardingRing, ring.end).reduce_scatter(flat, average)
+        shard = flat.size // self.size  # a backend without one: the allreduce's share
+        (total,) = ring([flat], average)
+        return total[self.position * shard : (self.position + 1) * shard]
+
+    def allgather(self, shard: np.ndarray, purpose: str = "shards") -> np.ndarray:
+        """Every member's `shard` (equal sizes, a multiple of 64 bytes; any dtype) concatenated in member order:
+        a view of registered memory, valid until the next-but-one call for this purpose. Each member sends and
+        receives (N-1)/N of the result."""
+        shard = np.ascontiguousarray(shard).reshape(-1)
+        if shard.nbytes % 64:
+            raise ValueError(f"allgather: a shard of {shard.nbytes} bytes; shards must be whole 64-byte lines")
+        ring = self._ring(purpose, shard.dtype.name, shard.nbytes * self.size, "ring")
+        if hasattr(ring.end, "allgather"):
+            return cast(ShardingRing, ring.end).allgather(shard)
+        full = np.zeros(shard.size * self.size, wire_dtype(shard.dtype))  # a backend without one: an exact sum
+        full[self.position * shard.size : (self.position + 1) * shard.size] = shard
+        (total,) = ring([full], False)
+        return total.astype(shard.dtype)
+
+    def _check_shards(self, flat: np.ndarray, what: str) -> None:
+        if flat.dtype.name not in _FLOAT_KINDS:
+            raise TypeError(f"{what}: float32/float64 buffers only, got {flat.dtype.name}")
+        if flat.size % self.size or (flat.nbytes // self.size) % 64:
+            raise ValueError(
+                f"{what}: a buffer of {flat.size} elements does not split into {self.size} shards of whole 64-byte "
+                f"lines; pad it to {self.size} x shard_elements({flat.size}) elements"
+            )
 
     def from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> list[np.ndarray]:
         """Every member gets each array from its owner (a rank): an exact sum in which only the owner

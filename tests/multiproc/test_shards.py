@@ -1,0 +1,33 @@
+"""Reduce-scatter and allgather, the collectives sharded optimizers are built on: each member's shard is the sum
+(mean) of every member's slice of it, and the allgather hands everyone every shard, in member order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_threads
+
+COUNTS = [1, 1000, 4099, 0]  # a lone element, several passes of a 4 KB bucket, an empty buffer
+
+
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp"), (4, "shm")])
+def test_reduce_scatter_then_allgather_match_numpy(world, transport):
+    results = run_threads("shard_round_trip", world, transport=transport, counts=COUNTS)
+    for at, first in enumerate(results[0].value["calls"]):
+        call = at // (2 * len(COUNTS))
+        dtype = np.dtype(first["dtype"])
+        inputs = []
+        for rank in range(world):
+            flat = np.zeros(first["per"] * world, dtype)
+            flat[: first["count"]] = np.random.default_rng(1000 * call + rank).standard_normal(first["count"])
+            inputs.append(flat.astype(np.float64))
+        want = sum(inputs) / (world if first["average"] else 1)
+        per, rtol = first["per"], 1e-6 if dtype == np.float32 else 1e-12
+        assert first["per"] % (64 // dtype.itemsize) == 0 and first["per"] * world >= first["count"]
+        for rank, result in enumerate(results):
+            got = result.value["calls"][at]
+            np.testing.assert_allclose(got["shard"], want[rank * per : (rank + 1) * per], rtol=rtol, atol=rtol)
+            owners = np.repeat(np.arange(world), per)
+            np.testing.assert_allclose(got["gathered"], want + owners, rtol=rtol, atol=rtol)
+            assert got["gathered"] == first["gathered"], f"rank {rank} gathered other bits than rank 0"
