@@ -90,6 +90,10 @@ _HOOKS = (
     ("keras.src.backend.tensorflow.random", "_cast_seed"),
     ("keras.src.losses.loss", "reduce_weighted_values"),
     ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank"),
+    ("keras.src.optimizers.base_optimizer.BaseOptimizer", "build"),
+    ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_use_weight_decay"),
+    ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_var_key"),
+    ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_learning_rate"),
 )
 # Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
@@ -112,6 +116,7 @@ _INSTANCE_ATTRS = {
     "_nodes_by_depth",
     "_keras_history",
     "_reduction_axes",
+    "_learning_rate",
 }
 
 
@@ -324,6 +329,42 @@ def inner_optimizer(optimizer: Any) -> Any:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
+
+
+def build_without_slots(optimizer: Any) -> None:
+    """From now on `optimizer` builds only what every optimizer has (iterations, learning rate): not its
+    per-variable state, which a sharded update keeps elsewhere (rdkeras.parallel.sharded_optimizer)."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    def build(self: Any, variables: Any) -> None:
+        if not self.built:
+            BaseOptimizer.build(self, list(variables))
+
+    override(optimizer, "build", build)
+
+
+def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+    """Whether `optimizer` decays `variable` (its ``exclude_from_weight_decay`` lists and patterns), asked as
+    Keras's TensorFlow optimizer asks: of the backend variable (whose name is TensorFlow's)."""
+    return bool(optimizer._use_weight_decay(getattr(variable, "value", variable)))
+
+
+def decide_weight_decay(optimizer: Any, decisions: Sequence[tuple[Any, bool]]) -> None:
+    """`optimizer` decays each variable of `decisions` as said (the copy of a sharded update follows the
+    compiled optimizer's choice for the variable a piece comes from)."""
+    cache = getattr(optimizer, "_exclude_from_weight_decay_cache", None)  # (Keras makes it on first use)
+    if cache is None:
+        cache = {}
+        object.__setattr__(optimizer, "_exclude_from_weight_decay_cache", cache)
+    for variable, decays in decisions:
+        cache[optimizer._var_key(variable)] = bool(decays)
+
+
+def settable_learning_rate(optimizer: Any) -> bool:
+    """Whether `optimizer`'s learning rate is a variable (callbacks may set it), not a schedule or callable."""
+    import keras
+
+    return isinstance(optimizer._learning_rate, keras.Variable)
 
 
 def is_fit_validation(evaluate_kwargs: dict) -> bool:

@@ -99,6 +99,9 @@ class RDMAStrategy(CustomLoops):
         sparse_as_dense: data parallelism: exchange sparse gradients (an Embedding's IndexedSlices) as dense
             tensors by allreduce, as Horovod's switch does (default False: their rows and indices are gathered from
             every worker, and the optimizer applies the IndexedSlices one process computes).
+        shard: data parallelism: what each worker keeps only 1/N of -- "none" (default), "optimizer" (the
+            optimizer state, ZeRO stage 1) or "gradients" (the averaged gradients too, stage 2); the same steps as
+            one process (:mod:`rdkeras.parallel.sharded_optimizer`).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class RDMAStrategy(CustomLoops):
         compression: str | None = None,
         compress_within_hosts: bool = False,
         sparse_as_dense: bool = False,
+        shard: str = "none",
         options: ParallelOptions | None = None,
     ):
         settings = env_options.from_env()
@@ -187,6 +191,7 @@ class RDMAStrategy(CustomLoops):
                     compress_within_hosts=data.compress_within_hosts,
                     elastic=elastic,
                     sparse_as_dense=data.sparse_as_dense,
+                    shard=data.shard,
                 )
                 self.overlap_bytes = data.overlap_bytes
             else:
@@ -317,6 +322,11 @@ class RDMAStrategy(CustomLoops):
         the model-parallel cut edges (a ``Plan``); None before a model is attached (or trained, for model
         parallelism). ``plan.text()`` prints it."""
         return self._parallel.plan
+
+    def state_bytes(self, model: Any) -> dict[str, int]:
+        """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
+        (its optimizer's state; with ``shard``, this worker's shard of it), counted from the variables."""
+        return self._parallel.state_bytes(model)
 
     def plan_text(self) -> str:
         """The current plan as text ('' when there is none yet)."""

@@ -105,6 +105,17 @@ class Parallelism(abc.ABC):
     def plan(self) -> Any:
         """What crosses the wire each step (an object with ``text()``), or None before there is one."""
 
+    def state_bytes(self, model: Any) -> dict[str, int]:
+        """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
+        (its optimizer's variables), counted from the variables."""
+
+        def count(variables: Any) -> int:
+            return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+        optimizer = model.optimizer
+        built = optimizer is not None and optimizer.built
+        return {"parameters": count(model.weights), "optimizer": count(optimizer.variables) if built else 0}
+
     def plan_text(self) -> str:
         """The plan as Markdown ('' when there is none yet)."""
         plan = self.plan

@@ -32,6 +32,7 @@ from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
+from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
 from rdkeras.parallel.step_sum import StepSum
 
@@ -73,9 +74,15 @@ class DataParallel(Parallelism):
         compress_within_hosts: bool = False,
         elastic: Any = None,
         sparse_as_dense: bool = False,
+        shard: str = "none",
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
-        self.sparse_as_dense = sparse_as_dense
+        self.sparse_as_dense, self.shard = sparse_as_dense, shard
+        if elastic is not None and shard != "none":
+            raise NotImplementedError(
+                f"shard={shard!r} in an elastic job: each worker holds the only copy of its shard of the optimizer "
+                "state, and re-sharding it on a membership change is not built yet; use shard='none'"
+            )
         if compression and mode == "ps":
             raise ValueError(f"compression={compression!r} compresses the allreduce: use mode='allreduce'")
         if elastic is not None and mode == "ps":
@@ -112,6 +119,7 @@ class DataParallel(Parallelism):
         self._models: list[Any] = []
         self._overlap = 0  # the last attached model's gradient bucket bytes (0: one exchange after backprop)
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
+        self._sharded: dict[int, ShardedUpdate] = {}  # id(model) -> its sharded update (shard != "none")
         self._gathered_at: dict[int, int] = {}  # id(model) -> the steps_run it was last gathered and checked at
         self._plans = itertools.count()  # parameter-server plans made (each has rings of its own)
 
@@ -171,6 +179,16 @@ class DataParallel(Parallelism):
             fitting.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
+        elif self.shard != "none":
+            average = None
+            if self.shard == "optimizer":
+                average = GradientAllreduce(
+                    self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense
+                )
+                self._averages.append(average)
+            update = ShardedUpdate(self.collectives, optimizer, self.shard, average)
+            self._sharded[id(model)] = update
+            fitting.distribute_optimizer(optimizer, update.apply)
         else:
             average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
             self._averages.append(average)
@@ -217,6 +235,12 @@ class DataParallel(Parallelism):
             exchange.stop()  # their threads would idle until the process ends
         self._averages.clear()
         self._servers.clear()
+        self._sharded.clear()
+
+    def state_bytes(self, model: Any) -> dict[str, int]:
+        counted = super().state_bytes(model)
+        update = self._sharded.get(id(model))
+        return {**counted, "optimizer": counted["optimizer"] + (update.state_bytes() if update is not None else 0)}
 
     def _all_finite(self, local: Any) -> Any:
         import tensorflow as tf

@@ -17,6 +17,7 @@ MODES = ("allreduce", "ps")  # the data-parallel gradient exchange
 SCHEDULES = ("1f1b", "gpipe")  # the pipeline's order of forward and backward passes (rdkeras.parallel.schedule)
 ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")  # the allreduce (rdkeras.parallel.collectives)
 COMPRESSIONS = (None, "fp16", "bf16")
+SHARDS = ("none", "optimizer", "gradients")  # what each data-parallel worker keeps 1/N of (sharded_optimizer)
 AUTO = "auto"  # placement: cut the layers into balanced stages from measured costs
 
 
@@ -57,6 +58,8 @@ class DataParallelOptions:
         overlap_bytes: Gradient bucket size for overlapping the exchange with backprop; 0 off, None the
             transport's default.
         sparse_as_dense: An Embedding's sparse gradients allreduced as dense tensors (Horovod's switch).
+        shard: "none"; "optimizer": each worker keeps the optimizer state of its 1/N of the parameters (ZeRO
+            stage 1); "gradients": and receives only its 1/N of the averaged gradients (stage 2).
     """
 
     mode: str = "allreduce"
@@ -65,6 +68,7 @@ class DataParallelOptions:
     compress_within_hosts: bool = False
     overlap_bytes: int | None = None
     sparse_as_dense: bool = False
+    shard: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +78,15 @@ class DataParallelOptions:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {self.compression!r}")
         _whole("overlap_bytes", self.overlap_bytes, 0, optional=True)
+        if self.shard not in SHARDS:
+            raise ValueError(f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}")
+        if self.shard != "none" and self.mode == "ps":
+            raise ValueError(
+                f"shard={self.shard!r} needs mode='allreduce': parameter servers already keep each variable's "
+                "optimizer state on one worker only"
+            )
+        if self.shard == "gradients" and self.compression:
+            raise ValueError("shard='gradients' reduce-scatters the gradients uncompressed: set compression=None")
         for name in ("compress_within_hosts", "sparse_as_dense"):
             _flag(name, getattr(self, name))
 

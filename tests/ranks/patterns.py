@@ -30,6 +30,15 @@ def pattern(fn):
     return fn
 
 
+# Models that train sharded (tests/multiproc/test_sharded.py), apart from the guides' patterns.
+SHARDED: dict = {}
+
+
+def sharded(fn):
+    SHARDED[fn.__name__] = fn
+    return fn
+
+
 class Env:
     """What a pattern may ask of where it runs."""
 
@@ -62,7 +71,7 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
                 strategy = rdkeras.RDMAStrategy(**(strategy_kwargs or {}))
             folder = os.path.join(tmp, name, label or ("distributed" if distributed else "one"))
             os.makedirs(folder, exist_ok=True)
-            out[name] = _plain(PATTERNS[name](Env(strategy, folder)))
+            out[name] = _plain({**PATTERNS, **SHARDED}[name](Env(strategy, folder)))
             if strategy is not None and strategy.parallelism != "data" and "error" not in out[name]:
                 out[name]["plan"] = strategy.plan_text()  # (what the pipeline's automatic cut chose)
         except Exception:
@@ -830,3 +839,76 @@ def ragged_inputs(env):
                 keras.layers.Dense(2)]  # fmt: skip
 
     return _classify(env, layers, tokens, y, keras.optimizers.Adam(0.01), batch_size=16)
+
+
+# -- trained sharded (tests/multiproc/test_sharded.py) ------------------------------------------------------------
+
+
+def _with_state(env, model, result: dict) -> dict:
+    """`result` and the bytes of model state this process holds: its weights, its optimizer's state."""
+    if env.distributed:
+        result["state"] = env.strategy.state_bytes(model)
+    else:
+        count = lambda variables: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)  # noqa: E731
+        result["state"] = {"parameters": count(model.weights), "optimizer": count(model.optimizer.variables)}
+    return result
+
+
+@sharded
+def sharded_gpt2_adam_clipnorm(env):
+    """KerasHub's GPT-2 (a small config) with Adam and a per-variable clipnorm, trained with its own fit."""
+    import keras
+    import keras_hub
+
+    rng = np.random.default_rng(23)
+    tokens = rng.integers(1, 64, (32, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((32, 8), bool)}
+    with env.scope():
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+                                                 intermediate_dim=32, max_sequence_length=16, dropout=0.0)  # fmt: skip
+        lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        lm.compile(optimizer=keras.optimizers.Adam(3e-3, clipnorm=0.05),
+                   loss=keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
+    history = lm.fit(x, tokens[:, 1:], batch_size=16, epochs=2, verbose=0)
+    return _with_state(env, lm, _result(lm, history))
+
+
+@sharded
+def sharded_adamw_global_clipnorm(env):
+    """Embedding, a frozen layer, a max-norm constraint; AdamW with decay (biases excluded), global_clipnorm and
+    a decaying learning-rate schedule."""
+    import keras
+
+    rng = np.random.default_rng(29)
+    x = rng.integers(0, 50, (64, 6)).astype("int32")
+    y = (x.sum(axis=1) % 3).astype("int32")
+    with env.scope():
+        model = keras.Sequential([
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(24, activation="relu", kernel_constraint=keras.constraints.MaxNorm(0.9)),
+            keras.layers.Dense(16, activation="tanh", trainable=False),
+            keras.layers.Dense(3),
+        ])  # fmt: skip
+        schedule = keras.optimizers.schedules.ExponentialDecay(5e-3, decay_steps=3, decay_rate=0.7)
+        optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.05, global_clipnorm=0.3)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    return _with_state(env, model, _result(model, history))
+
+
+@sharded
+def sharded_sgd_clipvalue_lr_callback(env):
+    """SGD with momentum and clipvalue; a callback sets the learning rate each epoch."""
+    import keras
+
+    x, y = _classification(seed=31)
+    with env.scope():
+        model = _mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, clipvalue=0.02),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch: 0.05 / (1 + epoch))
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[schedule])
+    return _with_state(env, model, _result(model, history))

@@ -34,6 +34,7 @@ def _probes() -> dict:
         "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore(tempfile.gettempdir()),
         "keras.optimizers.LossScaleOptimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
         "keras.optimizers.Optimizer": seq.optimizer,
+        "keras.src.optimizers.base_optimizer.BaseOptimizer": seq.optimizer,
     }
 
 
