@@ -215,8 +215,7 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
       },
       [&](int rank, uint32_t channel) { return rank > rank_ && channel == 0 && peers_[rank].sock < 0; },
       [&](int fd, int rank, uint32_t, int) { peers_[rank].sock = fd; });
-  close(listen_fd_);
-  listen_fd_ = -1;
+  closeFd(listen_fd_);
 }
 
 void VerbsTransport::fail(int peer, const std::string& why) {
@@ -390,15 +389,9 @@ void VerbsTransport::shutdown() {
       lib_->destroy_qp(p.qp);
       p.qp = nullptr;
     }
-    if (p.sock >= 0) {
-      close(p.sock);
-      p.sock = -1;
-    }
+    closeFd(p.sock);
   }
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    listen_fd_ = -1;
-  }
+  closeFd(listen_fd_);
 }
 
 }  // namespace rdkeras
