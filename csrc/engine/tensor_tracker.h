@@ -64,6 +64,11 @@ class TensorTracker {
   // pins pages at registration). Where the registrar pins pages, outside
   // memory must come with an owner.
   std::pair<uint64_t, uint64_t> lookupOrRegister(const void* p, size_t n, std::shared_ptr<void> owner = {});
+  // Makes [p, p+n) usable as the local side of a write or read. With a registrar (verbs), that
+  // memory must be registered too -- an RDMA source or destination lies in an MR -- so this
+  // registers it as lookupOrRegister does (cached; `owner` as there); without one, and for
+  // n == 0, it does nothing.
+  void registerLocal(const void* p, size_t n, std::shared_ptr<void> owner = {});
 
   TrackerCounters counters() const;
   static size_t sizeClass(size_t n);

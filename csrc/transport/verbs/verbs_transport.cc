@@ -275,7 +275,7 @@ uint32_t VerbsTransport::lkey(const void* p, size_t n) {
         if (a >= start && a + n <= start + mr->length) return mr->lkey;
       }
     }
-    tracker_.lookupOrRegister(p, n);  // registers (through us) and caches the range
+    tracker_.registerLocal(p, n);  // registers (through us) and caches the range
   }
   throw EngineError("verbs: local buffer could not be registered");
 }
