@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/arena.h"
+#include "engine/memory_registrar.h"
 
 namespace rdkeras {
 
@@ -31,15 +32,6 @@ struct TrackerCounters {
   uint64_t pool_reuses = 0;  // allocations served from a free list
   uint64_t pool_bytes_reserved = 0;
   uint64_t pool_bytes_in_use = 0;
-};
-
-// What a transport does when memory is registered with it (verbs: ibv_reg_mr).
-class MemoryRegistrar {
- public:
-  virtual ~MemoryRegistrar() = default;
-  // Returns the remote key peers use for [p, p+n).
-  virtual uint64_t registerMemory(const void* p, size_t n) = 0;
-  virtual void deregisterMemory(uint64_t rkey) = 0;
 };
 
 class TensorTracker {

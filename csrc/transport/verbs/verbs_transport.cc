@@ -51,9 +51,13 @@ std::string VerbsTransport::whyNotViable() {
   return "";
 }
 
-VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTracker& tracker,
-                               const TransportOptions& options)
-    : rank_(rank), world_size_(world_size), arena_(arena), tracker_(tracker), options_(options) {
+VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, const TransportOptions& options,
+                               RegisterLocal register_local)
+    : rank_(rank),
+      world_size_(world_size),
+      arena_(arena),
+      options_(options),
+      register_local_(std::move(register_local)) {
   std::string why;
   lib_ = VerbsLib::load(&why);
   if (!lib_) throw EngineError("transport 'verbs' is not viable: " + why);
@@ -275,7 +279,7 @@ uint32_t VerbsTransport::lkey(const void* p, size_t n) {
         if (a >= start && a + n <= start + mr->length) return mr->lkey;
       }
     }
-    tracker_.registerLocal(p, n);  // registers (through us) and caches the range
+    register_local_(p, n);  // registers (through registerMemory) and caches the range
   }
   throw EngineError("verbs: local buffer could not be registered");
 }
