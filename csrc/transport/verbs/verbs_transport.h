@@ -27,6 +27,7 @@
 #include "engine/arena.h"
 #include "engine/memory_registrar.h"
 #include "engine/transport.h"
+#include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_lib.h"
 
 namespace rdkeras {
@@ -82,14 +83,9 @@ class VerbsTransport : public Transport, public MemoryRegistrar {
   TransportOptions options_;
   RegisterLocal register_local_;
   const VerbsLib* lib_;
-  struct ibv_context* ctx_ = nullptr;
+  VerbsDevice device_;  // closed by the destructor
   struct ibv_pd* pd_ = nullptr;
   struct ibv_cq* cq_ = nullptr;
-  uint8_t port_ = 1;
-  int gid_index_ = 0;
-  union ibv_gid gid_ = {};
-  struct ibv_port_attr port_attr_ = {};
-  std::string device_;
   struct ibv_mr* header_mr_ = nullptr;
   std::unique_ptr<uint8_t[]> scratch_;  // flag values and table entries, registered
   struct ibv_mr* scratch_mr_ = nullptr;
