@@ -160,10 +160,11 @@ void* DynamicChannel::recv(TensorMeta* meta) {
   void* dst = tracker.allocate(rec->nbytes);
   const Deadline deadline = engine_->deadline();
   try {
-    if (rec->nbytes && engine_->transport().needsLocalRegistration())
-      tracker.lookupOrRegister(dst, rec->nbytes);
-    if (rec->nbytes)
-      engine_->transport().read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
+    if (rec->nbytes) {
+      Transport& t = engine_->transport();
+      tracker.registerLocal(dst, rec->nbytes);  // the destination of a read, as verbs requires
+      t.read(peer_, dst, rec->src_key, rec->src_offset, rec->nbytes, deadline);
+    }
     engine_->transport().writeFlag(peer_, remote_key_, 0, seq_ + 1, deadline);
   } catch (...) {
     tracker.release(dst);

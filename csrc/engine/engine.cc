@@ -14,7 +14,8 @@ namespace rdkeras {
 
 namespace {
 
-// Makes this rank's transport of one kind (verbs also becomes the tracker's registrar).
+// Makes this rank's transport of one kind. Only verbs uses the tracker: it becomes the tracker's
+// registrar (memory_registrar.h).
 using TransportFactory = std::unique_ptr<Transport> (*)(int rank, int world_size, Arena& arena,
                                                         TensorTracker& tracker,
                                                         const TransportOptions& options);
@@ -28,7 +29,10 @@ std::unique_ptr<Transport> make(int rank, int world_size, Arena& arena, TensorTr
 #ifdef RDKERAS_WITH_VERBS
 std::unique_ptr<Transport> makeVerbs(int rank, int world_size, Arena& arena, TensorTracker& tracker,
                                      const TransportOptions& options) {
-  auto verbs = std::make_unique<VerbsTransport>(rank, world_size, arena, tracker, options);
+  // The tracker holds the transport as its registrar; the transport holds only this function
+  // (the Engine owns both, the tracker outliving the transport).
+  auto verbs = std::make_unique<VerbsTransport>(
+      rank, world_size, arena, options, [&tracker](const void* p, size_t n) { tracker.registerLocal(p, n); });
   tracker.setRegistrar(verbs.get());  // every registration becomes an ibv_reg_mr
   return verbs;
 }

@@ -94,6 +94,12 @@ void setSocketBuffers(int fd, int bytes) {
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
 }
 
+void closeFd(int& fd) {
+  if (fd < 0) return;
+  close(fd);
+  fd = -1;
+}
+
 int connectTcp(const std::string& host, const std::string& port, const Deadline& deadline, int peer) {
   struct addrinfo hints = {};
   hints.ai_family = AF_UNSPEC;
@@ -108,8 +114,7 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
     if (fd < 0) continue;
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
       why = std::strerror(errno);
-      close(fd);
-      fd = -1;
+      closeFd(fd);
       continue;
     }
     struct pollfd p = {fd, POLLOUT, 0};
@@ -118,8 +123,7 @@ int connectTcp(const std::string& host, const std::string& port, const Deadline&
     if (poll(&p, 1, deadline.remainingMs(1 << 30)) != 1 ||
         getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
       why = err ? std::strerror(err) : "timed out";
-      close(fd);
-      fd = -1;
+      closeFd(fd);
     }
   }
   freeaddrinfo(res);

@@ -22,6 +22,9 @@ void recvAll(int fd, void* buf, size_t n, const Deadline& deadline, const std::s
 // Waits until `fd` is readable (e.g. a listening socket has a connection).
 bool waitReadable(int fd, const Deadline& deadline);
 void setSocketBuffers(int fd, int bytes);
+// Closes `fd` unless it is already closed (-1), then marks it closed: the transports' shutdown()
+// is idempotent and also runs after connect() closed the listener, so each socket may be met twice.
+void closeFd(int& fd);
 // A non-blocking listening TCP socket bound to `host` (the job's address, never a wildcard
 // unless asked) on a free port, returned in *port.
 int listenTcp(const std::string& host, int* port);

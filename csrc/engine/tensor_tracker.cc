@@ -134,6 +134,11 @@ std::pair<uint64_t, uint64_t> TensorTracker::lookupOrRegister(const void* p, siz
   return {key, 0};
 }
 
+void TensorTracker::registerLocal(const void* p, size_t n, std::shared_ptr<void> owner) {
+  if (n == 0 || !registrar_) return;  // set once, before any transfer: no lock needed to read it
+  lookupOrRegister(p, n, std::move(owner));
+}
+
 RegisteredBlock::RegisteredBlock(TensorTracker& tracker, size_t bytes)
     : tracker_(tracker), data_(static_cast<uint8_t*>(tracker.allocate(bytes))), size_(bytes) {
   std::memset(data_, 0, size_);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/arena.h"
+#include "engine/memory_registrar.h"
 
 namespace rdkeras {
 
@@ -31,15 +32,6 @@ struct TrackerCounters {
   uint64_t pool_reuses = 0;  // allocations served from a free list
   uint64_t pool_bytes_reserved = 0;
   uint64_t pool_bytes_in_use = 0;
-};
-
-// What a transport does when memory is registered with it (verbs: ibv_reg_mr).
-class MemoryRegistrar {
- public:
-  virtual ~MemoryRegistrar() = default;
-  // Returns the remote key peers use for [p, p+n).
-  virtual uint64_t registerMemory(const void* p, size_t n) = 0;
-  virtual void deregisterMemory(uint64_t rkey) = 0;
 };
 
 class TensorTracker {
@@ -64,6 +56,11 @@ class TensorTracker {
   // pins pages at registration). Where the registrar pins pages, outside
   // memory must come with an owner.
   std::pair<uint64_t, uint64_t> lookupOrRegister(const void* p, size_t n, std::shared_ptr<void> owner = {});
+  // Makes [p, p+n) usable as the local side of a write or read. With a registrar (verbs), that
+  // memory must be registered too -- an RDMA source or destination lies in an MR -- so this
+  // registers it as lookupOrRegister does (cached; `owner` as there); without one, and for
+  // n == 0, it does nothing.
+  void registerLocal(const void* p, size_t n, std::shared_ptr<void> owner = {});
 
   TrackerCounters counters() const;
   static size_t sizeClass(size_t n);

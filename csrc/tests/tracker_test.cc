@@ -89,3 +89,44 @@ TEST_CASE("registerRegion keeps its owner until deregistered") {
   CHECK(owner.use_count() == 1);
   CHECK_THROWS_AS(t.deregisterRegion(key), EngineError);
 }
+
+namespace {
+
+// A registrar that hands out keys 1, 2, ... and remembers what was registered.
+struct FakeRegistrar : MemoryRegistrar {
+  std::vector<std::pair<const void*, size_t>> registered;
+  std::vector<uint64_t> deregistered;
+  uint64_t registerMemory(const void* p, size_t n) override {
+    registered.emplace_back(p, n);
+    return registered.size();
+  }
+  void deregisterMemory(uint64_t rkey) override { deregistered.push_back(rkey); }
+};
+
+}  // namespace
+
+TEST_CASE("registerLocal registers only where a registrar needs it, and then once per block") {
+  Arena arena(size_t{64} << 20);
+  TensorTracker t(arena);
+  auto* p = static_cast<uint8_t*>(t.allocate(4096));
+  t.registerLocal(p, 4096);  // no registrar (shm, tcp): nothing to do
+  CHECK(t.counters().registrations == 0);
+
+  FakeRegistrar registrar;
+  t.setRegistrar(&registrar);
+  t.registerLocal(p, 0);  // nothing to transfer, nothing to register
+  CHECK(registrar.registered.empty());
+  t.registerLocal(p + 100, 50);
+  t.registerLocal(p, 4096);
+  REQUIRE(registrar.registered.size() == 1);  // the whole block, once; the second call hit the cache
+  CHECK(registrar.registered[0].first == p);
+  CHECK(registrar.registered[0].second >= 4096);
+  CHECK(t.counters().cache_hits == 1);
+
+  std::vector<uint8_t> outside(64);
+  CHECK_THROWS_AS(t.registerLocal(outside.data(), 64), EngineError);  // pinned memory needs its owner
+  auto owner = std::make_shared<int>(1);
+  t.registerLocal(outside.data(), 64, owner);
+  CHECK(registrar.registered.size() == 2);
+  CHECK(owner.use_count() == 2);  // held while the registration is cached
+}

@@ -1,11 +1,11 @@
 """The engine's C++ unit tests (csrc/tests, doctest), run by ctest in the build .ci/run makes.
 
 They cover what Python processes cannot reach directly: region-table generations, size classes, the
-ring's layout and chunking and RingAllreduce itself on ranks that are threads, SHA-256/HMAC vectors and
-the transport handshake. Building them takes minutes, so the test suite does not: ``.ci/run`` builds
-build/cpp-tests (and runs ctest) before pytest; here, where that build exists, it is brought up to date
-with the sources and run again. Without it the test is skipped saying how to make it, except under CI,
-where that is a failure.
+ring's layout and chunking and RingAllreduce itself on ranks that are threads, SHA-256/HMAC vectors, the
+transport handshake and the verbs device choice (against a fake libibverbs). Building them takes
+minutes, so the test suite does not: ``.ci/run`` builds build/cpp-tests (and runs ctest) before pytest;
+here, where that build exists, it is brought up to date with the sources and run again. Without it the
+test is skipped saying how to make it, except under CI, where that is a failure.
 """
 
 from __future__ import annotations

@@ -128,8 +128,7 @@ void ShmTransport::connect(const std::vector<std::string>& descriptors, const st
         socklen_t len = sizeof(cred);
         return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == uid;
       });
-  close(listen_fd_);
-  listen_fd_ = -1;
+  closeFd(listen_fd_);
 }
 
 ShmTransport::Peer& ShmTransport::live(int peer) {
@@ -227,18 +226,11 @@ void ShmTransport::flush(int peer, const Deadline&) {
 }
 
 void ShmTransport::shutdown() {
-  for (auto& p : peers_) {
-    if (p && p->sock >= 0) {
-      close(p->sock);
-      p->sock = -1;
-    }
-  }
+  for (auto& p : peers_)
+    if (p) closeFd(p->sock);
   peers_.clear();
   peers_.resize(world_size_);
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    listen_fd_ = -1;
-  }
+  closeFd(listen_fd_);
 }
 
 }  // namespace rdkeras

@@ -107,8 +107,7 @@ void TcpTransport::connect(const std::vector<std::string>& descriptors, const st
         tuneSocket(fd);
         slot(rank, role) = fd;
       });
-  close(listen_fd_);
-  listen_fd_ = -1;
+  closeFd(listen_fd_);
   for (int r = 0; r < world_size_; ++r) {
     if (!mine(r)) continue;
     peers_[r]->serve_thread = std::thread(&TcpTransport::serveLoop, this, r);
@@ -405,15 +404,10 @@ void TcpTransport::shutdown() {
   for (auto& p : peers_) {
     if (p->serve_thread.joinable()) p->serve_thread.join();
     if (p->reply_thread.joinable()) p->reply_thread.join();
-    for (int* fd : {&p->in_fd, &p->out_fd}) {
-      if (*fd >= 0) close(*fd);
-      *fd = -1;
-    }
+    closeFd(p->in_fd);
+    closeFd(p->out_fd);
   }
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    listen_fd_ = -1;
-  }
+  closeFd(listen_fd_);
 }
 
 }  // namespace rdkeras

@@ -12,6 +12,7 @@
 
 #include "engine/handshake.h"
 #include "engine/socket_util.h"
+#include "transport/verbs/verbs_device.h"
 
 namespace rdkeras {
 namespace {
@@ -45,60 +46,24 @@ std::string VerbsTransport::whyNotViable() {
   int n = 0;
   struct ibv_device** list = lib->get_device_list(&n);
   if (list) lib->free_device_list(list);
-  if (n <= 0)
-    return "no RDMA device (for SoftRoCE: modprobe rdma_rxe && rdma link add rxe0 type rxe netdev "
-           "<interface>)";
-  return "";
+  return n > 0 ? "" : kNoRdmaDevice;
 }
 
-VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTracker& tracker,
-                               const TransportOptions& options)
-    : rank_(rank), world_size_(world_size), arena_(arena), tracker_(tracker), options_(options) {
+VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, const TransportOptions& options,
+                               RegisterLocal register_local)
+    : rank_(rank),
+      world_size_(world_size),
+      arena_(arena),
+      options_(options),
+      register_local_(std::move(register_local)) {
   std::string why;
   lib_ = VerbsLib::load(&why);
   if (!lib_) throw EngineError("transport 'verbs' is not viable: " + why);
-  int n = 0;
-  struct ibv_device** list = lib_->get_device_list(&n);
-  if (!list || n <= 0) {
-    if (list) lib_->free_device_list(list);
-    throw EngineError("transport 'verbs' is not viable: " + whyNotViable());
-  }
-  // Device: options_.ib_device, else the first with an active port; port likewise.
-  const std::string& want = options_.ib_device;
-  const int first_port = options_.ib_port > 0 ? options_.ib_port : 1;
-  const int last_port = options_.ib_port > 0 ? options_.ib_port : 2;
-  std::string seen;
-  for (int i = 0; i < n && !ctx_; ++i) {
-    const std::string name = lib_->get_device_name(list[i]);
-    seen += (seen.empty() ? "" : ", ") + name;
-    if (!want.empty() && name != want) continue;
-    struct ibv_context* ctx = lib_->open_device(list[i]);
-    if (!ctx) continue;
-    for (int port = first_port; port <= last_port; ++port) {
-      struct ibv_port_attr attr = {};
-      if (lib_->query_port(ctx, static_cast<uint8_t>(port), &attr) == 0 && attr.state == IBV_PORT_ACTIVE) {
-        ctx_ = ctx;
-        port_ = static_cast<uint8_t>(port);
-        port_attr_ = attr;
-        device_ = name;
-        break;
-      }
-    }
-    if (!ctx_) lib_->close_device(ctx);
-  }
-  lib_->free_device_list(list);
-  if (!ctx_)
-    throw EngineError(strCat("verbs: no active port",
-                             options_.ib_port > 0 ? strCat(" ", options_.ib_port) : "", " on ",
-                             want.empty() ? "any device" : want, " (devices: ", seen,
-                             "); set RDKERAS_IB_DEVICE / RDKERAS_IB_PORT"));
-  gid_index_ = options_.ib_gid_index;
-  if (lib_->query_gid(ctx_, port_, gid_index_, &gid_) != 0)
-    throw EngineError(
-        strCat("verbs: cannot read GID index ", gid_index_, " of ", device_, " port ", int(port_)));
-  pd_ = lib_->alloc_pd(ctx_);
-  cq_ = lib_->create_cq(ctx_, 256, nullptr, nullptr, 0);
-  if (!pd_ || !cq_) throw EngineError(strCat("verbs: cannot allocate a protection domain / CQ on ", device_));
+  device_ = openVerbsDevice(*lib_, options_);
+  pd_ = lib_->alloc_pd(device_.ctx);
+  cq_ = lib_->create_cq(device_.ctx, 256, nullptr, nullptr, 0);
+  if (!pd_ || !cq_)
+    throw EngineError(strCat("verbs: cannot allocate a protection domain / CQ on ", device_.name));
   // Peers read region table entries straight from our arena header.
   header_mr_ = lib_->reg_mr(pd_, arena_.base(), Arena::kHeaderBytes, kAccess);
   scratch_.reset(new uint8_t[kScratchBytes]());
@@ -124,7 +89,7 @@ VerbsTransport::VerbsTransport(int rank, int world_size, Arena& arena, TensorTra
     struct ibv_qp_attr attr = {};
     attr.qp_state = IBV_QPS_INIT;
     attr.pkey_index = 0;
-    attr.port_num = port_;
+    attr.port_num = device_.port;
     attr.qp_access_flags = kAccess;
     modify(peers_[r].qp, attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT");
     uint32_t psn;
@@ -142,7 +107,7 @@ VerbsTransport::~VerbsTransport() {
   if (header_mr_) lib_->dereg_mr(header_mr_);
   if (cq_) lib_->destroy_cq(cq_);
   if (pd_) lib_->dealloc_pd(pd_);
-  if (ctx_) lib_->close_device(ctx_);
+  if (device_.ctx) lib_->close_device(device_.ctx);
 }
 
 void VerbsTransport::modify(struct ibv_qp* qp, struct ibv_qp_attr& attr, int mask, const char* state) {
@@ -154,9 +119,9 @@ std::string VerbsTransport::localDescriptor() const {
   std::string qpns;
   for (int r = 0; r < world_size_; ++r)
     if (r != rank_) qpns += strCat(";qpn", r, "=", peers_[r].qp->qp_num, ";psn", r, "=", psn_[r]);
-  return strCat("verbs;device=", device_, ";gid=", hex(gid_.raw, 16), ";lid=", port_attr_.lid, qpns,
-                ";base=", reinterpret_cast<uintptr_t>(arena_.base()), ";hdr_rkey=", header_mr_->rkey,
-                ";host=", options_.advertise_host, ";port=", listen_port_);
+  return strCat("verbs;device=", device_.name, ";gid=", hex(device_.gid.raw, 16),
+                ";lid=", device_.port_attr.lid, qpns, ";base=", reinterpret_cast<uintptr_t>(arena_.base()),
+                ";hdr_rkey=", header_mr_->rkey, ";host=", options_.advertise_host, ";port=", listen_port_);
 }
 
 void VerbsTransport::connect(const std::vector<std::string>& descriptors, const std::string& key,
@@ -171,17 +136,17 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
     p.header_rkey = fieldNumber(d, "hdr_rkey", UINT32_MAX);
     struct ibv_qp_attr attr = {};
     attr.qp_state = IBV_QPS_RTR;
-    attr.path_mtu = port_attr_.active_mtu;
+    attr.path_mtu = device_.port_attr.active_mtu;
     attr.dest_qp_num = static_cast<uint32_t>(fieldNumber(d, strCat("qpn", rank_), 0xffffff));
     attr.rq_psn = static_cast<uint32_t>(fieldNumber(d, strCat("psn", rank_), 0xffffff));
     attr.max_dest_rd_atomic = 16;
     attr.min_rnr_timer = 12;
     attr.ah_attr.is_global = 1;
     unhex(field(d, "gid"), attr.ah_attr.grh.dgid.raw, 16);
-    attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
+    attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(device_.gid_index);
     attr.ah_attr.grh.hop_limit = 64;
     attr.ah_attr.dlid = static_cast<uint16_t>(fieldNumber(d, "lid", UINT16_MAX));
-    attr.ah_attr.port_num = port_;
+    attr.ah_attr.port_num = device_.port;
     modify(p.qp, attr,
            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
@@ -215,8 +180,7 @@ void VerbsTransport::connect(const std::vector<std::string>& descriptors, const 
       },
       [&](int rank, uint32_t channel) { return rank > rank_ && channel == 0 && peers_[rank].sock < 0; },
       [&](int fd, int rank, uint32_t, int) { peers_[rank].sock = fd; });
-  close(listen_fd_);
-  listen_fd_ = -1;
+  closeFd(listen_fd_);
 }
 
 void VerbsTransport::fail(int peer, const std::string& why) {
@@ -276,7 +240,7 @@ uint32_t VerbsTransport::lkey(const void* p, size_t n) {
         if (a >= start && a + n <= start + mr->length) return mr->lkey;
       }
     }
-    tracker_.lookupOrRegister(p, n);  // registers (through us) and caches the range
+    register_local_(p, n);  // registers (through registerMemory) and caches the range
   }
   throw EngineError("verbs: local buffer could not be registered");
 }
@@ -390,15 +354,9 @@ void VerbsTransport::shutdown() {
       lib_->destroy_qp(p.qp);
       p.qp = nullptr;
     }
-    if (p.sock >= 0) {
-      close(p.sock);
-      p.sock = -1;
-    }
+    closeFd(p.sock);
   }
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    listen_fd_ = -1;
-  }
+  closeFd(listen_fd_);
 }
 
 }  // namespace rdkeras

@@ -2,16 +2,17 @@
 //
 // One RC queue pair per peer, one completion queue, one protection domain.
 // Every registration through the TensorTracker becomes an ibv_reg_mr (this
-// class is the tracker's MemoryRegistrar) and the region table entry carries
-// the MR's rkey. An initiator learns (address, length, rkey) of a peer's
-// region by RDMA-reading the entry from the peer's region table (the arena
-// header, registered for remote read at start) the first time it uses a key;
-// an unknown or stale key is refused right there, and bounds are checked
-// against the entry before anything is posted. write = RDMA WRITE, read = RDMA
-// READ, writeFlag = an 8-byte RDMA WRITE on the same queue pair after the data
-// (RC executes them in order, and each operation here waits for its
-// completion). A TCP connection per peer carries nothing after setup: its EOF
-// tells that the peer died while we only wait on local memory.
+// class is the tracker's MemoryRegistrar, and knows the tracker only as the
+// RegisterLocal it calls for an unregistered local buffer: memory_registrar.h)
+// and the region table entry carries the MR's rkey. An initiator learns
+// (address, length, rkey) of a peer's region by RDMA-reading the entry from the
+// peer's region table (the arena header, registered for remote read at start)
+// the first time it uses a key; an unknown or stale key is refused right there,
+// and bounds are checked against the entry before anything is posted. write =
+// RDMA WRITE, read = RDMA READ, writeFlag = an 8-byte RDMA WRITE on the same
+// queue pair after the data (RC executes them in order, and each operation here
+// waits for its completion). A TCP connection per peer carries nothing after
+// setup: its EOF tells that the peer died while we only wait on local memory.
 // Operations are serialized by one mutex (post, then poll the CQ to completion).
 #pragma once
 
@@ -24,16 +25,17 @@
 #include <vector>
 
 #include "engine/arena.h"
-#include "engine/tensor_tracker.h"
+#include "engine/memory_registrar.h"
 #include "engine/transport.h"
+#include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_lib.h"
 
 namespace rdkeras {
 
 class VerbsTransport : public Transport, public MemoryRegistrar {
  public:
-  VerbsTransport(int rank, int world_size, Arena& arena, TensorTracker& tracker,
-                 const TransportOptions& options);
+  VerbsTransport(int rank, int world_size, Arena& arena, const TransportOptions& options,
+                 RegisterLocal register_local);
   ~VerbsTransport() override;
 
   // Empty when verbs can work here; otherwise why not.
@@ -78,17 +80,12 @@ class VerbsTransport : public Transport, public MemoryRegistrar {
 
   int rank_, world_size_;
   Arena& arena_;
-  TensorTracker& tracker_;
   TransportOptions options_;
+  RegisterLocal register_local_;
   const VerbsLib* lib_;
-  struct ibv_context* ctx_ = nullptr;
+  VerbsDevice device_;  // closed by the destructor
   struct ibv_pd* pd_ = nullptr;
   struct ibv_cq* cq_ = nullptr;
-  uint8_t port_ = 1;
-  int gid_index_ = 0;
-  union ibv_gid gid_ = {};
-  struct ibv_port_attr port_attr_ = {};
-  std::string device_;
   struct ibv_mr* header_mr_ = nullptr;
   std::unique_ptr<uint8_t[]> scratch_;  // flag values and table entries, registered
   struct ibv_mr* scratch_mr_ = nullptr;
