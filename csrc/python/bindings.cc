@@ -73,7 +73,7 @@ void pin(Engine& e, const py::handle& obj, const Span& s) {
   if (s.size == 0 || !e.connected() || !e.transport().needsLocalRegistration() ||
       e.arena().contains(s.ptr, s.size))
     return;
-  e.tracker().lookupOrRegister(s.ptr, s.size, keepAlive(obj));
+  e.tracker().registerLocal(s.ptr, s.size, keepAlive(obj));
 }
 
 // rdkeras._engine.PeerError, kept for the process's life (translations happen until exit).
