@@ -7,7 +7,6 @@ apply also as a 2-stage pipeline (-m extended)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -17,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_ranks
+from tests.multiproc.conftest import side_by_side
 from tests.ranks.patterns import PATTERNS, PIPELINE_PATTERNS
 
-MODULE = "tests.ranks.patterns"
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = list(PATTERNS)
 TOLERANCE = 1e-5  # float32 sums over the replicas' rows in another order; mixed precision patterns give their own
@@ -28,36 +26,26 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("patterns"))
-
-
-def _side_by_side(runs: dict, tmp: str) -> dict:
-    """The launches at once (each waits on its peers and on TensorFlow's start-up much of the time)."""
-    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
-        futures = {key: pool.submit(run_ranks, "run", world, module=MODULE, timeout=600, tmp=tmp, **kwargs)
-                   for key, (world, kwargs) in runs.items()}  # fmt: skip
-        return {key: [r.value for r in future.result()] for key, future in futures.items()}
+def tmp(pattern_runs):
+    return pattern_runs["tmp"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp):
-    """Every pattern in one process, and on 2 data-parallel workers."""
-    done = _side_by_side({"one": (1, {"names": NAMES, "distributed": False}),
-                          "data": (2, {"names": NAMES, "distributed": True})}, tmp)  # fmt: skip
-    return done["one"][0], done["data"]
+def runs(pattern_runs):
+    """Every pattern in one process, and on 2 data-parallel workers (tests/multiproc/conftest.py)."""
+    return pattern_runs["one"][0], pattern_runs["data"]
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(tmp):
+def pipeline_runs(tmp_path_factory):
     """The patterns that apply, in one process and as a 2-stage pipeline of 2 micro-batches, cut automatically
     (-m extended; the default run checks pipelines against one process in tests/multiproc/test_model_parallel.py)."""
     pipeline = {"parallelism": "pipeline", "micro_batches": 2}
-    done = _side_by_side({
+    done = side_by_side({
         "one": (1, {"names": PIPELINE_PATTERNS, "distributed": False, "label": "pipeline-reference"}),
         "pipeline": (2, {"names": PIPELINE_PATTERNS, "distributed": True, "strategy_kwargs": pipeline,
                          "label": "pipeline"}),
-    }, tmp)  # fmt: skip
+    }, str(tmp_path_factory.mktemp("pipelines")))  # fmt: skip
     return done["one"][0], done["pipeline"]
 
 

@@ -64,14 +64,15 @@ def run(names: list, distributed: bool, tmp: str, strategy_kwargs: dict | None =
     for i, name in enumerate(names):
         keras.utils.set_random_seed(SEED)
         strategy = None
+        base, _, shard = name.partition("@")  # "name@optimizer": the model trained with shard="optimizer"
         try:
             if distributed:
                 import rdkeras
 
-                strategy = rdkeras.RDMAStrategy(**(strategy_kwargs or {}))
-            folder = os.path.join(tmp, name, label or ("distributed" if distributed else "one"))
+                strategy = rdkeras.RDMAStrategy(**(strategy_kwargs or {}), **({"shard": shard} if shard else {}))
+            folder = os.path.join(tmp, base, label or shard or ("distributed" if distributed else "one"))
             os.makedirs(folder, exist_ok=True)
-            out[name] = _plain({**PATTERNS, **SHARDED}[name](Env(strategy, folder)))
+            out[name] = _plain({**PATTERNS, **SHARDED}[base](Env(strategy, folder)))
             if strategy is not None and strategy.parallelism != "data" and "error" not in out[name]:
                 out[name]["plan"] = strategy.plan_text()  # (what the pipeline's automatic cut chose)
         except Exception:
