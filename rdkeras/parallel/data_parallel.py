@@ -180,19 +180,29 @@ class DataParallel(Parallelism):
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
         elif self.shard != "none":
-            average = None
-            if self.shard == "optimizer":
-                average = GradientAllreduce(
-                    self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense
-                )
-                self._averages.append(average)
-            update = ShardedUpdate(self.collectives, optimizer, self.shard, average)
-            self._sharded[id(model)] = update
-            fitting.distribute_optimizer(optimizer, update.apply)
+            self._shard_optimizer(model, overlap)
         else:
             average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
             self._averages.append(average)
             _average_gradients(optimizer, average)
+
+    def _shard_optimizer(self, model: Any, overlap: int) -> None:
+        """The optimizer that updates the variables applies a sharded update. Under a LossScaleOptimizer, the
+        gradients are averaged whole before its finite check ("optimizer"), or every worker agrees on the check
+        of its own before they are reduce-scattered ("gradients"): all take the same branch."""
+        optimizer = model.optimizer
+        inner = keras_internals.inner_optimizer(optimizer)
+        average = None
+        if self.shard == "optimizer":
+            average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
+            self._averages.append(average)
+        update = ShardedUpdate(self.collectives, inner, self.shard, average if inner is optimizer else None)
+        self._sharded[id(model)] = update
+        fitting.distribute_optimizer(inner, update.apply)
+        if inner is not optimizer and average is not None:
+            _average_gradients(optimizer, average)
+        elif inner is not optimizer:
+            fitting.agree_on_finite_gradients(optimizer, self._all_finite)
 
     def _replan(self, model: Any) -> None:
         """A model compiled again, in the scope or out of it: its new optimizer exchanges its gradients too."""

@@ -51,7 +51,8 @@ class ShardedUpdate:
 
     Args:
         collectives: The data-parallel workers' collectives.
-        optimizer: The compiled optimizer (not a LossScaleOptimizer: mixed precision is not sharded yet).
+        optimizer: The optimizer that updates the variables (a LossScaleOptimizer's inner one: its finite check
+            and unscaling come first, see ``DataParallel._shard_optimizer``).
         mode: "optimizer" (the optimizer state sharded) or "gradients" (the gradients too).
         average: "optimizer": the allreduce that averages whole gradients.
     """
@@ -64,7 +65,7 @@ class ShardedUpdate:
         }
         given = [name for name, value in refused.items() if value]
         if keras_internals.inner_optimizer(optimizer) is not optimizer:
-            given.append("LossScaleOptimizer (mixed precision)")
+            raise TypeError("a sharded update takes a LossScaleOptimizer's inner optimizer")
         if given:
             raise NotImplementedError(
                 f"shard={mode!r} does not run with {', '.join(given)} yet: use shard='none' for this optimizer"

@@ -22,17 +22,19 @@ def test_a_sharded_model_trains_what_one_process_trains(pattern_runs, name, mode
     workers = [w[f"{name}@{mode}"] for w in pattern_runs["data"]]
     for rank, got in enumerate(workers):
         assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
-        _compare(got, reference, TOLERANCE, f"{name}, shard={mode}, worker {rank}")
+        _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, shard={mode}, worker {rank}")
     assert workers[0]["weights"] == workers[1]["weights"], "the workers' weights differ"
 
 
 @pytest.mark.parametrize("mode", SHARD_MODES)
 @pytest.mark.parametrize("name", NAMES)
 def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
-    # Counted from the variables: every worker holds the whole model, and half of the optimizer state one process
-    # holds (each shard padded to whole 64-byte lines; the iteration and learning rate on both).
+    # Counted from the variables: every worker holds the whole model, and at most half of the optimizer state one
+    # process holds (shards are padded to whole 64-byte lines, so one may hold a little more than the other; each
+    # has its own iteration and learning rate), and together all of it.
     one = pattern_runs["one"][0][name]["state"]
-    for worker in pattern_runs["data"]:
-        state = worker[f"{name}@{mode}"]["state"]
+    states = [worker[f"{name}@{mode}"]["state"] for worker in pattern_runs["data"]]
+    for state in states:
         assert state["parameters"] == one["parameters"]
-        assert 0.5 * one["optimizer"] - 64 <= state["optimizer"] <= 0.5 * one["optimizer"] + 256, (state, one)
+        assert state["optimizer"] <= 0.5 * one["optimizer"] + 256, (states, one)
+    assert sum(state["optimizer"] for state in states) >= one["optimizer"], (states, one)

@@ -913,3 +913,20 @@ def sharded_sgd_clipvalue_lr_callback(env):
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch: 0.05 / (1 + epoch))
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[schedule])
     return _with_state(env, model, _result(model, history))
+
+
+@sharded
+def sharded_mixed_float16(env):
+    """mixed_float16 with its LossScaleOptimizer around Adam: the loss scale moves alike everywhere."""
+    import keras
+
+    x, y = _classification(seed=37)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    layers = [keras.Input((12,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3, dtype="float32")]
+    with env.scope():
+        model = keras.Sequential(layers)
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    scale = float(model.optimizer.dynamic_scale.numpy())
+    return _with_state(env, model, _result(model, history, scale=scale, tolerance=1e-3))

@@ -13,7 +13,6 @@ from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 @pytest.mark.parametrize(
     ("optimizer", "named"),
     [
-        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "LossScaleOptimizer"),
         (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "gradient_accumulation_steps"),
         (lambda: keras.optimizers.SGD(use_ema=True), "use_ema"),
     ],
