@@ -1,0 +1,163 @@
+"""Model state per worker: KerasHub's GPT-2 trained with every shard mode, at 1, 2 and 4 workers.
+
+    python -m rdkeras.bench memory [--workers 1,2,4] [--hidden 512] [--layers 4] [--quick]
+
+A GPT-2 causal LM built from its config (no download) trains with Adam for a few steps in one process, then on N
+data-parallel workers with ``shard="none"``, ``"optimizer"`` and ``"gradients"``, each configuration a launch of
+its own (peak memory is a process's). Printed per configuration, for the chief: the bytes of parameters,
+gradients and optimizer state it holds (counted from the variables; a sharded worker receives its shard of the
+averaged gradients only), its peak resident memory above what it held once TensorFlow, Keras and KerasHub were
+imported (VmHWM - VmRSS then), the median step time and the bytes it sent per step; at each N the step time of
+every mode against ``shard="none"``, measured side by side in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+MODES = ("none", "optimizer", "gradients")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (1: one process, unsharded)")
+    p.add_argument("--hidden", type=int, default=512, help="GPT-2 hidden size")
+    p.add_argument("--layers", type=int, default=4, help="transformer layers")
+    p.add_argument("--vocabulary", type=int, default=16_000, help="vocabulary size")
+    p.add_argument("--sequence", type=int, default=64, help="tokens a sequence")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=6, help="training steps (the first 2 untimed)")
+    p.add_argument("--transport", default="shm", help="the engine transport (shm, tcp)")
+    p.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, a 4,000-token vocabulary, 1-2 workers")
+    p.add_argument("--out", default="bench-results", help="folder for memory.json")
+
+
+def _status_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS: resident now; VmHWM: the peak so far)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, sequence: int, batch: int,
+                steps: int) -> dict:  # fmt: skip
+    """Trains the GPT-2 (`mode` None: in one process, without rdkeras); this worker's state bytes, peak memory
+    above the bare imports, median step time and bytes written per step."""
+    import time
+
+    import keras
+    import keras_hub
+    import numpy as np
+
+    from rdkeras.bench import pin_one_core
+
+    pin_one_core()
+    bare_kb = _status_kb("VmRSS")  # TensorFlow, Keras and KerasHub imported, nothing built
+    strategy = None
+    if mode is not None:
+        import rdkeras
+
+        strategy = rdkeras.RDMAStrategy(shard=mode)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocabulary, (batch * steps, sequence + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((len(tokens), sequence), bool)}
+    keras.utils.set_random_seed(1)
+    with strategy.scope() if strategy else _nothing():
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocabulary, num_layers=layers, num_heads=max(1, hidden // 64), hidden_dim=hidden,
+            intermediate_dim=4 * hidden, max_sequence_length=sequence, dropout=0.0,
+        )  # fmt: skip
+        lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        lm.compile(optimizer=keras.optimizers.Adam(1e-4), loss=keras.losses.SparseCategoricalCrossentropy(True))
+
+    def written() -> float:
+        return strategy.engine.traffic()["bytes_written"] if strategy else 0.0
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+            self.bytes = [0.0, 0.0]
+            self.losses: list[float] = []
+
+        def on_train_batch_begin(self, step: int, logs: object = None) -> None:
+            if step == 2:
+                self.bytes[0] = written()
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
+            self.times.append(time.perf_counter() - self.began)
+            self.bytes[1] = written()
+            self.losses.append(float((logs or {}).get("loss", float("nan"))))
+
+    timer = Timer()
+    lm.fit(x, tokens[:, 1:], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    if strategy is not None:
+        state = strategy.state_bytes(lm)
+    else:
+        count = lambda vs: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs)  # noqa: E731
+        state = {"parameters": count(lm.weights), "optimizer": count(lm.optimizer.variables)}
+    trainable = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in lm.trainable_variables)
+    workers = strategy.num_workers if strategy else 1
+    out = {
+        **state,
+        "gradients": trainable // workers if mode == "gradients" else trainable,
+        "peak_above_bare_mb": (_status_kb("VmHWM") - bare_kb) / 1024,
+        "step_s": float(np.median(timer.times[2:])),
+        "bytes_per_step": (timer.bytes[1] - timer.bytes[0]) / max(1, steps - 2),
+        "losses": timer.losses,
+    }
+    if strategy is not None:
+        strategy.close()
+    return out
+
+
+def _nothing() -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdkeras.bench import run_ranks
+
+    shape = {"hidden": args.hidden, "layers": args.layers, "vocabulary": args.vocabulary}
+    counts = [int(n) for n in args.workers.split(",")]
+    if args.quick:
+        shape, counts = {"hidden": 128, "layers": 2, "vocabulary": 4000}, [n for n in counts if n <= 2] or [1]
+    kwargs = {**shape, "sequence": args.sequence, "batch": args.batch, "steps": args.steps}
+    env = {"RDKERAS_TRANSPORT": args.transport, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    target = "rdkeras.bench.memory:worker_main"
+    rows: list[dict] = []
+    for n in counts:
+        for mode in MODES if n > 1 else [None]:
+            ranks = run_ranks("memory", f"{n} worker(s), shard={mode}", target, n, {**kwargs, "mode": mode}, env=env,
+                              timeout=1800)  # fmt: skip
+            if ranks is None:
+                return 1
+            rows.append({"workers": n, "mode": mode or "one process", **ranks[0].value})
+    model = f"GPT-2 (hidden {shape['hidden']}, {shape['layers']} layers, vocabulary {shape['vocabulary']:,}"
+    print(f"{model}, sequence {args.sequence}), Adam, global batch {args.batch}, over {args.transport}; per worker:")
+    header = ("workers", "shard", "params MB", "grads MB", "optim MB", "state vs 1", "peak MB", "peak vs 1", "step",
+              "vs none", "sent/step")  # fmt: skip
+    print("".join(f"{h:>12}" for h in header))
+    one = rows[0] if rows[0]["mode"] == "one process" else None
+    for row in rows:
+        state = row["parameters"] + row["gradients"] + row["optimizer"]
+        none = next((r for r in rows if r["workers"] == row["workers"] and r["mode"] == "none"), row)
+        base = one or row
+        row["state_vs_one"] = state / (base["parameters"] + base["gradients"] + base["optimizer"])
+        row["peak_vs_one"] = row["peak_above_bare_mb"] / base["peak_above_bare_mb"]
+        row["step_vs_none"] = row["step_s"] / none["step_s"]
+        cells = (row["workers"], row["mode"], f"{row['parameters'] / 1e6:.1f}", f"{row['gradients'] / 1e6:.1f}",
+                 f"{row['optimizer'] / 1e6:.1f}", f"{row['state_vs_one']:.2f}x", f"{row['peak_above_bare_mb']:.0f}",
+                 f"{row['peak_vs_one']:.2f}x", f"{row['step_s'] * 1e3:.0f} ms", f"{row['step_vs_none']:.2f}x",
+                 f"{row['bytes_per_step'] / 1e6:.1f} MB")  # fmt: skip
+        print("".join(f"{c:>12}" for c in cells))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps({"model": shape, **kwargs, "transport": args.transport,
+                                                 "rows": rows}, indent=1))  # fmt: skip
+    print(f"(written to {out / 'memory.json'})")
+    return 0
