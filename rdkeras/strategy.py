@@ -323,6 +323,11 @@ class RDMAStrategy(CustomLoops):
         parallelism). ``plan.text()`` prints it."""
         return self._parallel.plan
 
+    def export(self, model: Any, filepath: Any, **kwargs: Any) -> None:
+        """Collective (every worker calls it): the chief writes ``model.save(filepath, **kwargs)``, a plain Keras
+        file, with the optimizer's state whole (gathered from the workers' shards where ``shard`` splits it)."""
+        fitting.export(model, self._parallel, self.is_chief, filepath, **kwargs)
+
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's state; with ``shard``, this worker's shard of it), counted from the variables."""

@@ -17,12 +17,14 @@ from rdkeras.fitting.model import (
     undistributed_own_optimizers,
 )
 from rdkeras.fitting.optimizer import agree_on_finite_gradients, distribute_optimizer
+from rdkeras.fitting.saving import export
 
 __all__ = [
     "GlobalBatch",
     "agree_on_finite_gradients",
     "distribute_model",
     "distribute_optimizer",
+    "export",
     "merge_results",
     "optimizers_of",
     "parallel_of",

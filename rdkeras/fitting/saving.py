@@ -7,6 +7,7 @@ in the middle of a save leaves the previous file intact (Keras writes in place).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras.keras_internals import original
+from rdkeras.keras_internals import original, saving_variables
 
 
 def _atomic_path(filepath: Any, suffixes: tuple[str, ...]) -> Path | None:
@@ -148,3 +149,12 @@ def save_weights(model: Any, filepath: Any, overwrite: bool = True, max_shard_si
         return save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
     write_atomically(path, lambda tmp: save_weights(tmp, overwrite=True), state_bytes(model))
     return None
+
+
+def export(model: Any, parallel: Any, chief: bool, filepath: Any, **kwargs: Any) -> None:
+    """``RDMAStrategy.export``: collective; the chief saves `model` with its optimizer's state whole."""
+    whole = parallel.whole_optimizer_state(model)
+    if not chief:
+        return
+    with contextlib.nullcontext() if whole is None else saving_variables(model.optimizer, whole):
+        model.save(filepath, **kwargs)

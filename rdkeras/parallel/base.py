@@ -105,6 +105,11 @@ class Parallelism(abc.ABC):
     def plan(self) -> Any:
         """What crosses the wire each step (an object with ``text()``), or None before there is one."""
 
+    def whole_optimizer_state(self, model: Any) -> list[Any] | None:
+        """Collective: the variables a file of `model` holds of its optimizer, whole, where this parallelism keeps
+        them in parts (sharded); None where the optimizer's own variables are whole already."""
+        return None
+
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's variables), counted from the variables."""

@@ -247,6 +247,17 @@ class DataParallel(Parallelism):
         self._servers.clear()
         self._sharded.clear()
 
+    def whole_optimizer_state(self, model: Any) -> list[Any] | None:
+        update = self._sharded.get(id(model))
+        if update is None:
+            return None
+        full = update.consolidated()  # collective
+        optimizer = model.optimizer
+        if keras_internals.inner_optimizer(optimizer) is optimizer:
+            return list(full.variables)
+        inner = {id(v) for v in keras_internals.inner_optimizer(optimizer).variables}
+        return [v for v in optimizer.variables if id(v) not in inner] + list(full.variables)  # (a LossScaleOptimizer's)
+
     def state_bytes(self, model: Any) -> dict[str, int]:
         counted = super().state_bytes(model)
         update = self._sharded.get(id(model))

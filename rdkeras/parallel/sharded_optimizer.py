@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import keras_internals
+from rdkeras._log import logger
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
 
 SHARDS = ("none", "optimizer", "gradients")
@@ -76,7 +77,18 @@ class ShardedUpdate:
         self._groups: list[_Group] = []
         self._planned: tuple[int, ...] = ()
         self._copy: Any = None
+        self._variables: list[Any] = []
         keras_internals.build_without_slots(optimizer)
+        keras_internals.before_saving(optimizer, self._saved_in_part)
+        self._warned = False
+
+    def _saved_in_part(self) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                f"shard={self.mode!r}: a file saved by Keras on one worker holds the optimizer's iteration and "
+                "learning rate, not its sharded state; RDMAStrategy.export(model, path) on every worker writes it whole"
+            )
 
     # -- the plan: layout, pieces and the optimizer's copy, made once per set of variables -----------------
 
@@ -105,7 +117,9 @@ class ShardedUpdate:
                     if lo >= hi:
                         continue
                     v = variables[i]
-                    piece = keras.Variable(np.reshape(np.asarray(v.numpy()), -1)[lo:hi], dtype=dtype, name=v.name)
+                    # Named by the variable's path, so the copy's slots name the variable they belong to.
+                    value = np.reshape(np.asarray(v.numpy()), -1)[lo:hi]
+                    piece = keras.Variable(value, dtype=dtype, name=v.path.replace("/", "_"))
                     owned.append((i, int(lo), int(hi)))
                     pieces.append(piece)
                     decisions.append((piece, keras_internals.uses_weight_decay(self.optimizer, v)))
@@ -114,7 +128,39 @@ class ShardedUpdate:
             copy = type(self.optimizer).from_config({**config, "name": f"{self.optimizer.name}_shard"})
             keras_internals.decide_weight_decay(copy, decisions)
             copy.build([p for g in groups for p in g.pieces])
-        self._groups, self._copy, self._planned = groups, copy, key
+        self._groups, self._copy, self._planned, self._variables = groups, copy, key, list(variables)
+
+    def consolidated(self) -> Any:
+        """Collective: a plain optimizer of the compiled one's class and config, built on the variables it updates,
+        holding the whole state the workers' shards hold between them -- what one process's optimizer would hold.
+        For a file written whole (``RDMAStrategy.export``); every worker gets it."""
+        optimizer, variables = self.optimizer, self._variables
+        full = type(optimizer).from_config(optimizer.get_config())
+        full.build(variables)
+        full.iterations.assign(optimizer.iterations)
+        if keras_internals.settable_learning_rate(optimizer):
+            full.learning_rate = np.asarray(optimizer.learning_rate)
+        if self._copy is None:
+            return full  # (never stepped: the state is the initial one)
+        slots = _slots_by_variable(full, variables)
+        pieces = [p for g in self._groups for p in g.pieces]
+        mine = _slots_by_variable(self._copy, pieces)
+        names = sorted({name for _, name in slots})
+        first = 0  # the group's first piece
+        for group in self._groups:
+            for name in names:
+                shard = np.zeros(group.per, group.dtype)
+                at = 0
+                for k in range(len(group.pieces)):
+                    values = np.reshape(np.asarray(mine[(first + k, name)].numpy()), -1)
+                    shard[at : at + values.size] = values
+                    at += values.size
+                whole = self.collectives.allgather(shard, purpose="export")
+                for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
+                    if (i, name) in slots:
+                        slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
+            first += len(group.pieces)
+        return full
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds (its copy's variables)."""
@@ -143,8 +189,8 @@ class ShardedUpdate:
                 piece.assign(tf.reshape(variables[i], [-1])[lo:hi])
         copy = self._copy
         copy.iterations.assign(optimizer.iterations)
-        if keras_internals.settable_learning_rate(optimizer):
-            copy.learning_rate = optimizer.learning_rate
+        if keras_internals.settable_learning_rate(optimizer):  # (a value: a variable would be tracked as the copy's)
+            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
         copy.apply(piece_grads, pieces)
         for group in self._groups:
             self._gather(group, variables, grads)
@@ -262,3 +308,13 @@ def _values(gradient: Any) -> Any:
     import tensorflow as tf
 
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _slots_by_variable(optimizer: Any, variables: Sequence[Any]) -> dict[tuple[int, str], Any]:
+    """`optimizer`'s per-variable state: (index into `variables`, slot name, e.g. "momentum") -> its variable."""
+    slots = {}
+    for slot, index in keras_internals.optimizer_slot_references(optimizer, variables):
+        if index is not None:
+            prefix = variables[index].path.replace("/", "_") + "_"
+            slots[(index, slot.name[len(prefix) :])] = slot
+    return slots

@@ -4,10 +4,16 @@ state. The models run in the Keras-pattern launches (tests/multiproc/conftest.py
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
 from tests.multiproc.conftest import SHARD_MODES
-from tests.multiproc.test_keras_patterns import TOLERANCE, _compare
+from tests.multiproc.test_keras_patterns import ROOT, TOLERANCE, _compare
 from tests.ranks.patterns import SHARDED
 
 NAMES = list(SHARDED)
@@ -38,3 +44,31 @@ def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
         assert state["parameters"] == one["parameters"]
         assert state["optimizer"] <= 0.5 * one["optimizer"] + 256, (states, one)
     assert sum(state["optimizer"] for state in states) >= one["optimizer"], (states, one)
+
+
+def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer_state(pattern_runs):
+    # RDMAStrategy.export gathered the shards: each file, loaded by a process that never imports rdkeras, holds the
+    # optimizer state one process's file holds -- iteration, moments, loss scale -- as one process trained it.
+    tmp = pattern_runs["tmp"]
+    paths = {(name, label): os.path.join(tmp, name, label, "model.keras")
+             for name in NAMES for label in ("one", *SHARD_MODES)}  # fmt: skip
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from tests.ranks.patterns import load_optimizer;"
+        "print('@@' + json.dumps(load_optimizer(sys.argv[2:])))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RDKERAS_")} | {"PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT), *paths.values()], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    loaded = json.loads(lines[0][2:])
+    assert not loaded["rdkeras_imported"]
+    for name in NAMES:
+        want = loaded["files"][paths[(name, "one")]]
+        tolerance = pattern_runs["one"][0][name].get("tolerance", TOLERANCE)
+        for mode in SHARD_MODES:
+            got = loaded["files"][paths[(name, mode)]]
+            assert len(got) == len(want) > 2, f"{name}, shard={mode}: {len(got)} optimizer variables, not {len(want)}"
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=tolerance,
+                                           atol=tolerance, err_msg=f"{name}, shard={mode}, variable {i}")  # fmt: skip

@@ -105,6 +105,26 @@ def load_saved(folder: str) -> dict:
     }
 
 
+def load_optimizer(paths: list) -> dict:
+    """Each .keras file loaded by Keras (and KerasHub) alone, and the optimizer variables it holds (read from the
+    file: Keras builds a loaded model's optimizer only once it trains); the test runs this in a fresh process and
+    checks rdkeras was never imported."""
+    import sys
+    import zipfile
+
+    import h5py
+    import keras
+    import keras_hub  # noqa: F401 (registers KerasHub's classes for loading)
+
+    out = {}
+    for path in paths:
+        keras.saving.load_model(path)
+        with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as raw, h5py.File(raw) as f:
+            group = f["optimizer/vars"]
+            out[path] = [np.asarray(group[str(i)]).astype(np.float64).tolist() for i in range(len(group))]
+    return {"files": out, "rdkeras_imported": any(name.split(".")[0] == "rdkeras" for name in sys.modules)}
+
+
 def _plain(value):
     """Arrays and numbers as JSON-able lists and floats."""
     if isinstance(value, dict):
@@ -846,10 +866,14 @@ def ragged_inputs(env):
 
 
 def _with_state(env, model, result: dict) -> dict:
-    """`result` and the bytes of model state this process holds: its weights, its optimizer's state."""
+    """`result` and the bytes of model state this process holds: its weights, its optimizer's state. The model is
+    saved as model.keras (distributed: by RDMAStrategy.export, the optimizer's state whole), for load_optimizer."""
+    path = os.path.join(env.tmp, "model.keras")
     if env.distributed:
         result["state"] = env.strategy.state_bytes(model)
+        env.strategy.export(model, path)
     else:
+        model.save(path)
         count = lambda variables: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)  # noqa: E731
         result["state"] = {"parameters": count(model.weights), "optimizer": count(model.optimizer.variables)}
     return result
