@@ -52,6 +52,17 @@ def load_data(cfg: Any) -> Any:
     return instantiate(cfg.data, **overrides)
 
 
+def check_batch_size(batch_size: int, data: Any) -> None:
+    """The global batch must not be larger than the training data (Keras would take the whole data as one
+    smaller batch, and the run's throughput would count rows it never saw)."""
+    rows = getattr(data.x, "shape", (None,))[0]
+    if rows is not None and batch_size > rows:
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} is more than the {rows:,} training examples of this data "
+            f"({data.description}): choose at most {rows}"
+        )
+
+
 def build_model(cfg: Any, data: Any) -> Any:
     from hydra.utils import instantiate
 
@@ -194,6 +205,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
     started = time.perf_counter()
     data = load_data(cfg)
+    check_batch_size(cfg.trainer.batch_size, data)
     if canonical(cfg.parallel.parallelism) in ("model", "hybrid") and not is_auto(cfg.parallel.get("placement")):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
