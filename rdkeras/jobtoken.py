@@ -36,6 +36,9 @@ from rdkeras.errors import EngineError
 ENV_TOKEN = "RDKERAS_JOB_TOKEN"
 ENV_TOKEN_FILE = "RDKERAS_JOB_TOKEN_FILE"
 SECRET_BYTES = 32
+# A token file holds one token (a secret's 64 hex characters, or a Kubernetes Secret's value); a larger file is
+# refused unread, not read into memory.
+MAX_TOKEN_FILE_BYTES = 64 << 10
 
 
 class TokenError(EngineError):
@@ -91,15 +94,27 @@ def _read_private(path: Path, what: str) -> bytes:
                 f"the {what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): anyone who can "
                 f"read it can join your jobs. Run `chmod 600 {path}` (or delete it to get a new one)"
             )
-        data = b""
-        while chunk := os.read(fd, 4096):
+        if st.st_size > MAX_TOKEN_FILE_BYTES:
+            raise _too_large(path, what, st.st_size)
+        # Into one growing buffer (linear in the size), and no further than the cap if the file grows meanwhile.
+        data = bytearray()
+        while len(data) <= MAX_TOKEN_FILE_BYTES and (chunk := os.read(fd, MAX_TOKEN_FILE_BYTES + 1 - len(data))):
             data += chunk
+        if len(data) > MAX_TOKEN_FILE_BYTES:
+            raise _too_large(path, what, len(data))
     finally:
         os.close(fd)
-    data = data.strip()
-    if not data:
+    token = bytes(data).strip()
+    if not token:
         raise TokenError(f"the {what} {path} is empty: delete it and rdkeras makes a new one")
-    return data
+    return token
+
+
+def _too_large(path: Path, what: str, size: int) -> TokenError:
+    return TokenError(
+        f"the {what} {path} holds {size:,} bytes, more than a token file may ({MAX_TOKEN_FILE_BYTES:,}): it must "
+        f"hold the token alone (rdkeras writes {2 * SECRET_BYTES} hex characters); check that it is the right file"
+    )
 
 
 def _create_secret(path: Path) -> None:

@@ -10,11 +10,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build/asan
 VENV=.venv-asan
+mkdir -p build  # a clean clone has none; the build and its logs go there
+
+# The C++ unit tests need doctest's header (Debian's doctest-dev, which the README's setup does not install):
+# installed here when this runs as root with apt-get, else the script says what to install and stops.
+if ! echo '#include <doctest/doctest.h>' | "${CXX:-c++}" -x c++ -fsyntax-only - 2> /dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    echo "sanitize.sh: installing doctest-dev (the header of the engine's C++ unit tests)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q doctest-dev > /dev/null 2>&1 ||
+      { apt-get update -q > /dev/null && apt-get install -y -q doctest-dev > /dev/null; }
+  else
+    echo "sanitize.sh: the engine's C++ unit tests need doctest's header (doctest/doctest.h), which is missing:" \
+      "install it (Debian/Ubuntu: sudo apt-get install doctest-dev), then run this script again" >&2
+    exit 1
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
 fi
 "$VENV/bin/pip" install -q numpy ml-dtypes grpcio protobuf cloudpickle pybind11 pytest pytest-timeout
+# CMake and Ninja: the system's, else the venv's own (pip installs both; the README's setup needs neither on PATH).
+for tool in cmake ninja; do
+  command -v "$tool" > /dev/null || "$VENV/bin/pip" install -q "$tool"
+done
+export PATH="$PATH:$PWD/$VENV/bin"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRDKERAS_TESTS=ON \
   "-DRDKERAS_SANITIZE=address,undefined" -DPython_EXECUTABLE="$PWD/$VENV/bin/python" \
   -Dpybind11_DIR="$("$VENV/bin/python" -m pybind11 --cmakedir)" > "$BUILD.log" 2>&1 || { cat "$BUILD.log"; exit 1; }

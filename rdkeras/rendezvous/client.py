@@ -87,7 +87,10 @@ class Store:
                 challenge = recv(sock)
                 nonce = os.urandom(32)
                 proof = mac(token, b"client", bytes.fromhex(challenge["nonce"]), me, world)
-                sock.sendall(frame({"rank": self.rank, "world": self.world_size, "nonce": nonce.hex(), "mac": proof}))
+                # "answers": the nonce this proof answers, so a store refusing it can tell a stale nonce (a
+                # replayed hello) from another token; it proves nothing itself (the MAC covers the nonce).
+                hello = {"rank": self.rank, "world": self.world_size, "nonce": nonce.hex(), "mac": proof}
+                sock.sendall(frame({**hello, "answers": challenge["nonce"]}))
                 reply = recv(sock)
                 break
             except (ConnectionError, OSError) as e:

@@ -247,7 +247,7 @@ class StoreServer:
         world = str(hello.get("world"))
         expect = mac(self._token, b"client", conn.nonce, claimed.encode(), world.encode())
         if not hmac.compare_digest(expect, str(hello.get("mac", ""))):
-            self._send(conn, {"ok": False, "error": "job token mismatch"})
+            self._send(conn, {"ok": False, "error": self._why_refused(conn, hello, claimed, world)})
             return self._drop(conn, after_send=True)
         client_nonce = bytes.fromhex(str(hello["nonce"]))
         if world != str(self._world):
@@ -268,6 +268,22 @@ class StoreServer:
         self._send(
             conn, {"ok": True, "mac": mac(self._token, b"server", client_nonce, claimed.encode(), world.encode())}
         )
+
+    def _why_refused(self, conn: _Conn, hello: dict, claimed: str, world: str) -> str:
+        """Why a hello's proof did not verify: made with this job's token for another connection's nonce (the hello
+        names the nonce it answers), i.e. a replayed or delayed handshake, or made with another token."""
+        answers = hello.get("answers")
+        if isinstance(answers, str) and answers != conn.nonce.hex():
+            try:
+                stale = mac(self._token, b"client", bytes.fromhex(answers), claimed.encode(), world.encode())
+            except ValueError:
+                stale = ""
+            if hmac.compare_digest(stale, str(hello.get("mac", ""))):
+                return (
+                    "stale nonce: this hello answers the challenge of an earlier connection, not this one's (a "
+                    "replayed or delayed handshake); connect again and answer the new nonce"
+                )
+        return "job token mismatch"
 
     def _request(self, conn: _Conn, req: dict) -> None:
         op = req.get("op")

@@ -11,6 +11,7 @@ from typing import Any
 
 from rdkeras import cluster
 from rdkeras.train.config import CONFIG_NAME, ConfigError, hydra_sources, rename_overrides, unknown_key, validate
+from rdkeras.train.divergence import DivergedError
 
 PROG = "rdkeras.train"
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -32,7 +33,7 @@ def _task(cfg: Any) -> float | None:
 
     try:
         return _run_job(cfg)
-    except (ConfigError, DataError, OmegaConfBaseException, WorkerError) as e:
+    except (ConfigError, DataError, OmegaConfBaseException, WorkerError, DivergedError) as e:
         _job_errors.append(e)
         from hydra.core.hydra_config import HydraConfig
 
@@ -128,6 +129,10 @@ def spawn_local(
         return
     if bad.returncode == CONFIG_EXIT and errors[bad.rank].startswith(ERROR_PREFIX):
         raise ConfigError(errors[bad.rank][len(ERROR_PREFIX) :].strip())
+    # A diverged run: every worker stopped at the same step and said so (rdkeras.train.divergence).
+    said = [errors[r.rank] for r in results if r.returncode == 1 and errors[r.rank].startswith(ERROR_PREFIX)]
+    if said:
+        raise DivergedError(said[0][len(ERROR_PREFIX) :].strip())
     raise WorkerError(_failure_message(bad, results) + f"\n(full logs: {output_dir}/worker-*.log)")
 
 
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(ERROR_PREFIX + _describe(e), file=sys.stderr)
         return CONFIG_EXIT
+    except DivergedError as e:
+        print(ERROR_PREFIX + str(e), file=sys.stderr)
+        return 1
     except WorkerError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from rdkeras._log import logger
 from rdkeras.engine import TRANSPORTS
 from rdkeras.options import keras_backend
 from rdkeras.parallel import canonical, check_settings, is_auto
+from rdkeras.train import values
 
 CONFIG_NAME = "train"
 GROUPS = ("model", "data", "parallel", "transport", "cluster", "trainer", "logger", "callbacks")
@@ -143,13 +144,6 @@ def rename_keys(cfg: Any) -> None:
             node[new_key] = node.pop(key)
 
 
-def _positive(value: Any, name: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-
-
 def validate(cfg: Any) -> None:
     """Checks what can be checked before any worker starts; raises ConfigError."""
     rename_keys(cfg)
@@ -162,8 +156,7 @@ def validate(cfg: Any) -> None:
     kind = cfg.cluster.kind
     if kind not in ("local", "env"):
         raise ConfigError(f"cluster.kind must be 'local' or 'env', got {kind!r}")
-    if kind == "local":
-        _positive(cfg.cluster.num_workers, "cluster.num_workers")
+    check_values(cfg)
     if cfg.transport.name not in TRANSPORTS:
         raise ConfigError(f"transport.name must be one of {', '.join(TRANSPORTS)}; got {cfg.transport.name!r}")
     parallel = cfg.parallel
@@ -180,10 +173,6 @@ def validate(cfg: Any) -> None:
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
     trainer = cfg.trainer
-    _positive(trainer.epochs, "trainer.epochs")
-    _positive(trainer.batch_size, "trainer.batch_size")
-    _positive(trainer.steps_per_epoch, "trainer.steps_per_epoch", allow_none=True)
-    _positive(trainer.validation_steps, "trainer.validation_steps", allow_none=True)
     for flag in ("resume", "shuffle"):
         if not isinstance(trainer.get(flag), bool):
             raise ConfigError(f"trainer.{flag} must be true or false, got {trainer.get(flag)!r}")
@@ -200,6 +189,17 @@ def validate(cfg: Any) -> None:
     if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
         raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
     _check_objective(trainer)
+
+
+def check_values(cfg: Any) -> None:
+    """The config's numbers against :data:`rdkeras.train.values.RULES` (a table of setting -> rule)."""
+    from omegaconf import OmegaConf
+
+    settings: Any = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        values.check(settings)
+    except values.SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_objective(trainer: Any) -> None:

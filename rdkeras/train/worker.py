@@ -17,6 +17,7 @@ from typing import Any
 
 from rdkeras import cluster, options
 from rdkeras.parallel import canonical, is_auto
+from rdkeras.train import divergence
 from rdkeras.train.config import ConfigError, check_placement
 
 
@@ -50,6 +51,23 @@ def load_data(cfg: Any) -> Any:
         # arrays and takes its part of each batch).
         overrides["samples"] = cfg.trainer.steps_per_epoch * cfg.trainer.batch_size
     return instantiate(cfg.data, **overrides)
+
+
+def check_batch_size(batch_size: int, data: Any) -> None:
+    """The global batch must not be larger than the training data (Keras would take the whole data as one
+    smaller batch, and the run's throughput would count rows it never saw)."""
+    rows = getattr(data.x, "shape", (None,))[0]
+    if rows is not None and batch_size > rows:
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} is more than the {rows:,} training examples of this data "
+            f"({data.description}): choose at most {rows}"
+        )
+
+
+def _divergence_hint(cfg: Any) -> str:
+    rate = cfg.trainer.optimizer.get("learning_rate")
+    now = f" (now {rate})" if isinstance(rate, (int, float)) else ""
+    return f"lower trainer.optimizer.learning_rate{now}, or look for nan or inf in the data"
 
 
 def build_model(cfg: Any, data: Any) -> Any:
@@ -194,6 +212,7 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
 
     started = time.perf_counter()
     data = load_data(cfg)
+    check_batch_size(cfg.trainer.batch_size, data)
     if canonical(cfg.parallel.parallelism) in ("model", "hybrid") and not is_auto(cfg.parallel.get("placement")):
         # A throwaway build names the layers, so a bad placement fails here with one clear line.
         check_placement(cfg.parallel.placement, build_model(cfg, data))
@@ -224,7 +243,8 @@ def run(cfg: Any, output_dir: str | Path) -> dict:
                 flush=True,
             )
 
-        callbacks: list[Any] = []
+        # First: a diverged run stops before any callback saves its epoch (rdkeras.train.divergence).
+        callbacks: list[Any] = [divergence.stop_on_divergence(_divergence_hint(cfg))]
         if len(model.output.shape) == 3:  # a language model: per-token softmax
             callbacks.append(perplexity_callback())
         if cfg.logger.tensorboard:
@@ -329,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         rank = cluster.resolve().rank
         Path(output_dir, f"error-{rank}.txt").write_text(ERROR_PREFIX + " ".join(str(e).split()) + "\n")
         return CONFIG_EXIT
+    except divergence.DivergedError as e:  # every worker stops alike; the app reports the line once, exit status 1
+        Path(output_dir, f"error-{cluster.resolve().rank}.txt").write_text(f"{ERROR_PREFIX}{e}\n")
+        return 1
     return 0
 
 

@@ -103,3 +103,19 @@ def test_an_optuna_sweep_optimises_the_objective_the_task_returns(tmp_path):
     losses = [json.loads((tmp_path / str(i) / "results.json").read_text())["final"]["loss"] for i in (0, 1)]
     best = (tmp_path / "optimization_results.yaml").read_text()
     assert f"best_value: {min(losses)}" in best, (best, losses)
+
+
+def test_a_diverged_run_ends_non_zero_on_every_worker_and_writes_nothing_finished(tmp_path):
+    # Adam at 1e38 makes the weights inf at the second step: both workers stop at that step (none waits for the
+    # other), the run exits 1 with one line, and nothing looks like a finished run (issue 48).
+    done = _train(*TINY, "trainer.optimizer.learning_rate=1e38", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    line = (
+        "rdkeras.train: error: training diverged at epoch 1, step 2: the weights are no longer finite (nan or inf); "
+        "lower trainer.optimizer.learning_rate (now 1e+38), or look for nan or inf in the data. The run stopped "
+        "there on every worker: no checkpoint of this epoch, no results.json"
+    )
+    assert done.stderr.strip().splitlines()[-1] == line and "Traceback" not in done.stdout + done.stderr
+    for rank in (0, 1):  # every worker said it
+        assert line in (tmp_path / f"worker-{rank}.log").read_text()
+    assert not (tmp_path / "results.json").exists() and not list(tmp_path.glob("checkpoints/*"))

@@ -157,6 +157,29 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
         (["parallel=hybrid"], "parallel: parallelism=hybrid needs a placement"),
         (["+recipe=vgg16_model", "cluster.num_workers=1"], "there are only 1 workers"),
         (["trainer.batch_size=0"], "trainer.batch_size must be a whole number >= 1"),
+        # Numbers no run can use (issue 48): before any worker starts, the setting, the value and what is allowed.
+        (
+            ["trainer.optimizer.learning_rate=nan"],
+            "rdkeras.train: error: trainer.optimizer.learning_rate must be a finite number > 0, got nan",
+        ),
+        (
+            ["trainer.threads=-2"],
+            "rdkeras.train: error: trainer.threads must be a whole number >= 1 or null (cores / local workers), got -2",
+        ),
+        (
+            ["cluster.timeout=-1"],
+            "rdkeras.train: error: cluster.timeout must be a finite number of seconds > 0 or null (no limit), got -1",
+        ),
+        (
+            ["recipe=null", "data.samples=-1"],
+            "rdkeras.train: error: data.samples must be a whole number >= 1 or null "
+            "(trainer.steps_per_epoch x trainer.batch_size), got -1",
+        ),
+        (
+            ["trainer.batch_size=1000000000000"],
+            "rdkeras.train: error: trainer.batch_size must be at most 16,777,216 (the global batch, in rows), "
+            "got 1000000000000",
+        ),
         (["recipe=null", "trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
         # A typo'd key: the keys meant, not Hydra's advice to add it with + (which would add a key nothing reads).
         (["trainer.epoch=1"], "unknown config key 'trainer.epoch': did you mean trainer.epochs?"),

@@ -120,6 +120,48 @@ def _within(seconds: float, fn, *args):
     return value
 
 
+def _token_file(tmp_path, content: bytes):
+    token = tmp_path / "private" / "token"
+    token.parent.mkdir(mode=0o700, exist_ok=True)
+    token.write_bytes(content)
+    token.chmod(0o600)
+    return token
+
+
+def test_a_token_file_is_read_in_linear_time_up_to_its_cap(home, tmp_path, monkeypatch):
+    # The file as the largest a token file may be, delivered a few bytes a read (as a slow mount might): one buffer
+    # grows, instead of a bytes object copied whole at every read (a 20 MB file took 64 s that way).
+    content = b"t" * (jobtoken.MAX_TOKEN_FILE_BYTES - 1) + b"\n"
+    settings = dataclasses.replace(home, job_token_file=str(_token_file(tmp_path, content)))
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: real_read(fd, min(n, 7)))
+    assert _within(5, jobtoken.resolve, 2, None, settings) == content.strip()
+
+
+def test_a_token_file_past_the_cap_is_refused_at_once_saying_what_it_holds(home, tmp_path):
+    token = _token_file(tmp_path, b"x" * (20 << 20))
+    settings = dataclasses.replace(home, job_token_file=str(token))
+    with pytest.raises(jobtoken.TokenError) as e:
+        _within(1, jobtoken.resolve, 2, None, settings)
+    assert str(e.value) == (
+        f"the RDKERAS_JOB_TOKEN_FILE file {token} holds 20,971,520 bytes, more than a token file may (65,536): it "
+        "must hold the token alone (rdkeras writes 64 hex characters); check that it is the right file"
+    )
+
+
+def test_a_token_file_that_grows_while_read_is_read_no_further_than_the_cap(home, tmp_path, monkeypatch):
+    token = _token_file(tmp_path, b"y" * (jobtoken.MAX_TOKEN_FILE_BYTES + 100))
+    real_fstat = os.fstat
+
+    def small(fd):  # the size when it was opened; more came after
+        st = real_fstat(fd)
+        return os.stat_result((*st[:6], 10, *st[7:]))
+
+    monkeypatch.setattr(os, "fstat", small)
+    with pytest.raises(jobtoken.TokenError, match=r"holds 65,537 bytes, more than a token file may \(65,536\)"):
+        jobtoken.resolve(2, None, dataclasses.replace(home, job_token_file=str(token)))
+
+
 def test_one_rank_needs_no_secret_and_no_job_means_a_clear_error(home):
     assert len(jobtoken.resolve(1, None, home)) == 32
     with pytest.raises(jobtoken.TokenError, match="no job token: set RDKERAS_JOB_TOKEN"):

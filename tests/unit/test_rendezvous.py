@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from rdkeras.errors import PeerError
 from rdkeras.launch import free_port
 from rdkeras.rendezvous import Store, StoreServer
+from rdkeras.rendezvous.wire import frame, mac, recv
 
 TOKEN = b"test-token"
 
@@ -55,3 +57,44 @@ def test_a_stopped_store_host_is_named_within_the_bound():
     finally:
         os.kill(host.pid, signal.SIGKILL)
         host.join(10)
+
+
+def _hello(token: bytes, challenge: dict, rank: int = 1, world: int = 2) -> bytes:
+    """A client's hello answering `challenge`, as rdkeras.rendezvous.client sends it."""
+    proof = mac(token, b"client", bytes.fromhex(challenge["nonce"]), str(rank).encode(), str(world).encode())
+    return frame({"rank": rank, "world": world, "nonce": os.urandom(32).hex(), "mac": proof,
+                  "answers": challenge["nonce"]})  # fmt: skip
+
+
+def test_a_replayed_hello_is_refused_as_a_stale_nonce_and_another_token_as_a_mismatch():
+    port = free_port()
+    server = StoreServer("127.0.0.1", port, TOKEN, 2)
+    connections: list[socket.socket] = []
+
+    def connect() -> tuple[socket.socket, dict]:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connections.append(s)
+        return s, recv(s)
+
+    try:
+        first, challenge = connect()
+        recorded = _hello(TOKEN, challenge)
+        first.sendall(recorded)
+        assert recv(first)["ok"] is True  # rank 1 joins
+        again, _ = connect()  # the same hello, recorded on the wire and sent again: a new connection, a new nonce
+        again.sendall(recorded)
+        assert recv(again) == {
+            "ok": False,
+            "error": "stale nonce: this hello answers the challenge of an earlier connection, not this one's (a "
+            "replayed or delayed handshake); connect again and answer the new nonce",
+        }
+        other, challenge = connect()
+        other.sendall(_hello(b"another-token", challenge))
+        assert recv(other) == {"ok": False, "error": "job token mismatch"}
+        forged, challenge = connect()  # a made-up earlier nonce: the proof is not this job's for it either
+        forged.sendall(_hello(b"another-token", {"nonce": "ab" * 32}))
+        assert recv(forged) == {"ok": False, "error": "job token mismatch"}
+    finally:
+        for s in connections:
+            s.close()
+        server.close()
