@@ -8,7 +8,9 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <functional>
 #include <optional>
+#include <utility>
 
 #include "bench/bench_loops.h"
 #include "engine/channel.h"
@@ -76,6 +78,13 @@ void pin(Engine& e, const py::handle& obj, const Span& s) {
   e.tracker().registerLocal(s.ptr, s.size, keepAlive(obj));
 }
 
+// A buffer's span, pinned where the transport needs it (see pin).
+Span pinnedSpan(Engine& e, const py::buffer& b, bool writable) {
+  Span s = span(b, writable);
+  pin(e, b, s);
+  return s;
+}
+
 // rdkeras._engine.PeerError, kept for the process's life (translations happen until exit).
 py::object* peer_error = nullptr;
 
@@ -93,6 +102,18 @@ auto guarded(Engine& e, int peer, F&& f) -> decltype(f()) {
   }
 }
 
+// guarded(...) without the GIL (the operation may wait); the GIL is back before the result is used.
+template <typename F>
+auto guardedNoGil(Engine& e, int peer, F&& f) -> decltype(f()) {
+  py::gil_scoped_release nogil;
+  return guarded(e, peer, std::forward<F>(f));
+}
+
+// A 1-D uint8 array over `nbytes` at `ptr` whose base keeps `owner` alive.
+py::array byteArray(const void* ptr, size_t nbytes, py::handle owner) {
+  return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, ptr, owner);
+}
+
 // A uint8 array over a tracker block; the block returns to the pool when the array dies.
 py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nbytes) {
   struct Holder {
@@ -105,7 +126,24 @@ py::array blockArray(const std::shared_ptr<Engine>& engine, void* ptr, size_t nb
     b->engine->tracker().release(b->ptr);
     delete b;
   });
-  return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, ptr, owner);
+  return byteArray(ptr, nbytes, owner);
+}
+
+py::dict trafficDict(Engine& e) {
+  const TransportStats& s = e.transportStats();
+  py::dict d;
+  d["bytes_written"] = s.bytes_written.load();
+  d["bytes_read"] = s.bytes_read.load();
+  d["writes"] = s.writes.load();
+  d["reads"] = s.reads.load();
+  d["flags"] = s.flags.load();
+  for (const auto& [part, stats] : e.transportParts()) {  // shm+tcp: each link kind's share
+    d[py::str("bytes_written/" + part)] = stats->bytes_written.load();
+    d[py::str("bytes_read/" + part)] = stats->bytes_read.load();
+  }
+  d["bytes_received"] = e.bytesReceived();
+  d["wait_seconds"] = e.waitSeconds();
+  return d;
 }
 
 // An allreduce's inputs: float32 or float64 arrays of one dtype, C-contiguous, pinned where the transport
@@ -166,6 +204,17 @@ py::list freshFloat32(const std::vector<py::array>& arrays, std::vector<float*>*
   return result;
 }
 
+// An allreduce of float32 `arrays` (their `spans`) that travels as `wire`: `reduce` sums the wire-typed
+// copies, and fresh float32 arrays hold the sums cast back, scaled by `scale`.
+py::list allreduceCastBack(Engine& e, const std::vector<py::array>& arrays,
+                           const std::vector<ConstSpan>& spans, DType wire, float scale, WireScratch& scratch,
+                           const std::function<AllreduceResult(const std::vector<ConstSpan>&)>& reduce) {
+  std::vector<float*> outputs;
+  py::list result = freshFloat32(arrays, &outputs);
+  guardedNoGil(e, -1, [&] { allreduceOnWire(spans, outputs, wire, scale, scratch, reduce); });
+  return result;
+}
+
 // A RingAllreduce's or DoublingAllreduce's allreduce: views of its output block, or with a `wire` type fresh
 // float32 arrays cast back from the wire's sums.
 template <typename Group>
@@ -175,33 +224,38 @@ py::list groupAllreduce(const py::object& self, const std::vector<py::array>& ar
   DType dtype = DType::kFloat32;
   std::vector<ConstSpan> spans = reduceInputs(*group.engine(), arrays, &dtype);
   const std::optional<DType> narrow = wireType(wire, dtype);
-  if (!narrow) {
-    AllreduceResult r;
-    {
-      py::gil_scoped_release nogil;
-      r = guarded(*group.engine(), -1, [&] { return group.run(spans, dtype, average); });
-    }
-    return reduceOutputs(self, arrays, r);
+  if (narrow) {
+    const float scale = average ? 1.0f / static_cast<float>(group.size()) : 1.0f;
+    return allreduceCastBack(*group.engine(), arrays, spans, *narrow, scale, group.wireScratch(),
+                             [&](const std::vector<ConstSpan>& in) { return group.run(in, *narrow, false); });
   }
-  std::vector<float*> outputs;
-  py::list result = freshFloat32(arrays, &outputs);
-  const float scale = average ? 1.0f / static_cast<float>(group.size()) : 1.0f;
-  {
-    py::gil_scoped_release nogil;
-    guarded(*group.engine(), -1, [&] {
-      allreduceOnWire(spans, outputs, *narrow, scale, group.wireScratch(),
-                      [&](const std::vector<ConstSpan>& in) { return group.run(in, *narrow, false); });
-      return 0;
-    });
-  }
-  return result;
+  const AllreduceResult r =
+      guardedNoGil(*group.engine(), -1, [&] { return group.run(spans, dtype, average); });
+  return reduceOutputs(self, arrays, r);
 }
 
-}  // namespace
+// RingAllreduce.allreduce_hierarchical: this ring inside the host, `across` between hosts (hierarchical.h).
+py::list ringAllreduceHierarchical(const py::object& self, const std::vector<py::array>& arrays, bool average,
+                                   RingAllreduce& across, int world, const std::optional<std::string>& wire,
+                                   bool within) {
+  auto& ring = self.cast<RingAllreduce&>();
+  DType dtype = DType::kFloat32;
+  std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), arrays, &dtype);
+  const std::optional<DType> narrow = wireType(wire, dtype);
+  if (narrow && within) {  // the wire type inside each host too: fresh float32 arrays cast back
+    const float scale = average ? 1.0f / static_cast<float>(world) : 1.0f;
+    return allreduceCastBack(*ring.engine(), arrays, spans, *narrow, scale, ring.wireScratch(),
+                             [&](const std::vector<ConstSpan>& in) {
+                               return hierarchicalAllreduce(ring, across, in, *narrow, false, world, *narrow);
+                             });
+  }
+  const AllreduceResult r = guardedNoGil(*ring.engine(), -1, [&] {
+    return hierarchicalAllreduce(ring, across, spans, dtype, average, world, narrow.value_or(dtype));
+  });
+  return reduceOutputs(self, arrays, r);
+}
 
-PYBIND11_MODULE(_engine, m) {
-  m.doc() = "rdkeras C++ engine: registered memory, one-sided transports, channels.";
-
+void bindErrors(py::module_& m) {
   auto engine_error = py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "TimeoutError",
                                        py::make_tuple(engine_error, py::handle(PyExc_TimeoutError)));
@@ -224,7 +278,10 @@ PYBIND11_MODULE(_engine, m) {
   });
   py::register_exception<RemoteAccessError>(m, "RemoteAccessError", engine_error);
   py::register_exception<AuthenticationError>(m, "AuthenticationError", engine_error);
+}
 
+// What the face asks before it has an engine: transports, this host, the op table, the tracker's sizes.
+void bindQueries(py::module_& m) {
   m.def("native_transports", &nativeTransports);
   m.def(
       "op_api", [] { return reinterpret_cast<uintptr_t>(opApi()); },
@@ -234,30 +291,37 @@ PYBIND11_MODULE(_engine, m) {
   m.def("verbs_why_not_viable", &verbsWhyNotViable,
         "Empty when transport='verbs' can run here, else why not.");
   m.def("size_class", &TensorTracker::sizeClass, "Bytes the tracker's pool reserves for an n-byte tensor.");
+}
 
-  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init([](int rank, int world_size, const std::string& transport, size_t arena_bytes,
-                       double timeout, const std::string& advertise_host, const std::string& bind_host,
-                       const std::string& ib_device, int ib_port, int ib_gid_index, int64_t nt_threshold,
-                       double heartbeat_timeout) {
-             EngineOptions o;
-             o.transport = transport;
-             o.arena_bytes = arena_bytes;
-             o.timeout_s = timeout;
-             o.heartbeat_s = heartbeat_timeout;
-             TransportOptions& t = o.transport_options;
-             t.advertise_host = advertise_host;
-             t.bind_host = bind_host;
-             t.ib_device = ib_device;
-             t.ib_port = ib_port;
-             t.ib_gid_index = ib_gid_index;
-             t.nt_threshold = nt_threshold > 0 ? static_cast<size_t>(nt_threshold) : SIZE_MAX;  // 0: never
-             return std::make_shared<Engine>(rank, world_size, o);
-           }),
-           py::arg("rank"), py::arg("world_size"), py::arg("transport"), py::arg("arena_bytes"),
-           py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1", py::arg("bind_host") = "127.0.0.1",
-           py::arg("ib_device") = "", py::arg("ib_port") = 0, py::arg("ib_gid_index") = 0,
-           py::arg("nt_threshold") = int64_t{8} << 20, py::arg("heartbeat_timeout") = 30.0)
+using EngineClass = py::class_<Engine, std::shared_ptr<Engine>>;
+
+// Engine(...): the face's keyword arguments as EngineOptions.
+std::shared_ptr<Engine> newEngine(int rank, int world_size, const std::string& transport, size_t arena_bytes,
+                                  double timeout, const std::string& advertise_host,
+                                  const std::string& bind_host, const std::string& ib_device, int ib_port,
+                                  int ib_gid_index, int64_t nt_threshold, double heartbeat_timeout) {
+  EngineOptions o;
+  o.transport = transport;
+  o.arena_bytes = arena_bytes;
+  o.timeout_s = timeout;
+  o.heartbeat_s = heartbeat_timeout;
+  TransportOptions& t = o.transport_options;
+  t.advertise_host = advertise_host;
+  t.bind_host = bind_host;
+  t.ib_device = ib_device;
+  t.ib_port = ib_port;
+  t.ib_gid_index = ib_gid_index;
+  t.nt_threshold = nt_threshold > 0 ? static_cast<size_t>(nt_threshold) : SIZE_MAX;  // 0: never
+  return std::make_shared<Engine>(rank, world_size, o);
+}
+
+// Construction, connection and closing.
+void bindEngineLifecycle(EngineClass& c) {
+  c.def(py::init(&newEngine), py::arg("rank"), py::arg("world_size"), py::arg("transport"),
+        py::arg("arena_bytes"), py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1",
+        py::arg("bind_host") = "127.0.0.1", py::arg("ib_device") = "", py::arg("ib_port") = 0,
+        py::arg("ib_gid_index") = 0, py::arg("nt_threshold") = int64_t{8} << 20,
+        py::arg("heartbeat_timeout") = 30.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
@@ -283,21 +347,20 @@ PYBIND11_MODULE(_engine, m) {
           py::arg("descriptors"), py::arg("key"), py::arg("watch") = py::none(), py::arg("timeout") = 0.0,
           "Connects to every peer within `timeout` s (0: the engine's timeout); `watch()` runs about every "
           "100 ms meanwhile and may raise to give up.")
-      .def(
-          "report_failure",
-          [](Engine& e, int rank, const std::string& why) {
-            py::gil_scoped_release nogil;
-            e.reportFailure(rank, why);
-          },
-          py::arg("rank"), py::arg("why"),
-          "The face learned that `rank` failed (e.g. from the store): tell every other rank.")
-      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def(
-          "alloc",
-          [](const std::shared_ptr<Engine>& e, size_t nbytes) {
-            return blockArray(e, e->tracker().allocate(nbytes), nbytes);
-          },
-          py::arg("nbytes"))
+      .def("report_failure", &Engine::reportFailure, py::arg("rank"), py::arg("why"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The face learned that `rank` failed (e.g. from the store): tell every other rank.")
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+}
+
+// The engine's memory: blocks from the tracker's pool, and buffers registered for peers to reach.
+void bindEngineMemory(EngineClass& c) {
+  c.def(
+       "alloc",
+       [](const std::shared_ptr<Engine>& e, size_t nbytes) {
+         return blockArray(e, e->tracker().allocate(nbytes), nbytes);
+       },
+       py::arg("nbytes"))
       .def(
           "register",
           [](Engine& e, const py::buffer& b) {
@@ -306,41 +369,38 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("buffer"))
       .def("deregister", [](Engine& e, uint64_t key) { e.tracker().deregisterRegion(key); })
-      .def("lookup_or_register",
-           [](Engine& e, const py::buffer& b) {
-             Span s = span(b, false);
-             pin(e, b, s);
-             return e.tracker().lookupOrRegister(s.ptr, s.size);
-           })
-      .def(
-          "write",
-          [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
-            Span s = span(src, false);
-            pin(e, src, s);
-            py::gil_scoped_release nogil;
-            guarded(e, peer, [&] { e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline()); });
-          },
-          py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
+      .def("lookup_or_register", [](Engine& e, const py::buffer& b) {
+        Span s = pinnedSpan(e, b, false);
+        return e.tracker().lookupOrRegister(s.ptr, s.size);
+      });
+}
+
+// One-sided writes, reads and flags, and what the engine knows of failed peers.
+void bindEngineTransport(EngineClass& c) {
+  c.def(
+       "write",
+       [](Engine& e, int peer, const py::buffer& src, uint64_t key, uint64_t offset) {
+         Span s = pinnedSpan(e, src, false);
+         guardedNoGil(e, peer, [&] { e.transport().write(peer, s.ptr, key, offset, s.size, e.deadline()); });
+       },
+       py::arg("peer"), py::arg("src"), py::arg("key"), py::arg("offset") = 0)
       .def(
           "read",
           [](Engine& e, int peer, const py::buffer& dst, uint64_t key, uint64_t offset) {
-            Span s = span(dst, true);
-            pin(e, dst, s);
-            py::gil_scoped_release nogil;
-            guarded(e, peer, [&] { e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline()); });
+            Span s = pinnedSpan(e, dst, true);
+            guardedNoGil(e, peer,
+                         [&] { e.transport().read(peer, s.ptr, key, offset, s.size, e.deadline()); });
           },
           py::arg("peer"), py::arg("dst"), py::arg("key"), py::arg("offset") = 0)
       .def(
           "write_flag",
           [](Engine& e, int peer, uint64_t key, uint64_t offset, uint64_t value) {
-            py::gil_scoped_release nogil;
-            guarded(e, peer, [&] { e.transport().writeFlag(peer, key, offset, value, e.deadline()); });
+            guardedNoGil(e, peer, [&] { e.transport().writeFlag(peer, key, offset, value, e.deadline()); });
           },
           py::arg("peer"), py::arg("key"), py::arg("offset"), py::arg("value"))
       .def("flush",
-           [](Engine& e, int peer) {
-             py::gil_scoped_release nogil;
-             guarded(e, peer, [&] { e.transport().flush(peer, e.deadline()); });
+           [](Engine& e, int peer) {  // until every earlier operation to `peer` completed at the target
+             guardedNoGil(e, peer, [&] { e.transport().flush(peer, e.deadline()); });
            })
       .def("check_peer",
            [](Engine& e, int peer) { guarded(e, peer, [&] { e.transport().checkPeer(peer); }); })
@@ -364,33 +424,25 @@ PYBIND11_MODULE(_engine, m) {
             py::gil_scoped_release nogil;
             e.waitFlag(static_cast<uint8_t*>(s.ptr) + offset, value, peer, "flag");
           },
-          py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"))
-      .def("counters", [](Engine& e) { return countersDict(e.tracker().counters()); })
-      .def("traffic",
-           [](Engine& e) {
-             const TransportStats& s = e.transportStats();
-             py::dict d;
-             d["bytes_written"] = s.bytes_written.load();
-             d["bytes_read"] = s.bytes_read.load();
-             d["writes"] = s.writes.load();
-             d["reads"] = s.reads.load();
-             d["flags"] = s.flags.load();
-             for (const auto& [part, stats] : e.transportParts()) {  // shm+tcp: each link kind's share
-               d[py::str("bytes_written/" + part)] = stats->bytes_written.load();
-               d[py::str("bytes_read/" + part)] = stats->bytes_read.load();
-             }
-             d["bytes_received"] = e.bytesReceived();
-             d["wait_seconds"] = e.waitSeconds();
-             return d;
-           })
+          py::arg("buffer"), py::arg("offset"), py::arg("value"), py::arg("peer"));
+}
+
+// The tracker's and the transport's counters.
+void bindEngineCounters(EngineClass& c) {
+  c.def("counters", [](Engine& e) { return countersDict(e.tracker().counters()); })
+      .def("traffic", &trafficDict)
       .def("count_received", &Engine::countReceived, py::arg("nbytes"),
-           "Adds to bytes_received (protocols built in Python on one-sided writes).")
-      .def(
-          "static_channel",
-          [](const std::shared_ptr<Engine>& e, bool sender, int peer, size_t nbytes) {
-            return std::make_shared<StaticChannel>(e, sender ? Role::kSender : Role::kReceiver, peer, nbytes);
-          },
-          py::arg("sender"), py::arg("peer"), py::arg("nbytes"))
+           "Adds to bytes_received (protocols built in Python on one-sided writes).");
+}
+
+// The channels and collective groups an engine makes.
+void bindEngineFactories(EngineClass& c) {
+  c.def(
+       "static_channel",
+       [](const std::shared_ptr<Engine>& e, bool sender, int peer, size_t nbytes) {
+         return std::make_shared<StaticChannel>(e, sender ? Role::kSender : Role::kReceiver, peer, nbytes);
+       },
+       py::arg("sender"), py::arg("peer"), py::arg("nbytes"))
       .def(
           "dynamic_channel",
           [](const std::shared_ptr<Engine>& e, bool sender, int peer) {
@@ -410,7 +462,18 @@ PYBIND11_MODULE(_engine, m) {
             return std::make_shared<DoublingAllreduce>(e, capacity_bytes, std::move(members));
           },
           py::arg("capacity_bytes"), py::arg("members"));
+}
 
+void bindEngine(py::module_& m) {
+  EngineClass c(m, "Engine");
+  bindEngineLifecycle(c);
+  bindEngineMemory(c);
+  bindEngineTransport(c);
+  bindEngineCounters(c);
+  bindEngineFactories(c);
+}
+
+void bindStaticChannel(py::module_& m) {
   py::class_<StaticChannel, std::shared_ptr<StaticChannel>>(m, "StaticChannel")
       .def_property_readonly("descriptor", &StaticChannel::localDescriptor)
       .def_property_readonly("nbytes", &StaticChannel::nbytes)
@@ -427,22 +490,18 @@ PYBIND11_MODULE(_engine, m) {
           "This channel's handle for rdkeras's TensorFlow ops (0: they cannot use it; use send/recv).")
       .def("send",
            [](StaticChannel& ch, const py::buffer& data) {
-             Span s = span(data, false);
-             pin(*ch.engine(), data, s);
-             py::gil_scoped_release nogil;
-             guarded(*ch.engine(), ch.peer(), [&] { ch.send(s.ptr, s.size); });
+             Span s = pinnedSpan(*ch.engine(), data, false);
+             guardedNoGil(*ch.engine(), ch.peer(), [&] { ch.send(s.ptr, s.size); });
            })
       .def("recv", [](py::object self) {
         auto& ch = self.cast<StaticChannel&>();
-        const void* p;
-        {
-          py::gil_scoped_release nogil;
-          p = guarded(*ch.engine(), ch.peer(), [&] { return ch.recv(); });
-        }
+        const void* p = guardedNoGil(*ch.engine(), ch.peer(), [&] { return ch.recv(); });
         // A view into the slot; the channel (its owner) stays alive with it.
-        return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(ch.nbytes())}, {1}, p, self);
+        return byteArray(p, ch.nbytes(), self);
       });
+}
 
+void bindDynamicChannel(py::module_& m) {
   py::class_<DynamicChannel, std::shared_ptr<DynamicChannel>>(m, "DynamicChannel")
       .def_property_readonly("descriptor", &DynamicChannel::localDescriptor)
       .def_property_readonly("sequence", &DynamicChannel::sequence)
@@ -451,31 +510,26 @@ PYBIND11_MODULE(_engine, m) {
       .def("connect", &DynamicChannel::connect)
       .def("wait_acked",
            [](DynamicChannel& ch, uint64_t count) {
-             py::gil_scoped_release nogil;
-             guarded(*ch.engine(), ch.peer(), [&] { ch.waitAcked(count); });
+             guardedNoGil(*ch.engine(), ch.peer(), [&] { ch.waitAcked(count); });
            })
       .def(
           "send",
           [](DynamicChannel& ch, const py::buffer& data, const std::string& dtype,
              std::vector<int64_t> shape) {
-            Span s = span(data, false);
-            pin(*ch.engine(), data, s);
+            Span s = pinnedSpan(*ch.engine(), data, false);
             TensorMeta meta{dtype, std::move(shape), s.size};
-            py::gil_scoped_release nogil;
-            return guarded(*ch.engine(), ch.peer(), [&] { return ch.send(s.ptr, meta); });
+            return guardedNoGil(*ch.engine(), ch.peer(), [&] { return ch.send(s.ptr, meta); });
           },
           py::arg("data"), py::arg("dtype"), py::arg("shape"))
       .def("recv", [](DynamicChannel& ch) {
         TensorMeta meta;
-        void* p;
-        {
-          py::gil_scoped_release nogil;
-          p = guarded(*ch.engine(), ch.peer(), [&] { return ch.recv(&meta); });
-        }
+        void* p = guardedNoGil(*ch.engine(), ch.peer(), [&] { return ch.recv(&meta); });
         return py::make_tuple(blockArray(ch.engine(), p, meta.nbytes), meta.dtype,
                               py::tuple(py::cast(meta.shape)));
       });
+}
 
+void bindRingAllreduce(py::module_& m) {
   py::class_<RingAllreduce, std::shared_ptr<RingAllreduce>>(m, "RingAllreduce")
       .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &RingAllreduce::capacity)
@@ -488,12 +542,8 @@ PYBIND11_MODULE(_engine, m) {
             auto& ring = self.cast<RingAllreduce&>();
             DType dtype = DType::kFloat32;
             const std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), {array}, &dtype);
-            uint8_t* shard;
-            {
-              py::gil_scoped_release nogil;
-              shard =
-                  guarded(*ring.engine(), -1, [&] { return ring.reduceScatter(spans[0], dtype, average); });
-            }
+            uint8_t* shard = guardedNoGil(*ring.engine(), -1,
+                                          [&] { return ring.reduceScatter(spans[0], dtype, average); });
             const auto count = static_cast<py::ssize_t>(array.size() / ring.size());
             return py::array(array.dtype(), {count}, shard, self);
           },
@@ -506,51 +556,16 @@ PYBIND11_MODULE(_engine, m) {
               throw py::value_error("allgather: the shard must be C-contiguous");
             const ConstSpan span{shard.data(), static_cast<size_t>(shard.nbytes())};
             pin(*ring.engine(), shard, {const_cast<void*>(span.data), span.bytes});
-            uint8_t* all;
-            {
-              py::gil_scoped_release nogil;
-              all = guarded(*ring.engine(), -1, [&] { return ring.allgather(span); });
-            }
+            uint8_t* all = guardedNoGil(*ring.engine(), -1, [&] { return ring.allgather(span); });
             return py::array(shard.dtype(), {static_cast<py::ssize_t>(shard.size() * ring.size())}, all,
                              self);
           },
           py::arg("shard"))
-      .def(
-          "allreduce_hierarchical",
-          [](py::object self, const std::vector<py::array>& arrays, bool average, RingAllreduce& across,
-             int world, const std::optional<std::string>& wire, bool within) {
-            auto& ring = self.cast<RingAllreduce&>();
-            DType dtype = DType::kFloat32;
-            std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), arrays, &dtype);
-            const std::optional<DType> narrow = wireType(wire, dtype);
-            if (narrow && within) {  // the wire type inside each host too: fresh float32 arrays cast back
-              std::vector<float*> outputs;
-              py::list result = freshFloat32(arrays, &outputs);
-              const float scale = average ? 1.0f / static_cast<float>(world) : 1.0f;
-              py::gil_scoped_release nogil;
-              guarded(*ring.engine(), -1, [&] {
-                allreduceOnWire(spans, outputs, *narrow, scale, ring.wireScratch(),
-                                [&](const std::vector<ConstSpan>& in) {
-                                  return hierarchicalAllreduce(ring, across, in, *narrow, false, world,
-                                                               *narrow);
-                                });
-                return 0;
-              });
-              return result;
-            }
-            AllreduceResult r;
-            {
-              py::gil_scoped_release nogil;
-              r = guarded(*ring.engine(), -1, [&] {
-                return hierarchicalAllreduce(ring, across, spans, dtype, average, world,
-                                             narrow.value_or(dtype));
-              });
-            }
-            return reduceOutputs(self, arrays, r);
-          },
-          py::arg("arrays"), py::arg("average"), py::arg("across"), py::arg("world"),
-          py::arg("wire") = py::none(), py::arg("within") = false);
+      .def("allreduce_hierarchical", &ringAllreduceHierarchical, py::arg("arrays"), py::arg("average"),
+           py::arg("across"), py::arg("world"), py::arg("wire") = py::none(), py::arg("within") = false);
+}
 
+void bindDoublingAllreduce(py::module_& m) {
   py::class_<DoublingAllreduce, std::shared_ptr<DoublingAllreduce>>(m, "DoublingAllreduce")
       .def_property_readonly("descriptor", &DoublingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &DoublingAllreduce::capacity)
@@ -558,9 +573,11 @@ PYBIND11_MODULE(_engine, m) {
       .def("connect", &DoublingAllreduce::connect, py::arg("descriptors"))
       .def("allreduce", &groupAllreduce<DoublingAllreduce>, py::arg("arrays"), py::arg("average") = false,
            py::arg("wire") = py::none());
+}
 
-  // The benchmarks' timed loops in a submodule of their own, so the module's top level is the engine's;
-  // registered in sys.modules too, so `import rdkeras._engine.bench` (and stubtest) finds it.
+// The benchmarks' timed loops in a submodule of their own, so the module's top level is the engine's;
+// registered in sys.modules too, so `import rdkeras._engine.bench` (and stubtest) finds it.
+void bindBench(py::module_& m) {
   py::module_ loops =
       m.def_submodule("bench", "Timed loops over static channels for the benchmarks (rdkeras.bench).");
   py::module_::import("sys").attr("modules")[loops.attr("__name__")] = loops;
@@ -573,6 +590,9 @@ PYBIND11_MODULE(_engine, m) {
     return bench::sendMany(tx, s.ptr, iterations);
   });
   loops.def("recv_many", &bench::recvMany, py::call_guard<py::gil_scoped_release>());
+}
+
+void bindMemcpy(py::module_& m) {
   m.def(
       "memcpy",
       [](const py::buffer& dst, const py::buffer& src, bool nontemporal) {
@@ -586,4 +606,22 @@ PYBIND11_MODULE(_engine, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nontemporal") = false,
       "Single-thread copy: glibc memcpy, or streaming stores (the physical limits benchmarks compare to).");
+}
+
+}  // namespace
+
+// The order is part of the surface: a docstring's signature names a class the Python way only if it is
+// bound already, so the Engine's factories (bound before the channel and group classes) say
+// rdkeras::StaticChannel and so on; binding those classes first would change the docstrings.
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "rdkeras C++ engine: registered memory, one-sided transports, channels.";
+  bindErrors(m);
+  bindQueries(m);
+  bindEngine(m);
+  bindStaticChannel(m);
+  bindDynamicChannel(m);
+  bindRingAllreduce(m);
+  bindDoublingAllreduce(m);
+  bindBench(m);
+  bindMemcpy(m);
 }
