@@ -25,6 +25,7 @@ from rdkeras import fitting, keras_internals
 from rdkeras import options as env_options
 from rdkeras.custom_loops import CustomLoops, DistributedGradientTape  # noqa: F401 (rdkeras exports the tape)
 from rdkeras.engine import Engine
+from rdkeras.model_state import ModelState
 from rdkeras.parallel import canonical
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.options import DataParallelOptions, ParallelOptions, PipelineOptions, from_flat
@@ -41,7 +42,7 @@ _PARALLEL_KEYWORDS = {
 }
 
 
-class RDMAStrategy(CustomLoops):
+class RDMAStrategy(CustomLoops, ModelState):
     """Distributes Keras models compiled inside :meth:`scope` over the job's workers.
 
     Args:
@@ -322,16 +323,6 @@ class RDMAStrategy(CustomLoops):
         the model-parallel cut edges (a ``Plan``); None before a model is attached (or trained, for model
         parallelism). ``plan.text()`` prints it."""
         return self._parallel.plan
-
-    def export(self, model: Any, filepath: Any, **kwargs: Any) -> None:
-        """Collective (every worker calls it): the chief writes ``model.save(filepath, **kwargs)``, a plain Keras
-        file, with the optimizer's state whole (gathered from the workers' shards where ``shard`` splits it)."""
-        fitting.export(model, self._parallel, self.is_chief, filepath, **kwargs)
-
-    def state_bytes(self, model: Any) -> dict[str, int]:
-        """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
-        (its optimizer's state; with ``shard``, this worker's shard of it), counted from the variables."""
-        return self._parallel.state_bytes(model)
 
     def plan_text(self) -> str:
         """The current plan as text ('' when there is none yet)."""

@@ -110,6 +110,14 @@ class Parallelism(abc.ABC):
         them in parts (sharded); None where the optimizer's own variables are whole already."""
         return None
 
+    def save_checkpoint(self, model: Any, directory: Any) -> None:
+        raise NotImplementedError(
+            f"save_checkpoint with {type(self).__name__}: data parallelism only; save with model.save on the chief"
+        )
+
+    def load_checkpoint(self, model: Any, directory: Any) -> None:
+        raise NotImplementedError(f"load_checkpoint with {type(self).__name__}: data parallelism only")
+
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's variables), counted from the variables."""

@@ -28,7 +28,7 @@ from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.errors import PeerError
 from rdkeras.fitting import global_batch
-from rdkeras.parallel import collectives, replicas
+from rdkeras.parallel import collectives, replicas, sharded_checkpoint
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
@@ -196,7 +196,9 @@ class DataParallel(Parallelism):
         if self.shard == "optimizer":
             average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
             self._averages.append(average)
-        update = ShardedUpdate(self.collectives, inner, self.shard, average if inner is optimizer else None)
+        update = ShardedUpdate(
+            self.collectives, inner, self.shard, average if inner is optimizer else None, self.sparse_as_dense
+        )
         self._sharded[id(model)] = update
         fitting.distribute_optimizer(inner, update.apply)
         if inner is not optimizer and average is not None:
@@ -257,6 +259,14 @@ class DataParallel(Parallelism):
             return list(full.variables)
         inner = {id(v) for v in keras_internals.inner_optimizer(optimizer).variables}
         return [v for v in optimizer.variables if id(v) not in inner] + list(full.variables)  # (a LossScaleOptimizer's)
+
+    def save_checkpoint(self, model: Any, directory: Any) -> None:
+        barrier = lambda: self.collectives.mean([0.0])  # noqa: E731 (an allreduce of nothing)
+        update = self._sharded.get(id(model))
+        sharded_checkpoint.save(directory, model, update, self.engine.rank, self.num_workers, barrier)
+
+    def load_checkpoint(self, model: Any, directory: Any) -> None:
+        sharded_checkpoint.load(directory, model, self._sharded.get(id(model)))
 
     def state_bytes(self, model: Any) -> dict[str, int]:
         counted = super().state_bytes(model)

@@ -21,7 +21,8 @@ The compiled optimizer builds none of its per-variable state (:func:`keras_inter
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras._log import logger
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
+from rdkeras.parallel.piece_gradients import clip_by_norm, elements, slots_by_variable, values_of
 
 SHARDS = ("none", "optimizer", "gradients")
 
@@ -56,9 +58,17 @@ class ShardedUpdate:
             and unscaling come first, see ``DataParallel._shard_optimizer``).
         mode: "optimizer" (the optimizer state sharded) or "gradients" (the gradients too).
         average: "optimizer": the allreduce that averages whole gradients.
+        sparse_as_dense: An Embedding's gradient exchanged and applied as a dense tensor (Horovod's switch).
     """
 
-    def __init__(self, collectives: Collectives, optimizer: Any, mode: str, average: GradientAllreduce | None):
+    def __init__(
+        self,
+        collectives: Collectives,
+        optimizer: Any,
+        mode: str,
+        average: GradientAllreduce | None,
+        sparse_as_dense: bool = False,
+    ):
         refused = {
             "gradient_accumulation_steps": getattr(optimizer, "gradient_accumulation_steps", None),
             "use_ema": getattr(optimizer, "use_ema", False),
@@ -74,6 +84,8 @@ class ShardedUpdate:
         if mode not in SHARDS[1:]:
             raise ValueError(f"a sharded update shards 'optimizer' or 'gradients', got {mode!r}")
         self.collectives, self.optimizer, self.mode, self.average = collectives, optimizer, mode, average
+        self.sparse_as_dense = sparse_as_dense
+        self._rows = GradientAllreduce(collectives)  # "gradients": an Embedding's rows, gathered
         self._groups: list[_Group] = []
         self._planned: tuple[int, ...] = ()
         self._copy: Any = None
@@ -142,25 +154,53 @@ class ShardedUpdate:
             full.learning_rate = np.asarray(optimizer.learning_rate)
         if self._copy is None:
             return full  # (never stepped: the state is the initial one)
-        slots = _slots_by_variable(full, variables)
+        slots = slots_by_variable(full, variables)
+        for (g, name), shard in self.shard_slots().items():
+            group = self._groups[g]
+            whole = self.collectives.allgather(shard, purpose="export")
+            for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
+                if (i, name) in slots:
+                    slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
+        return full
+
+    @property
+    def groups(self) -> list[_Group]:
+        return self._groups
+
+    @property
+    def variables(self) -> list[Any]:
+        """The variables the update was planned for (none before its first step or :meth:`plan`)."""
+        return self._variables
+
+    def plan(self, variables: Sequence[Any]) -> None:
+        """Lays out and builds the shards for `variables` now (the first step would; a restore needs them)."""
+        self._plan(variables)
+
+    def shard_slots(self) -> dict[tuple[int, str], np.ndarray]:
+        """This worker's shard of each per-variable slot ("momentum", ...), by (dtype group, slot name): the
+        slot's values of the pieces it owns, end to end, padded to the shard's length."""
         pieces = [p for g in self._groups for p in g.pieces]
-        mine = _slots_by_variable(self._copy, pieces)
-        names = sorted({name for _, name in slots})
-        first = 0  # the group's first piece
-        for group in self._groups:
-            for name in names:
-                shard = np.zeros(group.per, group.dtype)
-                at = 0
+        mine = slots_by_variable(self._copy, pieces) if self._copy is not None else {}
+        out, first = {}, 0  # first: the group's first piece
+        for g, group in enumerate(self._groups):
+            for name in sorted({name for _, name in mine}):
+                shard, at = np.zeros(group.per, group.dtype), 0
                 for k in range(len(group.pieces)):
                     values = np.reshape(np.asarray(mine[(first + k, name)].numpy()), -1)
                     shard[at : at + values.size] = values
                     at += values.size
-                whole = self.collectives.allgather(shard, purpose="export")
-                for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
-                    if (i, name) in slots:
-                        slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
+                out[(g, name)] = shard
             first += len(group.pieces)
-        return full
+        return out
+
+    def restore(self, read: Any) -> None:
+        """Sets each slot of the pieces this worker owns to ``read(variable position, lo, hi, slot name)``: the
+        values of elements [lo, hi) of that variable's slot (a checkpoint's, whatever its layout)."""
+        pieces = [p for g in self._groups for p in g.pieces]
+        owned = [(i, lo, hi) for g in self._groups for i, lo, hi in g.owned]
+        for (k, name), slot in slots_by_variable(self._copy, pieces).items():
+            i, lo, hi = owned[k]
+            slot.assign(np.asarray(read(i, lo, hi, name), slot.dtype))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds (its copy's variables)."""
@@ -176,13 +216,17 @@ class ShardedUpdate:
         variables = list(variables) if variables is not None else keras_internals.tracked_variables(optimizer)
         if not optimizer.built:
             optimizer.build(variables)
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self.average is not None:
-            grads = self.average(grads)
+            grads = self.average(grads)  # whole: dense averaged, an Embedding's rows gathered
+        else:  # an Embedding's rows gathered (small: the rows a batch touched); the dense ones reduce-scattered below
+            rows = self._rows([g if isinstance(g, tf.IndexedSlices) else None for g in grads])
+            grads = [r if isinstance(g, tf.IndexedSlices) else g for g, r in zip(grads, rows, strict=True)]
         self._plan(variables)
-        exchanged = grads  # averaged (an Embedding's as the IndexedSlices one process has), or this worker's own
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # (an Embedding's rows: dense)
-        piece_grads = self._piece_gradients(grads)
-        piece_grads = self._clip(exchanged, piece_grads)
+        shards = {} if self.mode == "optimizer" else {id(g): self._reduce_scatter(g, grads) for g in self._groups}
+        transform = self._clipping(grads, shards)
+        piece_grads = self._piece_gradients(grads, shards, transform)
         pieces = [p for g in self._groups for p in g.pieces]
         for group in self._groups:
             for (i, lo, hi), piece in zip(group.owned, group.pieces, strict=True):
@@ -199,28 +243,40 @@ class ShardedUpdate:
                 v.assign(v.constraint(v))
         optimizer.iterations.assign_add(1)
 
-    def _piece_gradients(self, grads: list) -> list:
-        """Each piece's gradient (None where its variable has none): sliced from the whole averaged gradient, or
-        from this worker's reduce-scattered shard of them."""
+    def _piece_gradients(self, grads: list, shards: dict, transform: list) -> list:
+        """Each piece's gradient (None where its variable has none), clipped (`transform`, per variable): sliced
+        from the whole averaged gradient, or from this worker's reduce-scattered shard of them; an Embedding's as
+        the IndexedSlices of the piece's elements Keras would apply (duplicates unsummed), unless Keras's clipping
+        by the global norm would have made it dense."""
         import tensorflow as tf
 
         out: list = []
         for group in self._groups:
-            if self.mode == "optimizer":
-                out += [None if grads[i] is None else tf.reshape(grads[i], [-1])[lo:hi] for i, lo, hi in group.owned]
-                continue
-            shard = self._reduce_scatter(group, grads)
             for i, lo, hi in group.owned:
-                at = group.offsets[group.indices.index(i)] - group.start
-                out.append(None if grads[i] is None else shard[at + lo : at + hi])
+                g = grads[i]
+                if g is None:
+                    out.append(None)
+                elif isinstance(g, tf.IndexedSlices) and not self._densified():
+                    out.append(elements(g, lo, hi, transform[i]))
+                elif id(group) in shards and not isinstance(g, tf.IndexedSlices):
+                    at = group.offsets[group.indices.index(i)] - group.start
+                    out.append(transform[i](shards[id(group)][at + lo : at + hi]))
+                else:
+                    out.append(transform[i](tf.reshape(tf.convert_to_tensor(g), [-1])[lo:hi]))
         return out
 
+    def _densified(self) -> bool:
+        """Whether Keras's own clipping turns an IndexedSlices gradient dense (``global_clipnorm`` multiplies it by
+        a tensor) before the update sees it."""
+        return bool(self.optimizer.global_clipnorm and self.optimizer.global_clipnorm > 0)
+
     def _reduce_scatter(self, group: _Group, grads: list) -> Any:
+        """This worker's shard of the averaged dense gradients of `group` (an Embedding's rows: zeros here)."""
         import tensorflow as tf
 
         dtype = tf.as_dtype(group.dtype)
-        flat = [tf.reshape(grads[i], [-1]) if grads[i] is not None else tf.zeros([size], dtype)
-                for i, size in zip(group.indices, group.sizes, strict=True)]  # fmt: skip
+        flat = [tf.reshape(grads[i], [-1]) if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)
+                else tf.zeros([size], dtype) for i, size in zip(group.indices, group.sizes, strict=True)]  # fmt: skip
         size = self.collectives.size * group.per
         padded = tf.concat([*flat, tf.zeros([size - sum(group.sizes)], dtype)], 0)
 
@@ -231,50 +287,56 @@ class ShardedUpdate:
         shard.set_shape([group.per])
         return shard
 
-    def _clip(self, grads: list, piece_grads: list) -> list:
-        """`piece_grads` clipped as the compiled optimizer clips whole gradients (Keras's arithmetic); `grads`:
-        the averaged gradients ("optimizer") or this worker's own ("gradients")."""
+    def _clipping(self, grads: list, shards: dict) -> list:
+        """Per variable, what the compiled optimizer's clipping does to its gradient (Keras's arithmetic, from the
+        whole gradients' norms): a function of a tensor."""
         import tensorflow as tf
 
         o = self.optimizer
-        if o.clipvalue and o.clipvalue > 0 and not (o.clipnorm or o.global_clipnorm):
-            return [None if g is None else tf.clip_by_value(g, -o.clipvalue, o.clipvalue) for g in piece_grads]
-        if not ((o.clipnorm and o.clipnorm > 0) or (o.global_clipnorm and o.global_clipnorm > 0)):
-            return piece_grads
-        squares = self._squared_norms(grads, piece_grads)  # per variable
-        owners = [i for group in self._groups for i, _, _ in group.owned]
+        same: list[Callable[[Any], Any]] = [lambda t: t] * len(grads)
         if o.clipnorm and o.clipnorm > 0:
-            out: list = []
-            for g, i in zip(piece_grads, owners, strict=True):
+            squares = self._squared_norms(grads, shards)
+            out: list[Callable[[Any], Any]] = []
+            for i, g in enumerate(grads):
                 if g is None:
-                    out.append(None)
+                    out.append(same[i])
                     continue
-                l2sum = tf.cast(squares[i], g.dtype)
+                l2sum = squares[i]
                 l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, tf.ones_like(l2sum))), l2sum)
-                out.append(g * o.clipnorm / tf.maximum(l2norm, tf.cast(o.clipnorm, g.dtype)))
+                denominator = tf.maximum(l2norm, tf.cast(o.clipnorm, l2norm.dtype))
+                out.append(functools.partial(clip_by_norm, clipnorm=o.clipnorm, denominator=denominator))
             return out
-        present = [squares[i] for i, g in enumerate(grads) if g is not None]
-        norm = tf.sqrt(tf.reduce_sum(tf.stack(present)))
-        scale = o.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / o.global_clipnorm)
-        scale = scale + (norm - norm)
-        return [None if g is None else g * tf.cast(scale, g.dtype) for g in piece_grads]
+        if o.global_clipnorm and o.global_clipnorm > 0:
+            squares = self._squared_norms(grads, shards)
+            present = [squares[i] for i, g in enumerate(grads) if g is not None]
+            norm = tf.sqrt(tf.reduce_sum(tf.stack(present)))
+            scale = o.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / o.global_clipnorm)
+            scale = scale + (norm - norm)
+            return [lambda t: t * tf.cast(scale, t.dtype)] * len(grads)
+        if o.clipvalue and o.clipvalue > 0:
+            return [lambda t: tf.clip_by_value(t, -o.clipvalue, o.clipvalue)] * len(grads)
+        return same
 
-    def _squared_norms(self, grads: list, piece_grads: list) -> list:
+    def _squared_norms(self, grads: list, shards: dict) -> list:
         """Each variable's gradient's sum of squares as Keras takes it -- of an IndexedSlices' rows, duplicates
-        unsummed: from the averaged gradients, or summed over the workers' pieces and rows (in float64)."""
+        unsummed: from the whole gradients, and for the reduce-scattered ones summed over the workers' shards."""
         import tensorflow as tf
 
-        if self.mode == "optimizer":
-            return [None if g is None else tf.reduce_sum(tf.square(_values(g))) for g in grads]
+        squares = [None if g is None else tf.reduce_sum(tf.square(values_of(g))) for g in grads]
+        if not shards:
+            return squares
         partial = [tf.zeros([], tf.float64) for _ in grads]
-        owners = [i for group in self._groups for i, _, _ in group.owned]
-        sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
-        for g, i in zip(piece_grads, owners, strict=True):
-            if g is not None and i not in sparse:
-                partial[i] = partial[i] + tf.cast(tf.reduce_sum(tf.square(g)), tf.float64)
-        for i in sparse:  # this worker's rows of the global batch's IndexedSlices (averaged: / N)
-            rows = grads[i].values / tf.cast(self.collectives.size, grads[i].values.dtype)
-            partial[i] = tf.cast(tf.reduce_sum(tf.square(rows)), tf.float64)
+        scattered = set()
+        for group in self._groups:
+            for i, lo, hi in group.owned:
+                if grads[i] is None or isinstance(grads[i], tf.IndexedSlices):
+                    continue
+                at = group.offsets[group.indices.index(i)] - group.start
+                piece = shards[id(group)][at + lo : at + hi]
+                partial[i] = partial[i] + tf.cast(tf.reduce_sum(tf.square(piece)), tf.float64)
+            scattered |= {
+                i for i in group.indices if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)
+            }
 
         def total(values: np.ndarray) -> np.ndarray:
             (summed,) = self.collectives.allreduce([values], average=False, purpose="norms")
@@ -282,7 +344,7 @@ class ShardedUpdate:
 
         summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
         summed.set_shape([len(grads)])
-        return [tf.cast(summed[i], g.dtype) if g is not None else None for i, g in enumerate(grads)]
+        return [tf.cast(summed[i], grads[i].dtype) if i in scattered else squares[i] for i in range(len(grads))]
 
     def _gather(self, group: _Group, variables: list, grads: list) -> None:
         """Every worker's updated shard into the variables of `group` (those with a gradient)."""
@@ -301,20 +363,3 @@ class ShardedUpdate:
         for i, at, size in zip(group.indices, group.offsets, group.sizes, strict=True):
             if grads[i] is not None:
                 variables[i].assign(tf.reshape(whole[at : at + size], variables[i].shape))
-
-
-def _values(gradient: Any) -> Any:
-    """A dense gradient, or an IndexedSlices' rows (what Keras squares and sums)."""
-    import tensorflow as tf
-
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def _slots_by_variable(optimizer: Any, variables: Sequence[Any]) -> dict[tuple[int, str], Any]:
-    """`optimizer`'s per-variable state: (index into `variables`, slot name, e.g. "momentum") -> its variable."""
-    slots = {}
-    for slot, index in keras_internals.optimizer_slot_references(optimizer, variables):
-        if index is not None:
-            prefix = variables[index].path.replace("/", "_") + "_"
-            slots[(index, slot.name[len(prefix) :])] = slot
-    return slots
