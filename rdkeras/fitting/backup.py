@@ -10,6 +10,7 @@ its epoch, weights and optimizer state.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
 
 BACKUP_METADATA_ATTR = "rdkeras_training_metadata"
+OPTIMIZER_SHARDS = "optimizer-shards"  # a sharded optimizer's state beside the backup: "optimizer-shards-ITERATION"
 
 
 def adapt(callback: Any, parallel: Parallelism) -> None:
@@ -31,10 +33,16 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
 
     def save(cb: Any) -> None:
         parallel.gather_state(cb.model)  # collective: every worker saves at the same batches
+        folder = keras_internals.backup_paths(cb)[0].parent
+        shards = parallel.save_optimizer_shards(cb.model, folder)  # collective; before the weights commit them
         if parallel.is_reporter:
             _write_backup(cb)
+            for old in folder.glob(f"{OPTIMIZER_SHARDS}-*"):
+                if shards is None or old != shards:
+                    shutil.rmtree(old, ignore_errors=True)
 
     def load(cb: Any) -> None:
+        parallel.backup_folder = keras_internals.backup_paths(cb)[0].parent  # (shards: read after the weights)
         if parallel.is_reporter and _load_backup(cb):
             parallel.restored = True
 
@@ -48,8 +56,6 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
 
 
 def _write_backup(cb: Any) -> None:
-    import shutil
-
     import h5py
 
     weights, metadata, prev_weights, prev_metadata = keras_internals.backup_paths(cb)

@@ -42,6 +42,7 @@ class Parallelism(abc.ABC):
     global_batch_size: int | None = None
     synced: bool = False
     restored: bool = False
+    backup_folder: Any = None  # BackupAndRestore's folder, where a sharded optimizer's state lies beside the backup
     fitting: bool = False
     steps_run: int = 0  # training steps (batches) fit has run under this parallelism, counted by its callbacks
 
@@ -108,6 +109,11 @@ class Parallelism(abc.ABC):
     def whole_optimizer_state(self, model: Any) -> list[Any] | None:
         """Collective: the variables a file of `model` holds of its optimizer, whole, where this parallelism keeps
         them in parts (sharded); None where the optimizer's own variables are whole already."""
+        return None
+
+    def save_optimizer_shards(self, model: Any, folder: Any) -> Any:
+        """Collective, for a backup: where this parallelism shards `model`'s optimizer state, writes it as a sharded
+        checkpoint in `folder` (named by its iteration) and returns that path; else None."""
         return None
 
     def save_checkpoint(self, model: Any, directory: Any) -> None:

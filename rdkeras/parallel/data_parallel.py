@@ -28,11 +28,12 @@ from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.errors import PeerError
 from rdkeras.fitting import global_batch
-from rdkeras.parallel import collectives, replicas, sharded_checkpoint
+from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
+from rdkeras.parallel.sharded_state import ShardedState
 from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
 from rdkeras.parallel.step_sum import StepSum
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from rdkeras.elastic.group import NewGroup
 
 
-class DataParallel(Parallelism):
+class DataParallel(ShardedState, Parallelism):
     """Attaches data-parallel training to compiled Keras models.
 
     Args:
@@ -186,26 +187,6 @@ class DataParallel(Parallelism):
             self._averages.append(average)
             _average_gradients(optimizer, average)
 
-    def _shard_optimizer(self, model: Any, overlap: int) -> None:
-        """The optimizer that updates the variables applies a sharded update. Under a LossScaleOptimizer, the
-        gradients are averaged whole before its finite check ("optimizer"), or every worker agrees on the check
-        of its own before they are reduce-scattered ("gradients"): all take the same branch."""
-        optimizer = model.optimizer
-        inner = keras_internals.inner_optimizer(optimizer)
-        average = None
-        if self.shard == "optimizer":
-            average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
-            self._averages.append(average)
-        update = ShardedUpdate(
-            self.collectives, inner, self.shard, average if inner is optimizer else None, self.sparse_as_dense
-        )
-        self._sharded[id(model)] = update
-        fitting.distribute_optimizer(inner, update.apply)
-        if inner is not optimizer and average is not None:
-            _average_gradients(optimizer, average)
-        elif inner is not optimizer:
-            fitting.agree_on_finite_gradients(optimizer, self._all_finite)
-
     def _replan(self, model: Any) -> None:
         """A model compiled again, in the scope or out of it: its new optimizer exchanges its gradients too."""
         optimizer = model.optimizer
@@ -248,30 +229,6 @@ class DataParallel(Parallelism):
         self._averages.clear()
         self._servers.clear()
         self._sharded.clear()
-
-    def whole_optimizer_state(self, model: Any) -> list[Any] | None:
-        update = self._sharded.get(id(model))
-        if update is None:
-            return None
-        full = update.consolidated()  # collective
-        optimizer = model.optimizer
-        if keras_internals.inner_optimizer(optimizer) is optimizer:
-            return list(full.variables)
-        inner = {id(v) for v in keras_internals.inner_optimizer(optimizer).variables}
-        return [v for v in optimizer.variables if id(v) not in inner] + list(full.variables)  # (a LossScaleOptimizer's)
-
-    def save_checkpoint(self, model: Any, directory: Any) -> None:
-        barrier = lambda: self.collectives.mean([0.0])  # noqa: E731 (an allreduce of nothing)
-        update = self._sharded.get(id(model))
-        sharded_checkpoint.save(directory, model, update, self.engine.rank, self.num_workers, barrier)
-
-    def load_checkpoint(self, model: Any, directory: Any) -> None:
-        sharded_checkpoint.load(directory, model, self._sharded.get(id(model)))
-
-    def state_bytes(self, model: Any) -> dict[str, int]:
-        counted = super().state_bytes(model)
-        update = self._sharded.get(id(model))
-        return {**counted, "optimizer": counted["optimizer"] + (update.state_bytes() if update is not None else 0)}
 
     def _all_finite(self, local: Any) -> Any:
         import tensorflow as tf
@@ -523,9 +480,11 @@ class DataParallel(Parallelism):
             variables = keras_internals.state_variables(model)
             share_variables(self.collectives, variables, [source] * len(variables))
         elif self.num_workers > 1:
-            self._share_restore(model, restored, root=0)
+            restored = self._share_restore(model, restored, root=0)
             variables = keras_internals.state_variables(model)
             share_variables(self.collectives, variables, [0] * len(variables))
+            if restored:
+                self._restore_optimizer_shards(model)
         self.synced = True
 
     def gather_state(self, model: Any) -> None:

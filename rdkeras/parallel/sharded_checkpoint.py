@@ -117,24 +117,27 @@ def _sync(folder: Path) -> None:
             os.close(fd)
 
 
-def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None = None) -> None:
-    """Sets `model`'s weights and its optimizer's state from the checkpoint in `directory`, written by any number
-    of workers, sharded or not: this worker's shard of it where `update` shards the optimizer, else the whole
-    state. Every worker of a job calls it (each reads what it needs); in one process, with no strategy, it
-    resumes a plain Keras model (compiled) from a sharded checkpoint."""
+def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None = None, weights: bool = True) -> None:
+    """Sets `model`'s weights (unless not `weights`) and its optimizer's state from the checkpoint in `directory`,
+    written by any number of workers, sharded or not: this worker's shard of it where `update` shards the
+    optimizer, else the whole state. Every worker of a job calls it (each reads what it needs); in one process,
+    with no strategy, it resumes a plain Keras model (compiled) from a sharded checkpoint."""
     folder = Path(directory)
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{folder} is not an rdkeras sharded checkpoint (format {manifest.get('format')!r})")
     # Weights by position and shape, as Keras's own files: paths hold made-up names (dense_2) that differ by run.
     here, there = [list(w.shape) for w in model.weights], [shape for _, shape in manifest["weights"]]
+    if not weights:  # (the optimizer's state only: the weights come from elsewhere, e.g. a backup's weights file)
+        here = there = [list(v.shape) for v in model.trainable_variables]
     if here != there:
         differ = next((f"weight {k} ({manifest['weights'][k][0]}) is {a} here, {b} there"
                        for k, (a, b) in enumerate(zip(here, there, strict=False)) if a != b),
                       f"{len(here)} weights here, {len(there)} there")  # fmt: skip
         raise ValueError(f"the checkpoint in {folder} is of another model: {differ}")
-    with np.load(folder / "weights.npz") as weights:
-        model.set_weights([weights[f"arr_{i}"] for i in range(len(here))])
+    if weights:
+        with np.load(folder / "weights.npz") as saved_weights:
+            model.set_weights([saved_weights[f"arr_{i}"] for i in range(len(here))])
     optimizer = model.optimizer
     variables = list(model.trainable_variables)
     if not optimizer.built:

@@ -41,3 +41,22 @@ def test_four_workers_checkpoint_resumes_anywhere_as_one_process_would_go_on(tmp
             np.testing.assert_allclose(got["loss"][0], reference["loss"][1], rtol=1e-5, err_msg=who)
             for i, (g, w) in enumerate(zip(got["weights"], reference["weights"], strict=True)):
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{who}, weight {i}")
+
+
+def test_backup_and_restore_resumes_a_sharded_optimizer_where_it_stopped(tmp_path):
+    # BackupAndRestore writes each worker's shard of the optimizer state beside its backup; a new launch (at
+    # another worker count) resumes from the second epoch with the state as it was, as a run that never stopped.
+    folder = str(tmp_path / "backup")
+    interrupt = {"directory": folder, "epochs": 2, "shard": "gradients", "backup": "interrupt"}
+    first = _launch(
+        {"reference": (1, {"directory": folder, "epochs": 2, "shard": None}), "interrupted": (4, interrupt)}
+    )
+    assert all(r == {"interrupted": True} for r in first["interrupted"])
+    assert [p.name for p in (tmp_path / "backup").glob("optimizer-shards-*")] == ["optimizer-shards-4"]
+    resumed = _launch({"two": (2, {"directory": folder, "epochs": 2, "shard": "optimizer", "backup": "resume"})})
+    reference = first["reference"][0]
+    for rank, got in enumerate(resumed["two"]):
+        assert got["iterations"] == 8 and len(got["loss"]) == 1, got["loss"]  # the second epoch only
+        np.testing.assert_allclose(got["loss"][0], reference["loss"][1], rtol=1e-5, err_msg=f"worker {rank}")
+        for i, (g, w) in enumerate(zip(got["weights"], reference["weights"], strict=True)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"worker {rank}, weight {i}")

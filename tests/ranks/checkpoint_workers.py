@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def train(directory: str, epochs: int, shard: str | None, load: bool = False, save: bool = False) -> dict:
+def train(
+    directory: str, epochs: int, shard: str | None, load: bool = False, save: bool = False, backup: str = ""
+) -> dict:
     """A small model (an Embedding, Dense layers, AdamW on a decaying schedule) fit for `epochs` on fixed data in
     a fixed order; `shard` None: one process without a strategy. Loads the checkpoint in `directory` first, or saves
-    one there after, as asked."""
+    one there after, as asked. `backup` "interrupt": a BackupAndRestore in `directory`, the run stopped by an error
+    at the start of the second epoch (the process ends as a killed one would); "resume": a BackupAndRestore there."""
     import keras
 
     from rdkeras.parallel import sharded_checkpoint
@@ -34,7 +37,21 @@ def train(directory: str, epochs: int, shard: str | None, load: bool = False, sa
             strategy.load_checkpoint(model, directory)
         else:
             sharded_checkpoint.load(directory, model)
-    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    callbacks = [keras.callbacks.BackupAndRestore(directory)] if backup else []
+    if backup == "interrupt":
+
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+                if epoch == 1:
+                    raise KeyboardInterrupt
+
+        callbacks.append(Interrupt())
+        try:
+            model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+        except KeyboardInterrupt:
+            strategy.close()  # type: ignore[union-attr]
+            return {"interrupted": True}
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     if save:
         strategy.save_checkpoint(model, directory)  # type: ignore[union-attr]
     out = {"weights": [w.astype(np.float64).tolist() for w in model.get_weights()], "loss": history.history["loss"],

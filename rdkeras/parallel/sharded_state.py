@@ -1,0 +1,100 @@
+"""What data parallelism does for a sharded optimizer (``shard``): its update set up at attach, its state whole in
+a file, in checkpoints and beside BackupAndRestore's backup, and counted (rdkeras.parallel.sharded_optimizer,
+rdkeras.parallel.sharded_checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rdkeras import fitting, keras_internals
+from rdkeras.fitting.backup import OPTIMIZER_SHARDS
+from rdkeras.parallel import sharded_checkpoint
+from rdkeras.parallel.collectives import Collectives, GradientAllreduce
+from rdkeras.parallel.sharded_optimizer import ShardedUpdate
+
+if TYPE_CHECKING:
+    from rdkeras.engine import Engine
+
+
+class ShardedState:
+    """DataParallel's sharded-optimizer methods (DataParallel provides what is declared here)."""
+
+    if TYPE_CHECKING:
+        engine: Engine
+        collectives: Collectives
+        shard: str
+        sparse_as_dense: bool
+        backup_folder: Any
+        _sharded: dict[int, ShardedUpdate]
+        _averages: list[GradientAllreduce]
+
+        @property
+        def num_workers(self) -> int: ...
+        def _all_finite(self, local: Any) -> Any: ...
+
+    def _shard_optimizer(self, model: Any, overlap: int) -> None:
+        """The optimizer that updates the variables applies a sharded update. Under a LossScaleOptimizer, the
+        gradients are averaged whole before its finite check ("optimizer"), or every worker agrees on the check
+        of its own before they are reduce-scattered ("gradients"): all take the same branch."""
+        optimizer = model.optimizer
+        inner = keras_internals.inner_optimizer(optimizer)
+        average = None
+        if self.shard == "optimizer":
+            average = GradientAllreduce(self.collectives, overlap_bytes=overlap, sparse_as_dense=self.sparse_as_dense)
+            self._averages.append(average)
+        update = ShardedUpdate(
+            self.collectives, inner, self.shard, average if inner is optimizer else None, self.sparse_as_dense
+        )
+        self._sharded[id(model)] = update
+        fitting.distribute_optimizer(inner, update.apply)
+        if inner is not optimizer and average is not None:
+            fitting.distribute_optimizer(optimizer, lambda _o, base, grads, variables: base(average(grads), variables))
+        elif inner is not optimizer:
+            fitting.agree_on_finite_gradients(optimizer, self._all_finite)
+
+    def whole_optimizer_state(self, model: Any) -> list[Any] | None:
+        update = self._sharded.get(id(model))
+        if update is None:
+            return None
+        full = update.consolidated()  # collective
+        optimizer = model.optimizer
+        if keras_internals.inner_optimizer(optimizer) is optimizer:
+            return list(full.variables)
+        inner = {id(v) for v in keras_internals.inner_optimizer(optimizer).variables}
+        return [v for v in optimizer.variables if id(v) not in inner] + list(full.variables)  # (a LossScaleOptimizer's)
+
+    def save_optimizer_shards(self, model: Any, folder: Any) -> Any:
+        if id(model) not in self._sharded:
+            return None
+        path = Path(folder) / f"{OPTIMIZER_SHARDS}-{int(model.optimizer.iterations.numpy())}"
+        self.save_checkpoint(model, path)
+        return path
+
+    def _restore_optimizer_shards(self, model: Any) -> None:
+        """After a backup's weights are restored and shared: each worker's shard of the optimizer state, from the
+        shards saved beside them at the same iteration."""
+        update = self._sharded.get(id(model))
+        if update is None or self.backup_folder is None:
+            return
+        iteration = int(model.optimizer.iterations.numpy())
+        path = Path(self.backup_folder) / f"{OPTIMIZER_SHARDS}-{iteration}"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"the backup in {self.backup_folder} has no sharded optimizer state for iteration {iteration} "
+                f"({path.name}): it was written without shard={self.shard!r}; resume with the shard setting it had"
+            )
+        sharded_checkpoint.load(path, model, update, weights=False)
+
+    def save_checkpoint(self, model: Any, directory: Any) -> None:
+        barrier = lambda: self.collectives.mean([0.0])  # noqa: E731 (an allreduce of nothing)
+        update = self._sharded.get(id(model))
+        sharded_checkpoint.save(directory, model, update, self.engine.rank, self.num_workers, barrier)
+
+    def load_checkpoint(self, model: Any, directory: Any) -> None:
+        sharded_checkpoint.load(directory, model, self._sharded.get(id(model)))
+
+    def state_bytes(self, model: Any) -> dict[str, int]:
+        counted = super().state_bytes(model)  # type: ignore[misc]
+        update = self._sharded.get(id(model))
+        return {**counted, "optimizer": counted["optimizer"] + (update.state_bytes() if update is not None else 0)}
