@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from rdkeras.parallel.options import (
@@ -14,6 +13,7 @@ from rdkeras.parallel.options import (
     ParallelOptions,
     PipelineOptions,
     canonical,
+    from_flat,
     is_auto,
 )
 
@@ -21,24 +21,10 @@ __all__ = ["AUTO", "MODES", "PARALLELISMS", "SCHEDULES", "DataParallelOptions", 
            "PipelineOptions", "canonical", "check_settings", "is_auto"]  # fmt: skip
 
 
-def check_settings(
-    parallelism: str,
-    mode: str | None = "allreduce",
-    placement: Mapping[str, Any] | str | None = None,
-    micro_batches: Any = 1,
-    workers: int | None = None,
-    stages: Any = None,
-    schedule: Any = "1f1b",
-) -> None:
-    """Raises ValueError, saying what to change, for settings no model can run with (on `workers` workers,
-    where given): the options' own checks, for the training app's flat config."""
-    kind = canonical(parallelism)
-    if kind not in PARALLELISMS:
-        raise ValueError(f"parallelism must be data, pipeline (or model) or hybrid; got {parallelism!r}")
-    data = DataParallelOptions(mode=mode) if kind in ("data", "hybrid") else None  # type: ignore[arg-type]
-    pipeline = None
-    if kind != "data" or placement:
-        pipeline = PipelineOptions(placement, stages, micro_batches, schedule)
-    options = ParallelOptions(kind, data=data, pipeline=pipeline)
+def check_settings(parallelism: str = "data", workers: int | None = None, **settings: Any) -> ParallelOptions:
+    """The options of flat `settings` (the training app's ``parallel`` group), checked as RDMAStrategy checks its
+    keywords (:func:`from_flat`), and against `workers` where given: ValueError, saying what to change."""
+    options = from_flat(parallelism, **settings)
     if workers is not None:
         options.check_workers(workers)
+    return options

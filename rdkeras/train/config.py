@@ -161,14 +161,12 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"transport.name must be one of {', '.join(TRANSPORTS)}; got {cfg.transport.name!r}")
     parallel = cfg.parallel
     try:
+        from omegaconf import OmegaConf
+
+        flat = OmegaConf.to_container(parallel, resolve=True)
+        settings = {str(k): v for k, v in flat.items() if k != "_target_"}  # type: ignore[union-attr]
         check_settings(
-            parallel.parallelism,
-            parallel.get("mode"),
-            _placement(parallel.get("placement")),
-            parallel.get("micro_batches", 1),
-            cfg.cluster.num_workers if kind == "local" and not cluster.in_job() else None,
-            parallel.get("stages"),
-            parallel.get("schedule", "1f1b"),
+            workers=cfg.cluster.num_workers if kind == "local" and not cluster.in_job() else None, **settings
         )
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
@@ -212,11 +210,6 @@ def _check_objective(trainer: Any) -> None:
         raise ConfigError(
             f"trainer.objective={objective!r} is not among the logs this run writes; choose one of: {choices}"
         )
-
-
-def _placement(placement: Any) -> Any:
-    """A config's placement for check_settings: "auto" stays a string, a mapping becomes a dict."""
-    return placement if not placement or isinstance(placement, str) else dict(placement)
 
 
 def check_placement(placement: dict, model: Any) -> None:
