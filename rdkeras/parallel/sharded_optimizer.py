@@ -161,6 +161,7 @@ class ShardedUpdate:
             for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
                 if (i, name) in slots:
                     slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
+        self.collectives.release("export")  # (a one-off, as large as the model)
         return full
 
     @property

@@ -24,6 +24,7 @@ from rdkeras.transports.base import ShardingRing
 
 _FLOAT_KINDS = ("float32", "float64")
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
+_KEPT_BYTES = 1 << 20  # from_owners above this runs on a ring released after it
 
 
 def wire_dtype(dtype: np.dtype) -> np.dtype:
@@ -261,8 +262,24 @@ class Collectives:
             (np.asarray(a).astype(wire_dtype(a.dtype)) if o == me else np.zeros(np.shape(a), wire_dtype(a.dtype)))
             for a, o in zip(arrays, owners, strict=True)
         ]
-        summed = self.allreduce(wire, average=False, purpose="sync")
-        return [s.reshape(np.shape(a)).astype(np.asarray(a).dtype) for s, a in zip(summed, arrays, strict=True)]
+        # A large one (the weights at the start) on a ring of its own, released after: its registered memory goes
+        # back to the engine's pool, for the rings made later, instead of staying as large as the model.
+        large = sum(w.nbytes for w in wire) > _KEPT_BYTES
+        purpose = "broadcast" if large else "sync"
+        summed = self.allreduce(wire, average=False, purpose=purpose)
+        out = [s.reshape(np.shape(a)).astype(np.asarray(a).dtype) for s, a in zip(summed, arrays, strict=True)]
+        if large:
+            self.release(purpose)
+        return out
+
+    def release(self, purpose: str) -> None:
+        """Drops the rings of `purpose`, here and in the hierarchical allreduce's groups; the next call for it
+        makes new ones (collective, as every ring: every member releases at the same call)."""
+        for key in [key for key in self._rings if key[0].split(":", 1)[1] == purpose]:
+            del self._rings[key]
+        if self._hierarchy is not None:
+            self._hierarchy.inside.release(purpose)
+            self._hierarchy.across.release(purpose)
 
     def broadcast(self, arrays: Sequence[np.ndarray], root: int = 0) -> list[np.ndarray]:
         """Every member gets `root`'s arrays."""
