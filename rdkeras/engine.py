@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import _engine, cluster, hang_watch, jobtoken, reports, transports
+from rdkeras import _engine, cluster, flight, hang_watch, jobtoken, reports, transports
 from rdkeras import options as options_lib
 from rdkeras._log import logger
 from rdkeras.channels import ChannelMaker, _nbytes, as_buffer
@@ -344,6 +344,7 @@ class Engine(ChannelMaker):
         self.backend.begin_close()  # another thread's wait ends now, not at the barrier's end
         try:
             if failure := self.backend.failure:
+                flight.dump(self.backend, self.rank, failure)
                 reports.write(self.rank, failure[0], failure[2], reporter=failure[1])
                 self.store.abort(failure[0], failure[2])
             else:

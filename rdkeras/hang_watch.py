@@ -4,8 +4,8 @@ A rank that lives but hangs outside the engine (a callback that sleeps, a deadlo
 ``numpy_function`` that never returns) is named by the ranks that wait for it in a collective (the engine's
 progress timeout, docs/reliability.md). Its record reaches this rank's control block too, where the engine's
 heartbeat thread notices it. One thread per engine blocks on that (in C++, without the GIL) and, once named,
-writes what the peer said and every thread's Python stack to stderr (``faulthandler``) -- where the hang is --
-and the launcher's report for this rank. It ends when the engine closes.
+writes what the peer said and every thread's Python stack to stderr (``faulthandler``) -- where the hang is --,
+its flight record (:mod:`rdkeras.flight`) and the launcher's report for this rank. It ends when the engine closes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rdkeras import reports
+from rdkeras import flight, reports
 
 
 def start(backend: Any, then: Callable[[], None]) -> Callable[[], None]:
@@ -25,7 +25,7 @@ def start(backend: Any, then: Callable[[], None]) -> Callable[[], None]:
     wait = getattr(backend, "wait_named_hung", None)
     if wait is None or backend.world_size < 2:
         return then
-    thread = threading.Thread(target=_watch, args=(wait, backend.rank), name="rdkeras-hang-watch", daemon=True)
+    thread = threading.Thread(target=_watch, args=(backend, wait), name="rdkeras-hang-watch", daemon=True)
     thread.start()
 
     def stop() -> None:
@@ -36,8 +36,8 @@ def start(backend: Any, then: Callable[[], None]) -> Callable[[], None]:
     return stop
 
 
-def _watch(wait: Callable[[], str], rank: int) -> None:
-    said = wait()
+def _watch(backend: Any, wait: Callable[[], str]) -> None:
+    rank, said = backend.rank, wait()
     if not said:
         return  # closed
     try:
@@ -47,4 +47,5 @@ def _watch(wait: Callable[[], str], rank: int) -> None:
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
         pass  # no usable stderr: the peers' errors still name this rank
+    flight.dump(backend, rank, (rank, rank, said))
     reports.write(rank, rank, said)

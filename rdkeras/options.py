@@ -13,6 +13,8 @@ variable                          setting
 ``RDKERAS_TRANSPORT``             transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
 ``RDKERAS_TIMEOUT``               seconds any wait may take before it fails naming the peer
 ``RDKERAS_HEARTBEAT_TIMEOUT``     seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
+``RDKERAS_FLIGHT_DIR``            a folder where each rank dumps its last collectives on a failure (``rdkeras
+                                  postmortem DIR`` reads them)
 ``RDKERAS_PROGRESS_TIMEOUT``      seconds a collective waits before it names a live member that never entered
                                   it (default max(30, timeout / 6); 0: never)
 ``RDKERAS_RENDEZVOUS_TIMEOUT``    seconds the ranks wait for each other at start-up
@@ -74,6 +76,7 @@ class Options:
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rdkeras")
     report_dir: Path | None = None
+    flight_dir: Path | None = None  # where a failing rank dumps its flight record (rdkeras.flight)
     config_dir: Path = field(default_factory=lambda: Path.home() / ".config")  # $XDG_CONFIG_HOME
     native_ops: bool = True  # rdkeras.tf_ops's kernels, where they can be built
     compiler: str | None = None  # $CXX: what builds them
@@ -140,6 +143,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         ),
         cache_dir=Path(text("RDKERAS_CACHE") or home / ".cache" / "rdkeras"),
         report_dir=Path(folder) if (folder := text("RDKERAS_REPORT_DIR")) else None,
+        flight_dir=Path(folder) if (folder := text("RDKERAS_FLIGHT_DIR")) else None,
         config_dir=Path(text("XDG_CONFIG_HOME") or home / ".config"),
         native_ops=(text("RDKERAS_NATIVE_OPS") or "1").lower() not in ("0", "false", "no"),
         compiler=text("CXX"),

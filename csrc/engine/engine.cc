@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 
 #include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
@@ -185,19 +186,29 @@ std::string Engine::waitNamedHung() {
   return hung_text_;
 }
 
-CollectiveScope::CollectiveScope(Engine& e, const char* k, const std::string& n, const std::vector<int>& m)
+namespace {
+int64_t wallNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+CollectiveScope::CollectiveScope(Engine& e, const char* k, const std::string& n, const std::vector<int>& m,
+                                 size_t bytes)
     : engine(e), kind(k), name(n), members(m), outer_(t_collective) {
   ProgressRecord* r = e.record();
   setLabel(r->label, kind, name);
   number = __atomic_add_fetch(&r->entered, 1, __ATOMIC_ACQ_REL);  // (peers only read it)
+  uncaught_ = std::uncaught_exceptions();
+  slot_ = e.flight_.begin(number, r->label, bytes, static_cast<uint32_t>(m.size()), wallNs());
   t_collective = this;
 }
 
 CollectiveScope::~CollectiveScope() {
   ProgressRecord* r = engine.record();
-  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = wallNs();
+  engine.flight_.end(slot_, number, now, std::uncaught_exceptions() > uncaught_);
   storeRelease(&r->finished_ns, static_cast<uint64_t>(now));
   __atomic_add_fetch(&r->finished, 1, __ATOMIC_ACQ_REL);
   t_collective = outer_;
@@ -223,9 +234,7 @@ void Engine::checkProgress(const CollectiveScope& op) {
   const int laggard = findLaggard(records, op.members, rank_, op.number);
   if (laggard < 0) return;
   const ProgressRecord& its = records[laggard];
-  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = wallNs();
   const double age = secondsSince(its.finished_ns, now);
   const std::string why = describeLaggard(laggard, op.kind, op.name, op.number, its, age);
   {

@@ -117,6 +117,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string waitNamedHung();
   // This rank's progress record (progress.h), as its peers read it.
   ProgressRecord progress() const;
+  // This rank's last collectives (progress.h), oldest first.
+  std::vector<FlightEntry> flightRecord() const { return flight_.entries(); }
   const TransportStats& transportStats() const { return transport_->stats(); }
   std::vector<std::pair<std::string, const TransportStats*>> transportParts() const {
     return transport_->parts();
@@ -159,6 +161,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // A wait in `op` lasted the progress timeout: names the laggard, if any (throws its PeerError).
   void checkProgress(const class CollectiveScope& op);
   std::mutex progress_mu_;  // the control block's read scratch
+  FlightRecorder flight_{64};
   std::mutex hung_mu_;
   std::condition_variable hung_cv_;
   std::string hung_text_;  // a peer named this rank hung: what it said
@@ -174,7 +177,8 @@ class CollectiveScope {
  public:
   // `kind` ("allreduce") and `name` (the ring's, possibly empty) label it; `members`: its engine ranks.
   // All three must outlive the scope.
-  CollectiveScope(Engine& engine, const char* kind, const std::string& name, const std::vector<int>& members);
+  CollectiveScope(Engine& engine, const char* kind, const std::string& name, const std::vector<int>& members,
+                  size_t bytes = 0);
   ~CollectiveScope();
   CollectiveScope(const CollectiveScope&) = delete;
   CollectiveScope& operator=(const CollectiveScope&) = delete;
@@ -189,6 +193,8 @@ class CollectiveScope {
 
  private:
   const CollectiveScope* outer_;
+  size_t slot_;   // in the flight recorder
+  int uncaught_;  // std::uncaught_exceptions() when it began: more at the end, it failed
 };
 
 // Names of the transports compiled into this build.

@@ -40,6 +40,36 @@ int findLaggard(const std::vector<ProgressRecord>& records, const std::vector<in
   return laggard;
 }
 
+size_t FlightRecorder::begin(uint64_t number, const char (&label)[40], uint64_t bytes, uint32_t members,
+                             int64_t start_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t slot = next_++ % slots_.size();
+  FlightEntry& e = slots_[slot];
+  e.number = number;
+  std::memcpy(e.label, label, sizeof(e.label));
+  e.bytes = bytes;
+  e.members = members;
+  e.start_ns = start_ns;
+  e.end_ns = 0;
+  e.failed = false;
+  return slot;
+}
+
+void FlightRecorder::end(size_t slot, uint64_t number, int64_t end_ns, bool failed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slots_[slot].number != number) return;
+  slots_[slot].end_ns = end_ns;
+  slots_[slot].failed = failed;
+}
+
+std::vector<FlightEntry> FlightRecorder::entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<FlightEntry> out;
+  const size_t n = slots_.size();
+  for (uint64_t i = next_ > n ? next_ - n : 0; i < next_; ++i) out.push_back(slots_[i % n]);
+  return out;
+}
+
 double secondsSince(int64_t finished_ns, int64_t now_ns) {
   if (finished_ns <= 0) return -1;
   return std::max<double>(0, static_cast<double>(now_ns - finished_ns) * 1e-9);

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,33 @@ struct ProgressRecord {
   std::string labelText() const;
 };
 static_assert(sizeof(ProgressRecord) == 64, "the record is one cache line, read in one transfer");
+
+// The flight recorder: a rank's last collectives, dumped on a failure (rdkeras/flight.py) for
+// `rdkeras postmortem` to line up across ranks.
+struct FlightEntry {
+  uint64_t number = 0;  // this rank's collective #number (0: an empty slot)
+  char label[40] = {};  // as ProgressRecord::label
+  uint64_t bytes = 0;   // the bytes it was called with
+  uint32_t members = 0;
+  int64_t start_ns = 0, end_ns = 0;  // wall clock; end 0: under way
+  bool failed = false;               // it ended on an error
+};
+
+class FlightRecorder {
+ public:
+  explicit FlightRecorder(size_t capacity) : slots_(capacity) {}
+  // Records a collective's start; returns its slot for end().
+  size_t begin(uint64_t number, const char (&label)[40], uint64_t bytes, uint32_t members, int64_t start_ns);
+  void end(size_t slot, uint64_t number, int64_t end_ns,
+           bool failed);  // (nothing if the slot was taken since)
+  // The entries, oldest first.
+  std::vector<FlightEntry> entries() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<FlightEntry> slots_;
+  uint64_t next_ = 0;
+};
 
 // "kind name" (or "kind"), cut to fit a record's label.
 void setLabel(char (&label)[40], const char* kind, const std::string& name);

@@ -340,6 +340,18 @@ void bindEngineLifecycle(EngineClass& c) {
             return py::make_tuple(r.entered, r.finished, r.labelText());
           },
           "(collectives entered, collectives finished, the last one's label): what peers read of this rank.")
+      .def_property_readonly(
+          "flight_record",
+          [](const Engine& e) {
+            py::list out;
+            for (const FlightEntry& f : e.flightRecord())
+              out.append(py::make_tuple(f.number, std::string(f.label, strnlen(f.label, sizeof(f.label))),
+                                        f.bytes, f.members, f.start_ns, f.end_ns, f.failed));
+            return out;
+          },
+          "This rank's last collectives, oldest first: (number, label, bytes, members, start_ns, end_ns (0: "
+          "under "
+          "way), failed).")
       .def("begin_close", &Engine::beginClose,
            "No operation may start or go on from now; another thread's wait ends with an error.")
       .def_property_readonly("descriptor", &Engine::localDescriptor)

@@ -132,5 +132,35 @@ TEST_CASE("a live rank that never enters an allreduce is named by the others, an
   CHECK(named.find("rank 1 has not entered collective #2") == 0);
   CHECK(engines[1]->progress().finished == 1);
   CHECK(engines[0]->progress().entered == 2);
+  const std::vector<FlightEntry> flight = engines[0]->flightRecord();
+  REQUIRE(flight.size() == 2);
+  CHECK(flight[1].number == 2);
+  CHECK(flight[1].bytes == 64);
+  CHECK(flight[1].failed);
+  CHECK(!flight[0].failed);
+  CHECK(engines[1]->flightRecord().size() == 1);
   for (auto& e : engines) e->close();
+}
+
+TEST_CASE("the flight recorder keeps the last collectives, oldest first, and marks how each ended") {
+  FlightRecorder recorder(3);
+  CHECK(recorder.entries().empty());
+  char label[40] = {};
+  setLabel(label, "allreduce", "ring grads");
+  for (uint64_t n = 1; n <= 5; ++n) {
+    const size_t slot = recorder.begin(n, label, 100 * n, 3, static_cast<int64_t>(n) * 10);
+    if (n < 5) recorder.end(slot, n, static_cast<int64_t>(n) * 10 + 5, n == 4);
+  }
+  const std::vector<FlightEntry> entries = recorder.entries();
+  REQUIRE(entries.size() == 3);
+  CHECK(entries[0].number == 3);
+  CHECK(entries[2].number == 5);
+  CHECK(entries[0].bytes == 300);
+  CHECK(std::string(entries[0].label) == "allreduce ring grads");
+  CHECK(entries[0].end_ns == 35);
+  CHECK(!entries[0].failed);
+  CHECK(entries[1].failed);
+  CHECK(entries[2].end_ns == 0);  // under way
+  recorder.end(0, 1, 99, false);  // slot 0 holds #4 now: a late end of #1 changes nothing
+  CHECK(recorder.entries()[1].end_ns == 45);
 }

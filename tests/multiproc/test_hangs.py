@@ -1,33 +1,38 @@
 """A rank that hangs but lives -- stuck in Python, its heartbeat going on -- is named by every other rank, with
 the collective it has not entered, within the progress timeout + 10 s; the launcher's verdict names it too, and
-its own log has its Python stack (docs/reliability.md, "Hung ranks")."""
+its own log has its Python stack, and ``rdkeras postmortem`` over the ranks' flight records names it
+(docs/reliability.md, "Hung ranks")."""
 
 from __future__ import annotations
 
 import pytest
 
-from rdkeras import reports
+from rdkeras import postmortem, reports
 from tests.conftest import run_ranks
 
 PROGRESS_S = 3.0
 HANG_S = PROGRESS_S + 6  # longer than the others take to name it
 
 
-def _hang(victim: int, how: str) -> list:
+def _hang(victim: int, how: str, flight_dir) -> list:
     return run_ranks(
         "hang_in_allreduce",
         3,
         module="tests.ranks.hang_workers",
         check=False,
         timeout=90,
-        env={"RDKERAS_PROGRESS_TIMEOUT": str(PROGRESS_S), "RDKERAS_HEARTBEAT_TIMEOUT": "2"},
+        env={
+            "RDKERAS_PROGRESS_TIMEOUT": str(PROGRESS_S),
+            "RDKERAS_HEARTBEAT_TIMEOUT": "2",
+            "RDKERAS_FLIGHT_DIR": str(flight_dir),
+        },
         victim=victim,
         how=how,
         hang_seconds=HANG_S,
     )
 
 
-def _problems(results: list, victim: int) -> list[str]:
+def _problems(results: list, victim: int, flight_dir) -> list[str]:
     out = []
     for r in results:
         if r.rank == victim:
@@ -46,18 +51,22 @@ def _problems(results: list, victim: int) -> list[str]:
     verdict = reports.cause({r.rank: r.report for r in results if r.report is not None})
     if verdict is None or verdict["blamed"] != victim:
         out.append(f"the launcher's verdict does not name rank {victim}: {verdict}")
+    dumps = postmortem.load(flight_dir)
+    found = postmortem.diverged(dumps)
+    if sorted(dumps) != [0, 1, 2] or found is None or (found.rank, found.number) != (victim, 4):
+        out.append(f"rdkeras postmortem does not name rank {victim} at #4: {found} (dumps of {sorted(dumps)})")
     return out
 
 
 @pytest.mark.parametrize(("victim", "how"), [(1, "callback"), (0, "lock")])
-def test_a_live_rank_that_hangs_is_named_by_every_other_rank(victim, how):
-    problems = _problems(_hang(victim, how), victim)
+def test_a_live_rank_that_hangs_is_named_by_every_other_rank(victim, how, tmp_path):
+    problems = _problems(_hang(victim, how, tmp_path), victim, tmp_path)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["callback", "lock", "numpy_function"])
 @pytest.mark.parametrize("victim", [0, 1, 2])
-def test_every_way_of_hanging_at_every_rank(victim, how):
-    problems = _problems(_hang(victim, how), victim)
+def test_every_way_of_hanging_at_every_rank(victim, how, tmp_path):
+    problems = _problems(_hang(victim, how, tmp_path), victim, tmp_path)
     assert not problems, "\n".join(problems)
