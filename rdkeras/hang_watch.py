@@ -48,4 +48,4 @@ def _watch(backend: Any, wait: Callable[[], str]) -> None:
     except (OSError, ValueError, AttributeError):
         pass  # no usable stderr: the peers' errors still name this rank
     flight.dump(backend, rank, (rank, rank, said))
-    reports.write(rank, rank, said)
+    reports.write(rank, rank, said, hung=True)

@@ -266,10 +266,16 @@ void Engine::heartbeatLoop() {
   };
   Watch watches[2] = {{left, kBeatsFromLeft}, {right, kBeatsFromRight}};
   const uint64_t* block = reinterpret_cast<const uint64_t*>(control_->data());
+  // Between beats, this rank's own abort word every 50 ms: named hung, its stacks must reach its log before a
+  // launcher that saw the others fail kills it.
+  const auto tick = std::min<Clock::duration>(interval, std::chrono::milliseconds(50));
   for (uint64_t beat = 1;; ++beat) {
-    {
-      std::unique_lock<std::mutex> lock(heartbeat_mu_);
-      if (heartbeat_cv_.wait_for(lock, interval, [&] { return heartbeat_stop_; })) return;
+    for (auto next = Clock::now() + interval; Clock::now() < next;) {
+      {
+        std::unique_lock<std::mutex> lock(heartbeat_mu_);
+        if (heartbeat_cv_.wait_for(lock, tick, [&] { return heartbeat_stop_; })) return;
+      }
+      noticeNamedHung(loadAcquire(block));
     }
     // I am my right neighbour's left neighbour, and my left neighbour's right one.
     for (const auto& [peer, offset] : {std::pair{right, kBeatsFromLeft}, std::pair{left, kBeatsFromRight}}) {
@@ -278,7 +284,6 @@ void Engine::heartbeatLoop() {
       } catch (const std::exception&) {  // a dead peer is the waits' to name; a stalled one, the watch's
       }
     }
-    noticeNamedHung(loadAcquire(block));
     const auto now = Clock::now();
     for (Watch& w : watches) {
       const uint64_t seen = loadAcquire(block + w.offset / 8);
