@@ -51,6 +51,8 @@ def _problems(results: list, victim: int, flight_dir) -> list[str]:
     verdict = reports.cause({r.rank: r.report for r in results if r.report is not None})
     if verdict is None or verdict["blamed"] != victim:
         out.append(f"the launcher's verdict does not name rank {victim}: {verdict}")
+    worst = max((r.value or {}).get("seconds", 0.0) for r in results if r.rank != victim)
+    print(f"rank {victim} hung: the others failed within {worst:.1f} s")  # (-s shows it: docs/reliability.md)
     dumps = postmortem.load(flight_dir)
     found = postmortem.diverged(dumps)
     if sorted(dumps) != [0, 1, 2] or found is None or (found.rank, found.number) != (victim, 4):
@@ -70,3 +72,25 @@ def test_a_live_rank_that_hangs_is_named_by_every_other_rank(victim, how, tmp_pa
 def test_every_way_of_hanging_at_every_rank(victim, how, tmp_path):
     problems = _problems(_hang(victim, how, tmp_path), victim, tmp_path)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_keras_callback_that_hangs_is_named(victim, tmp_path):
+    """The survivors' gradient allreduce inside model.fit names the rank whose callback sleeps."""
+    results = run_ranks(
+        "hang_in_keras_fit",
+        3,
+        module="tests.ranks.hang_workers",
+        check=False,
+        timeout=240,
+        env={"RDKERAS_PROGRESS_TIMEOUT": str(PROGRESS_S), "RDKERAS_HEARTBEAT_TIMEOUT": "2"},
+        victim=victim,
+        hang_seconds=HANG_S,
+    )
+    for r in results:
+        error = (r.value or {}).get("error")
+        if r.rank == victim:
+            assert "was named hung" in r.output and "on_train_batch_begin" in r.output, r.output[-2000:]
+            continue
+        assert error and f"rank {victim} has not entered allreduce #" in error[1], f"rank {r.rank}: {r.value}"

@@ -57,3 +57,30 @@ def hang_in_allreduce(victim: int, how: str, hang_seconds: float) -> dict:
                 "error": [type(e).__name__, str(e), getattr(e, "rank", None)],
                 "seconds": time.monotonic() - started,
             }
+
+
+def hang_in_keras_fit(victim: int, hang_seconds: float) -> dict:
+    """``model.fit`` under RDMAStrategy on every rank; `victim`'s Keras callback sleeps at its 4th batch while the
+    others go on into that step's gradient allreduce: they must fail naming the victim and an allreduce."""
+    import keras
+
+    from tests.ranks.keras_workers import _data, _model
+
+    strategy = rdkeras.RDMAStrategy()
+    rank = strategy.worker_index
+
+    class Sleepy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            if rank == victim and batch == 3:
+                _sleeping_callback(hang_seconds)
+
+    x, y = _data("mlp")
+    with strategy.scope():
+        model = _model("mlp", seed=1)
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    started = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Sleepy()])
+    except Exception as e:  # the engine's PeerError, inside TensorFlow's error where the step's graph raised it
+        return {"error": [type(e).__name__, str(e), getattr(e, "rank", None)], "seconds": time.monotonic() - started}
+    return {"hung": True} if rank == victim else {"error": None}
