@@ -276,13 +276,16 @@ class _TextOut:
 def _only_the_blamed_run(procs: list[subprocess.Popen], ranks: list[int], report_dir: str) -> bool:
     """Whether every worker still running is one the others' reports blame and that has not reported itself (a
     stopped or hung rank cannot end by itself, nor say anything): then nothing is left to wait for. A rank that
-    reported is alive and on its way out (printing its traceback, say): it gets the grace."""
+    reported is alive and on its way out (printing its traceback, say): it gets the grace; one named hung, a
+    moment to write its stacks."""
     running = {r for p, r in zip(procs, ranks, strict=True) if p.poll() is None}
     if not running:
         return True
     found = reports.read(report_dir, ranks)
     blamed = {int(report["blamed"]) for report in found.values()}
-    return running <= blamed and not running & set(found)
+    # A rank named hung that reported so (its stacks are in its log) will not end by itself either.
+    spoke = {r for r, report in found.items() if not report.get("hung")}
+    return running <= blamed and not running & spoke and not reports.waiting_for_stacks(found, running)
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:

@@ -230,6 +230,8 @@ class ChannelMaker:
             raise ValueError(f"name {name!r} is already used on this engine")
         self._names.add(name)
         ring = self.backend.ring(capacity_bytes, bucket_bytes, members)
+        if hasattr(ring, "name"):  # an engine ring: what a hung member's error calls its calls
+            setattr(ring, "name", f"ring {name}")  # noqa: B010 (not part of the Ring protocol)
         n, at = len(members), members.index(self.rank)
         left, right = members[(at - 1) % n], members[(at + 1) % n]
         descs = self.exchange(f"ring/{name}", ring.descriptor.encode(), [left, right])
@@ -251,6 +253,7 @@ class ChannelMaker:
             raise ValueError(f"name {name!r} is already used on this engine")
         self._names.add(name)
         end = cast(NativeBackend, self.backend).doubling(capacity_bytes, members)
+        end.name = f"doubling {name}"
         partners = [members[p] for p in end.partners]
         got = self.exchange(f"doubling/{name}", end.descriptor.encode(), partners)
         descriptors = [""] * len(members)

@@ -1,4 +1,5 @@
-"""The ``rdkeras`` command: ``rdkeras train|launch|bench|doctor ...``, the ``python -m`` entry points by name."""
+"""The ``rdkeras`` command: ``rdkeras train|launch|bench|doctor|postmortem ...``, the ``python -m`` entry points by
+name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("start N workers of a script or module on this node; as python -m rdkeras.launch", "rdkeras.launch"),
     "bench": ("benchmarks, side by side in one run; as python -m rdkeras.bench", "rdkeras.bench.__main__"),
     "doctor": ("what this machine can do: versions, viable transports, RDMA devices", "rdkeras.doctor"),
+    "postmortem": ("line up the ranks' flight-recorder dumps in DIR: which rank diverged first", "rdkeras.postmortem"),
 }
 
 

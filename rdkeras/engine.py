@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import _engine, cluster, jobtoken, reports, transports
+from rdkeras import _engine, cluster, flight, hang_watch, jobtoken, reports, transports
 from rdkeras import options as options_lib
 from rdkeras._log import logger
 from rdkeras.channels import ChannelMaker, _nbytes, as_buffer
@@ -156,6 +156,7 @@ class Engine(ChannelMaker):
                 bind_host=host,
                 options=options,
                 heartbeat_timeout=self.heartbeat_timeout,
+                progress_timeout=-1.0 if settings.progress_timeout is None else settings.progress_timeout,
             )
             spec = transports.check_viable(self.transport)  # ("auto" chose among the viable ones)
             self.capabilities = spec.capabilities  # what the collectives may ask of it
@@ -167,7 +168,7 @@ class Engine(ChannelMaker):
                 [d.decode() for d in descriptors], transport_key(token_bytes), self.store.check, self.rendezvous_timeout
             )
             self.store.on_failure = self.backend.report_failure  # ranks waiting on the transport hear it too
-            self._stop_watching = reports.on_uncaught_exception(self.stop_on_error)
+            self._stop_watching = hang_watch.start(self.backend, reports.on_uncaught_exception(self.stop_on_error))
         except BaseException as e:
             if isinstance(e, PeerError) and e.rank is not None:
                 self.store.abort(e.rank, str(e))  # the others' waits name the rank that failed
@@ -343,6 +344,7 @@ class Engine(ChannelMaker):
         self.backend.begin_close()  # another thread's wait ends now, not at the barrier's end
         try:
             if failure := self.backend.failure:
+                flight.dump(self.backend, self.rank, failure)
                 reports.write(self.rank, failure[0], failure[2], reporter=failure[1])
                 self.store.abort(failure[0], failure[2])
             else:

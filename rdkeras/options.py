@@ -13,6 +13,10 @@ variable                          setting
 ``RDKERAS_TRANSPORT``             transport: auto, shm, tcp, shm+tcp, verbs, or a baseline
 ``RDKERAS_TIMEOUT``               seconds any wait may take before it fails naming the peer
 ``RDKERAS_HEARTBEAT_TIMEOUT``     seconds a silent (stopped, hung) peer is waited for (0: no heartbeat)
+``RDKERAS_FLIGHT_DIR``            a folder where each rank dumps its last collectives on a failure (``rdkeras
+                                  postmortem DIR`` reads them)
+``RDKERAS_PROGRESS_TIMEOUT``      seconds a collective waits before it names a live member that never entered
+                                  it (default max(30, timeout / 6); 0: never)
 ``RDKERAS_RENDEZVOUS_TIMEOUT``    seconds the ranks wait for each other at start-up
 ``RDKERAS_ARENA_BYTES``           registered address space each process reserves
 ``RDKERAS_STORE``                 who hosts the rendezvous store: rank0 or launcher
@@ -57,6 +61,7 @@ class Options:
     transport: str = "auto"
     timeout: float = DEFAULT_TIMEOUT
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    progress_timeout: float | None = None  # None: max(30 s, timeout / 6), the engine's default
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     arena_bytes: int = DEFAULT_ARENA_BYTES
     store: str = "rank0"
@@ -71,6 +76,7 @@ class Options:
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rdkeras")
     report_dir: Path | None = None
+    flight_dir: Path | None = None  # where a failing rank dumps its flight record (rdkeras.flight)
     config_dir: Path = field(default_factory=lambda: Path.home() / ".config")  # $XDG_CONFIG_HOME
     native_ops: bool = True  # rdkeras.tf_ops's kernels, where they can be built
     compiler: str | None = None  # $CXX: what builds them
@@ -105,7 +111,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
 
     defaults = Options()
     timeout, heartbeat = text("RDKERAS_TIMEOUT"), text("RDKERAS_HEARTBEAT_TIMEOUT")
-    rendezvous = text("RDKERAS_RENDEZVOUS_TIMEOUT")
+    rendezvous, progress = text("RDKERAS_RENDEZVOUS_TIMEOUT"), text("RDKERAS_PROGRESS_TIMEOUT")
     home = Path(env["HOME"]) if env.get("HOME") else Path.home()
     return Options(
         transport=text("RDKERAS_TRANSPORT") or defaults.transport,
@@ -118,6 +124,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         heartbeat_timeout=(
             defaults.heartbeat_timeout if heartbeat is None else check_heartbeat(heartbeat, "RDKERAS_HEARTBEAT_TIMEOUT")
         ),
+        progress_timeout=None if progress is None else check_progress(progress, "RDKERAS_PROGRESS_TIMEOUT"),
         arena_bytes=whole("RDKERAS_ARENA_BYTES", defaults.arena_bytes),
         store=choice("RDKERAS_STORE", defaults.store, ("rank0", "launcher")),
         min_workers=whole("RDKERAS_MIN_WORKERS", defaults.min_workers),
@@ -136,6 +143,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
         ),
         cache_dir=Path(text("RDKERAS_CACHE") or home / ".cache" / "rdkeras"),
         report_dir=Path(folder) if (folder := text("RDKERAS_REPORT_DIR")) else None,
+        flight_dir=Path(folder) if (folder := text("RDKERAS_FLIGHT_DIR")) else None,
         config_dir=Path(text("XDG_CONFIG_HOME") or home / ".config"),
         native_ops=(text("RDKERAS_NATIVE_OPS") or "1").lower() not in ("0", "false", "no"),
         compiler=text("CXX"),
@@ -163,6 +171,17 @@ def check_heartbeat(value: float | str, what: str = "heartbeat_timeout") -> floa
         return 0.0
     if not math.isfinite(seconds) or seconds < 1:
         raise ValueError(f"{what}={value!r}: a heartbeat timeout is at least 1 s (or 0: no heartbeat)")
+    return seconds
+
+
+def check_progress(value: float | str, what: str = "progress_timeout") -> float:
+    """`value` as seconds a collective waits before it looks for a hung member: finite and > 0, or 0 for never."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what}={value!r}: a progress timeout is a finite number of seconds > 0 (or 0: never)")
     return seconds
 
 

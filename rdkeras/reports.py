@@ -25,16 +25,19 @@ from typing import Any
 from rdkeras import options
 
 _written: set[int] = set()  # ranks of this process that reported already (the first report stands)
+HUNG = " has not entered "  # in the error of a rank named hung (alive, stuck outside the engine: the engine says so)
+HUNG_GRACE_S = 2.0  # how long a launcher leaves a rank named hung to write its stacks before it kills it
 
 
-def write(rank: int, blamed: int, why: str, reporter: int | None = None) -> None:
-    """Reports that this worker (`rank`) stops because `blamed` failed (itself: an error of its own), once."""
+def write(rank: int, blamed: int, why: str, reporter: int | None = None, hung: bool = False) -> None:
+    """Reports that this worker (`rank`) stops because `blamed` failed (itself: an error of its own), once; `hung`:
+    this rank was named hung, and it will not end by itself (its stacks are in its log by now)."""
     folder = options.from_env().report_dir
     if folder is None or rank in _written:
         return
     _written.add(rank)
     report = {"rank": rank, "blamed": blamed, "reporter": rank if reporter is None else reporter,
-              "why": why, "time": time.time()}  # fmt: skip
+              "why": why, "time": time.time(), **({"hung": True} if hung else {})}  # fmt: skip
     path = Path(folder) / f"failure-{rank}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
@@ -55,10 +58,22 @@ def read(folder: str | Path, ranks: Iterable[int]) -> dict[int, dict]:
     return out
 
 
+def waiting_for_stacks(reports: dict[int, dict], running: set[int], now: float | None = None) -> bool:
+    """Whether a rank in `running` was named hung by another's report less than HUNG_GRACE_S ago and has not
+    reported itself yet: its own watcher is writing its Python stacks to its log (rdkeras.hang_watch)."""
+    now = time.time() if now is None else now
+    for r in reports.values():
+        b = int(r["blamed"])
+        if b != r["rank"] and b in running and b not in reports and HUNG in r["why"] and now - r["time"] < HUNG_GRACE_S:
+            return True
+    return False
+
+
 def cause(reports: dict[int, dict]) -> dict | None:
     """The root cause the reports agree on: the earliest error a rank reported of its own, else the rank most
-    reports blame (in the words of a rank that saw it first-hand, else the earliest report), else None."""
-    own = [r for r in reports.values() if r["blamed"] == r["rank"]]
+    reports blame (in the words of a rank that saw it first-hand, else the earliest report), else None. A rank
+    named hung reports itself, but that is the others' finding, not an error of its own."""
+    own = [r for r in reports.values() if r["blamed"] == r["rank"] and not r.get("hung")]
     if own:
         return min(own, key=lambda r: r["time"])
     if not reports:
@@ -67,7 +82,8 @@ def cause(reports: dict[int, dict]) -> dict | None:
     for r in reports.values():
         votes.setdefault(int(r["blamed"]), []).append(r)
     blamed = max(votes, key=lambda b: (len(votes[b]), -min(r["time"] for r in votes[b])))
-    return min(votes[blamed], key=lambda r: (r["reporter"] != r["rank"], r["time"]))
+    # (a hung rank's own words say less than those of the rank that named it: which op it has not entered)
+    return min(votes[blamed], key=lambda r: (bool(r.get("hung")), r["reporter"] != r["rank"], r["time"]))
 
 
 _engines: list[Callable[[BaseException], None]] = []  # died_of(error) of every open engine

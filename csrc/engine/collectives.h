@@ -50,6 +50,13 @@ void allreduceOnWire(const std::vector<ConstSpan>& inputs, const std::vector<flo
                      float scale, WireScratch& scratch,
                      const std::function<AllreduceResult(const std::vector<ConstSpan>&)>& reduce);
 
+// The bytes of `inputs`, padding excluded.
+inline size_t inputBytes(const std::vector<ConstSpan>& inputs) {
+  size_t n = 0;
+  for (const ConstSpan& in : inputs) n += in.bytes;
+  return n;
+}
+
 // Where each tensor starts in an allreduce's output block (64-byte aligned); *total is the padded size.
 std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total);
 

@@ -120,6 +120,7 @@ const uint8_t* DoublingAllreduce::receive(int peer, int step, uint64_t signature
 }
 
 AllreduceResult DoublingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+  const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
   std::vector<size_t> offsets = ringLayout(inputs, &total);
   if (total > capacity_)

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/collectives.h"
@@ -35,6 +36,9 @@ class DoublingAllreduce {
   size_t capacity() const { return capacity_; }
   int size() const { return world_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
+  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
+  const std::string& name() const { return name_; }
+  void setName(std::string name) { name_ = std::move(name); }
   WireScratch& wireScratch() { return scratch_; }
   // The member positions this one exchanges with, in order (the fold-in partner first where it has one).
   std::vector<int> partners() const;
@@ -49,6 +53,7 @@ class DoublingAllreduce {
 
   std::shared_ptr<Engine> engine_;
   std::vector<int> members_;
+  std::string name_;
   int position_, world_, power_, steps_;  // power_: the largest power of 2 <= world_; steps_: log2(power_)
   size_t capacity_;
   std::unique_ptr<RegisteredBlock> registered_;

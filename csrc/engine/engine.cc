@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
 
 #include "transport/mixed/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
@@ -77,6 +80,9 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
     throw EngineError(strCat("invalid rank ", rank, " for world size ", world_size));
   if (!(options.timeout_s > 0)) throw EngineError("timeout must be positive");
   if (!(options.heartbeat_s >= 0)) throw EngineError("heartbeat timeout must be positive (or 0: none)");
+  if (std::isnan(options.progress_s) || std::isinf(options.progress_s))
+    throw EngineError("progress timeout must be a finite number of seconds (0: none; < 0: the default)");
+  if (options_.progress_s < 0) options_.progress_s = EngineOptions::defaultProgress(options.timeout_s);
   arena_ = std::make_unique<Arena>(options.arena_bytes);
   tracker_ = std::make_unique<TensorTracker>(*arena_);
   for (const NativeTransport& t : kNativeTransports)
@@ -85,7 +91,7 @@ Engine::Engine(int rank, int world_size, const EngineOptions& options)
   if (!transport_)
     throw EngineError(strCat("unknown or unavailable native transport '", options.transport, "'"));
   // After the transport: verbs registers it (an rkey peers can write the heartbeat with).
-  control_ = std::make_unique<RegisteredBlock>(*tracker_, 64);
+  control_ = std::make_unique<RegisteredBlock>(*tracker_, 192);
 }
 
 Engine::~Engine() { close(); }
@@ -111,7 +117,9 @@ void Engine::connect(const std::vector<std::string>& descriptors, const std::str
 namespace {
 
 // An abort record in one 8-byte word: (failed rank + 1) | (reporter + 1) << 32 | cause << 56.
-enum Cause : uint64_t { kLost = 0, kStopped = 1, kStalled = 2 };
+// kHung comes with two words written before it (kHungOp, kHungAge: the collective not entered, and
+// the milliseconds since the hung rank finished its last one when it was named).
+enum Cause : uint64_t { kLost = 0, kStopped = 1, kStalled = 2, kHung = 3 };
 uint64_t encodeAbort(int failed, int reporter, Cause cause) {
   return (static_cast<uint64_t>(failed) + 1) | (static_cast<uint64_t>(reporter) + 1) << 32 | cause << 56;
 }
@@ -123,13 +131,125 @@ Engine::Failure decodeAbort(uint64_t word) {
           : cause == kStalled
               ? "it stalled: no heartbeat within the heartbeat timeout (the process is stopped, "
                 "hung or swapped out)"
-              : "it exited or lost its connections"};
+          : cause == kHung ? "it hung: alive, but it did not enter a collective the others wait in"
+                           : "it exited or lost its connections"};
 }
+
+thread_local const CollectiveScope* t_collective = nullptr;
 
 }  // namespace
 
-// Control block: [abort word | beats from the left neighbour | beats from the right neighbour].
-constexpr uint64_t kBeatsFromLeft = 8, kBeatsFromRight = 16;
+// Control block: [abort word | beats from the left neighbour | beats from the right neighbour | hung op |
+// hung age | - | this rank's progress record (64 bytes, from 64) | scratch a peer's record is read into].
+constexpr uint64_t kBeatsFromLeft = 8, kBeatsFromRight = 16, kHungOp = 24, kHungAge = 32, kRecord = 64,
+                   kScratch = 128;
+
+Engine::Failure Engine::decode(uint64_t word) const {
+  Failure f = decodeAbort(word);
+  if (word >> 56 != kHung) return f;
+  const uint8_t* block = control_->data();
+  const uint64_t op = loadAcquire(block + kHungOp), age_ms = loadAcquire(block + kHungAge);
+  // This thread's collective, if it is the one the hung rank has not entered, names it.
+  const CollectiveScope* mine = t_collective;
+  const std::string what = mine && mine->number == op ? collectiveText(mine->kind, mine->name, op)
+                                                      : collectiveText("collective", "", op);
+  char age[32];
+  std::snprintf(age, sizeof(age), "%.1f", static_cast<double>(age_ms) * 1e-3);
+  const std::string last = age_ms == UINT64_MAX
+                               ? std::string("it had finished none when rank ")
+                               : strCat("it had finished its last one ", age, " s before rank ");
+  f.why = strCat("rank ", f.rank, " has not entered ", what, "; ", last, f.reporter,
+                 " named it (it is alive but stuck outside the engine: in Python, a callback, a lock)");
+  f.sentence = true;
+  return f;
+}
+
+ProgressRecord Engine::progress() const {
+  ProgressRecord r;
+  std::memcpy(&r, control_->data() + kRecord, sizeof(r));
+  return r;
+}
+
+void Engine::noticeNamedHung(uint64_t own_word) {
+  if (own_word >> 56 != kHung || static_cast<int>((own_word & 0xffffffff) - 1) != rank_) return;
+  {
+    std::lock_guard<std::mutex> lock(hung_mu_);
+    if (!hung_text_.empty()) return;
+    hung_text_ = decode(own_word).why;
+  }
+  hung_cv_.notify_all();
+}
+
+std::string Engine::waitNamedHung() {
+  std::unique_lock<std::mutex> lock(hung_mu_);
+  hung_cv_.wait(lock, [&] { return !hung_text_.empty() || hung_stop_; });
+  return hung_text_;
+}
+
+namespace {
+int64_t wallNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+CollectiveScope::CollectiveScope(Engine& e, const char* k, const std::string& n, const std::vector<int>& m,
+                                 size_t bytes)
+    : engine(e), kind(k), name(n), members(m), outer_(t_collective) {
+  ProgressRecord* r = e.record();
+  setLabel(r->label, kind, name);
+  number = __atomic_add_fetch(&r->entered, 1, __ATOMIC_ACQ_REL);  // (peers only read it)
+  uncaught_ = std::uncaught_exceptions();
+  slot_ = e.flight_.begin(number, r->label, bytes, static_cast<uint32_t>(m.size()), wallNs());
+  t_collective = this;
+}
+
+CollectiveScope::~CollectiveScope() {
+  ProgressRecord* r = engine.record();
+  const int64_t now = wallNs();
+  engine.flight_.end(slot_, number, now, std::uncaught_exceptions() > uncaught_);
+  storeRelease(&r->finished_ns, static_cast<uint64_t>(now));
+  __atomic_add_fetch(&r->finished, 1, __ATOMIC_ACQ_REL);
+  t_collective = outer_;
+}
+
+const CollectiveScope* CollectiveScope::current() { return t_collective; }
+
+void Engine::checkProgress(const CollectiveScope& op) {
+  std::vector<ProgressRecord> records(world_size_);
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    uint8_t* scratch = control_->data() + kScratch;
+    for (int r : op.members) {
+      if (r == rank_ || r < 0 || r >= world_size_) continue;
+      try {
+        transport_->read(r, scratch, abort_keys_[r], kRecord, sizeof(ProgressRecord), Deadline(1.0));
+        std::memcpy(&records[r], scratch, sizeof(ProgressRecord));
+      } catch (const std::exception&) {  // unreachable: the waits name it; here it counts as busy
+        records[r].entered = 1;
+      }
+    }
+  }
+  const int laggard = findLaggard(records, op.members, rank_, op.number);
+  if (laggard < 0) return;
+  const ProgressRecord& its = records[laggard];
+  const int64_t now = wallNs();
+  const double age = secondsSince(its.finished_ns, now);
+  const std::string why = describeLaggard(laggard, op.kind, op.name, op.number, its, age);
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.rank >= 0) return;  // a failure is known already: the wait names that one
+    failure_ = {laggard, rank_, why, true};
+    has_failure_.store(true, std::memory_order_release);
+  }
+  uint8_t* block = control_->data();
+  storeRelease(block + kHungOp, op.number);
+  storeRelease(block + kHungAge, age < 0 ? UINT64_MAX : static_cast<uint64_t>(age * 1e3));
+  broadcastAbort(encodeAbort(laggard, rank_, kHung), -1);  // the laggard too: its face dumps its stacks
+  localWakeup().notify();
+  throw PeerError(why, laggard);
+}
 
 void Engine::heartbeatLoop() {
   using Seconds = std::chrono::duration<double>;
@@ -146,10 +266,16 @@ void Engine::heartbeatLoop() {
   };
   Watch watches[2] = {{left, kBeatsFromLeft}, {right, kBeatsFromRight}};
   const uint64_t* block = reinterpret_cast<const uint64_t*>(control_->data());
+  // Between beats, this rank's own abort word every 50 ms: named hung, its stacks must reach its log before a
+  // launcher that saw the others fail kills it.
+  const auto tick = std::min<Clock::duration>(interval, std::chrono::milliseconds(50));
   for (uint64_t beat = 1;; ++beat) {
-    {
-      std::unique_lock<std::mutex> lock(heartbeat_mu_);
-      if (heartbeat_cv_.wait_for(lock, interval, [&] { return heartbeat_stop_; })) return;
+    for (auto next = Clock::now() + interval; Clock::now() < next;) {
+      {
+        std::unique_lock<std::mutex> lock(heartbeat_mu_);
+        if (heartbeat_cv_.wait_for(lock, tick, [&] { return heartbeat_stop_; })) return;
+      }
+      noticeNamedHung(loadAcquire(block));
     }
     // I am my right neighbour's left neighbour, and my left neighbour's right one.
     for (const auto& [peer, offset] : {std::pair{right, kBeatsFromLeft}, std::pair{left, kBeatsFromRight}}) {
@@ -196,7 +322,7 @@ bool Engine::failure(Failure* out) const {
   }
   const uint64_t word = loadAcquire(control_->data());  // a peer's record, not latched yet
   if (word == 0) return false;
-  *out = decodeAbort(word);
+  *out = decode(word);
   return true;
 }
 
@@ -208,7 +334,7 @@ Engine::Failure Engine::learn() {
     if (failure_.rank < 0) {
       const uint64_t word = loadAcquire(control_->data());
       if (word == 0) return f;  // rank -1: nothing known
-      failure_ = decodeAbort(word);
+      failure_ = decode(word);
       has_failure_.store(true, std::memory_order_release);
       forward = word;
     }
@@ -223,6 +349,10 @@ namespace {
 
 PeerError describe(const Engine::Failure& f, int me, int lost) {
   if (f.reporter == me) return PeerError(f.why, f.rank);
+  if (f.sentence)
+    return PeerError(strCat(f.why, " (seen by rank ", f.reporter, ")",
+                            lost >= 0 && lost != f.rank ? strCat("; this rank then lost rank ", lost) : ""),
+                     f.rank);
   if (f.reporter == f.rank)
     return PeerError(strCat("rank ", f.rank, " stopped on an error of its own (see rank ", f.rank, "'s log)"),
                      f.rank);
@@ -286,9 +416,13 @@ void Engine::reportOwnFailure(const std::string& why) {
 void Engine::broadcastAbort(uint64_t word, int skip) {
   // Best effort and bounded: a rank that is gone too fails fast (<= 1 s).
   if (!connected_ || closed_) return;
+  const uint8_t* block = control_->data();
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_ || r == skip) continue;
     try {
+      if (word >> 56 == kHung)  // its two words first: a flag lands after every earlier write to that rank
+        for (uint64_t at : {kHungOp, kHungAge})
+          transport_->writeFlag(r, abort_keys_[r], at, loadAcquire(block + at), Deadline(1.0));
       transport_->writeFlag(r, abort_keys_[r], 0, word, Deadline(1.0));
     } catch (const std::exception&) {  // that one is unreachable as well; the others still hear
     }
@@ -298,6 +432,11 @@ void Engine::broadcastAbort(uint64_t word, int skip) {
 void Engine::beginClose() {
   closing_ = true;
   localWakeup().notify();  // another thread's sleeping wait sees it at once
+  {
+    std::lock_guard<std::mutex> lock(hung_mu_);
+    hung_stop_ = true;
+  }
+  hung_cv_.notify_all();  // and waitNamedHung() returns
 }
 
 void Engine::close() {
@@ -341,6 +480,11 @@ void Engine::wait(const std::function<bool()>& ready, int peer, const char* what
   if (ready()) return;
   const Deadline deadline = this->deadline();
   const auto start = Clock::now();
+  // In a collective, a wait that lasts the progress timeout looks for a member that has not entered it.
+  const CollectiveScope* op = t_collective && &t_collective->engine == this ? t_collective : nullptr;
+  const auto progress_every = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(op && world_size_ > 1 ? options_.progress_s : 0));
+  auto next_progress = start + progress_every;
   bool ok;
   try {
     ok = pollUntil(ready, deadline, [&] {
@@ -348,6 +492,10 @@ void Engine::wait(const std::function<bool()>& ready, int peer, const char* what
         throw EngineError(
             strCat("the engine was closed while this thread waited for rank ", peer, " (", what, ")"));
       checkFailure();
+      if (progress_every.count() > 0 && Clock::now() >= next_progress) {
+        next_progress = Clock::now() + progress_every;
+        checkProgress(*op);
+      }
       t.checkPeer(peer);
       if (world_size_ > 2) {  // one other peer per tick: a death anywhere is seen where it happened
         const int other = next_watch_.fetch_add(1, std::memory_order_relaxed) % world_size_;

@@ -8,6 +8,13 @@
 // other rank's abort word, one-sidedly, before it raises; every rank checks its
 // own word while waiting and before each operation. So every survivor's error
 // names the rank that died, not the neighbour that exited because of it.
+//
+// A rank that lives but hangs outside the engine beats on. For it, every collective runs in a
+// CollectiveScope that counts it in this rank's progress record (progress.h); a wait inside one
+// that lasts the progress timeout reads the members' records, and a member in no collective that
+// has not finished this one is named hung -- the same abort record, so every survivor names it,
+// and the laggard's own heartbeat thread sees its name there (waitNamedHung: its face dumps its
+// Python stacks).
 #pragma once
 
 #include <atomic>
@@ -21,6 +28,7 @@
 
 #include "engine/arena.h"
 #include "engine/common.h"
+#include "engine/progress.h"
 #include "engine/tensor_tracker.h"
 #include "engine/transport.h"
 
@@ -31,6 +39,10 @@ struct EngineOptions {
   size_t arena_bytes = size_t{16} << 30;  // address space; pages cost memory once touched
   double timeout_s = 300;                 // bound on every wait
   double heartbeat_s = 30;                // a neighbour silent this long is stalled; 0: no heartbeat
+  double progress_s = -1;  // a wait in a collective this long looks for a hung member; 0: never; < 0: default
+  // The default progress timeout for an operation timeout: max(30 s, timeout / 6) -- never shorter than the
+  // heartbeat's default, so that a long first step (tracing, compiling) on one rank is not called a hang.
+  static double defaultProgress(double timeout_s) { return timeout_s / 6 > 30 ? timeout_s / 6 : 30; }
   TransportOptions transport_options;
 };
 
@@ -43,6 +55,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int worldSize() const { return world_size_; }
   double timeout() const { return options_.timeout_s; }
   double heartbeatTimeout() const { return options_.heartbeat_s; }
+  double progressTimeout() const { return options_.progress_s; }
   Deadline deadline() const { return Deadline(options_.timeout_s); }
   const std::string& transportName() const { return options_.transport; }
   const TransportOptions& transportOptions() const { return options_.transport_options; }
@@ -80,6 +93,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     int rank = -1;      // the rank that failed
     int reporter = -1;  // the rank that saw it
     std::string why;
+    bool sentence = false;  // `why` is a whole sentence naming the rank (a hung one)
   };
   bool failure(Failure* out) const;
   // `err` (about rank `peer`) happened here: returns the error to raise -- the
@@ -98,6 +112,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void reportFailure(int failed, const std::string& why);
   // Seconds spent in wait()/waitFlag() so far (time blocked on peers).
   double waitSeconds() const { return wait_ns_.load(std::memory_order_relaxed) * 1e-9; }
+  // Blocks until a peer names this rank hung (returns what it said), or until the engine closes (returns "").
+  // Only the heartbeat thread notices it (none: never named).
+  std::string waitNamedHung();
+  // This rank's progress record (progress.h), as its peers read it.
+  ProgressRecord progress() const;
+  // This rank's last collectives (progress.h), oldest first.
+  std::vector<FlightEntry> flightRecord() const { return flight_.entries(); }
   const TransportStats& transportStats() const { return transport_->stats(); }
   std::vector<std::pair<std::string, const TransportStats*>> transportParts() const {
     return transport_->parts();
@@ -133,8 +154,47 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool heartbeat_stop_ = false;
   // The failure known here (rank -1: none), latching -- and passing on -- a peer's record.
   Failure learn();
+  Failure decode(uint64_t word) const;
+  // Progress (the top of this file).
+  friend class CollectiveScope;
+  ProgressRecord* record() { return reinterpret_cast<ProgressRecord*>(control_->data() + 64); }
+  // A wait in `op` lasted the progress timeout: names the laggard, if any (throws its PeerError).
+  void checkProgress(const class CollectiveScope& op);
+  std::mutex progress_mu_;  // the control block's read scratch
+  FlightRecorder flight_{64};
+  std::mutex hung_mu_;
+  std::condition_variable hung_cv_;
+  std::string hung_text_;  // a peer named this rank hung: what it said
+  bool hung_stop_ = false;
+  void noticeNamedHung(uint64_t own_word);
   std::atomic<uint64_t> wait_ns_{0};
   std::atomic<uint64_t> bytes_received_{0};
+};
+
+// A collective this rank runs, from entering it to leaving it (one per call, on the stack of the thread
+// that runs it): counted in the engine's progress record, and what its waits look for a hung member of.
+class CollectiveScope {
+ public:
+  // `kind` ("allreduce") and `name` (the ring's, possibly empty) label it; `members`: its engine ranks.
+  // All three must outlive the scope.
+  CollectiveScope(Engine& engine, const char* kind, const std::string& name, const std::vector<int>& members,
+                  size_t bytes = 0);
+  ~CollectiveScope();
+  CollectiveScope(const CollectiveScope&) = delete;
+  CollectiveScope& operator=(const CollectiveScope&) = delete;
+  // The innermost scope of this thread, or null.
+  static const CollectiveScope* current();
+
+  Engine& engine;
+  const char* kind;
+  const std::string& name;
+  const std::vector<int>& members;
+  uint64_t number;  // this rank's collective #number (counted from 1)
+
+ private:
+  const CollectiveScope* outer_;
+  size_t slot_;   // in the flight recorder
+  int uncaught_;  // std::uncaught_exceptions() when it began: more at the end, it failed
 };
 
 // Names of the transports compiled into this build.

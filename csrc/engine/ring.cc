@@ -185,6 +185,7 @@ void RingAllreduce::allgatherStep(uint8_t* out, size_t out_offset_in_region, siz
 
 RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average,
                                          const ChunkHook& between) {
+  const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
   std::vector<size_t> offsets = ringLayout(inputs, &total);
   if (total > capacity_)
@@ -263,6 +264,7 @@ size_t RingAllreduce::shardBytes(size_t bytes, size_t item, const char* what) co
 }
 
 uint8_t* RingAllreduce::reduceScatter(ConstSpan input, DType dtype, bool average) {
+  const CollectiveScope scope(*engine_, "reduce-scatter", name_, members_, input.bytes);
   const int n = world_;
   const size_t shard = shardBytes(input.bytes, dtypeSize(dtype), "reduce-scatter");
   total_bytes_ = input.bytes;
@@ -296,6 +298,7 @@ uint8_t* RingAllreduce::reduceScatter(ConstSpan input, DType dtype, bool average
 }
 
 uint8_t* RingAllreduce::allgather(ConstSpan shard_in) {
+  const CollectiveScope scope(*engine_, "allgather", name_, members_, shard_in.bytes * world_);
   const int n = world_;
   const size_t shard = shard_in.bytes;
   shardBytes(shard * n, 1, "allgather");

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/collectives.h"
@@ -74,6 +75,9 @@ class RingAllreduce {
   size_t capacity() const { return capacity_; }
   int size() const { return world_; }
   const std::shared_ptr<Engine>& engine() const { return engine_; }
+  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
+  const std::string& name() const { return name_; }
+  void setName(std::string name) { name_ = std::move(name); }
   WireScratch& wireScratch() { return scratch_; }
 
  private:
@@ -88,6 +92,7 @@ class RingAllreduce {
 
   std::shared_ptr<Engine> engine_;
   std::vector<int> members_;
+  std::string name_;
   int rank_, world_, left_,
       right_;  // rank_/world_: position among / count of members_; left_/right_: engine ranks
   size_t capacity_, bucket_bytes_, slot_bytes_;

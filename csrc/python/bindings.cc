@@ -299,12 +299,14 @@ using EngineClass = py::class_<Engine, std::shared_ptr<Engine>>;
 std::shared_ptr<Engine> newEngine(int rank, int world_size, const std::string& transport, size_t arena_bytes,
                                   double timeout, const std::string& advertise_host,
                                   const std::string& bind_host, const std::string& ib_device, int ib_port,
-                                  int ib_gid_index, int64_t nt_threshold, double heartbeat_timeout) {
+                                  int ib_gid_index, int64_t nt_threshold, double heartbeat_timeout,
+                                  double progress_timeout) {
   EngineOptions o;
   o.transport = transport;
   o.arena_bytes = arena_bytes;
   o.timeout_s = timeout;
   o.heartbeat_s = heartbeat_timeout;
+  o.progress_s = progress_timeout;
   TransportOptions& t = o.transport_options;
   t.advertise_host = advertise_host;
   t.bind_host = bind_host;
@@ -321,12 +323,35 @@ void bindEngineLifecycle(EngineClass& c) {
         py::arg("arena_bytes"), py::arg("timeout"), py::arg("advertise_host") = "127.0.0.1",
         py::arg("bind_host") = "127.0.0.1", py::arg("ib_device") = "", py::arg("ib_port") = 0,
         py::arg("ib_gid_index") = 0, py::arg("nt_threshold") = int64_t{8} << 20,
-        py::arg("heartbeat_timeout") = 30.0)
+        py::arg("heartbeat_timeout") = 30.0, py::arg("progress_timeout") = -1.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("transport", &Engine::transportName)
       .def_property_readonly("timeout", &Engine::timeout)
       .def_property_readonly("heartbeat_timeout", &Engine::heartbeatTimeout)
+      .def_property_readonly("progress_timeout", &Engine::progressTimeout)
+      .def("wait_named_hung", &Engine::waitNamedHung, py::call_guard<py::gil_scoped_release>(),
+           "Blocks until a peer names this rank hung (returns what it said) or the engine closes (returns "
+           "'').")
+      .def_property_readonly(
+          "progress",
+          [](const Engine& e) {
+            const ProgressRecord r = e.progress();
+            return py::make_tuple(r.entered, r.finished, r.labelText());
+          },
+          "(collectives entered, collectives finished, the last one's label): what peers read of this rank.")
+      .def_property_readonly(
+          "flight_record",
+          [](const Engine& e) {
+            py::list out;
+            for (const FlightEntry& f : e.flightRecord())
+              out.append(py::make_tuple(f.number, std::string(f.label, strnlen(f.label, sizeof(f.label))),
+                                        f.bytes, f.members, f.start_ns, f.end_ns, f.failed));
+            return out;
+          },
+          "This rank's last collectives, oldest first: (number, label, bytes, members, start_ns, end_ns (0: "
+          "under "
+          "way), failed).")
       .def("begin_close", &Engine::beginClose,
            "No operation may start or go on from now; another thread's wait ends with an error.")
       .def_property_readonly("descriptor", &Engine::localDescriptor)
@@ -533,6 +558,8 @@ void bindRingAllreduce(py::module_& m) {
   py::class_<RingAllreduce, std::shared_ptr<RingAllreduce>>(m, "RingAllreduce")
       .def_property_readonly("descriptor", &RingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &RingAllreduce::capacity)
+      .def_property("name", &RingAllreduce::name, &RingAllreduce::setName,
+                    "What a hung member's error calls this ring's calls.")
       .def("connect", &RingAllreduce::connect, py::arg("left"), py::arg("right"))
       .def("allreduce", &groupAllreduce<RingAllreduce>, py::arg("arrays"), py::arg("average") = false,
            py::arg("wire") = py::none())
@@ -569,6 +596,8 @@ void bindDoublingAllreduce(py::module_& m) {
   py::class_<DoublingAllreduce, std::shared_ptr<DoublingAllreduce>>(m, "DoublingAllreduce")
       .def_property_readonly("descriptor", &DoublingAllreduce::localDescriptor)
       .def_property_readonly("capacity", &DoublingAllreduce::capacity)
+      .def_property("name", &DoublingAllreduce::name, &DoublingAllreduce::setName,
+                    "What a hung member's error calls this group's calls.")
       .def_property_readonly("partners", &DoublingAllreduce::partners)
       .def("connect", &DoublingAllreduce::connect, py::arg("descriptors"))
       .def("allreduce", &groupAllreduce<DoublingAllreduce>, py::arg("arrays"), py::arg("average") = false,

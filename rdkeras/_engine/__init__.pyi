@@ -39,6 +39,13 @@ class Engine:
     @property
     def heartbeat_timeout(self) -> float: ...
     @property
+    def progress_timeout(self) -> float: ...
+    @property
+    def progress(self) -> tuple[int, int, str]: ...
+    def wait_named_hung(self) -> str: ...
+    @property
+    def flight_record(self) -> list[tuple[int, str, int, int, int, int, bool]]: ...
+    @property
     def descriptor(self) -> str: ...
     def __init__(
         self,
@@ -54,6 +61,7 @@ class Engine:
         ib_gid_index: int = 0,
         nt_threshold: int = ...,
         heartbeat_timeout: float = 30.0,
+        progress_timeout: float = -1.0,
     ) -> None: ...
     def connect(
         self, descriptors: Sequence[str], key: bytes, watch: Callable[[], None] | None = None, timeout: float = 0.0
@@ -111,6 +119,7 @@ class DynamicChannel:
     def recv(self) -> tuple[np.ndarray, str, tuple[int, ...]]: ...
 
 class RingAllreduce:
+    name: str
     @property
     def descriptor(self) -> str: ...
     @property
@@ -132,6 +141,7 @@ class RingAllreduce:
     ) -> list[np.ndarray]: ...
 
 class DoublingAllreduce:
+    name: str
     @property
     def descriptor(self) -> str: ...
     @property

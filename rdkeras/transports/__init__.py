@@ -111,6 +111,7 @@ def _native(name: str) -> Callable[[BackendConfig], Backend]:
             ib_gid_index=o.ib_gid_index,
             nt_threshold=o.nt_threshold,
             heartbeat_timeout=config.heartbeat_timeout,
+            progress_timeout=config.progress_timeout,
         )
 
     return make

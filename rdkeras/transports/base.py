@@ -74,6 +74,7 @@ class BackendConfig:
     bind_host: str = "127.0.0.1"  # the address listeners bind (never 0.0.0.0 unless asked)
     options: TransportOptions = field(default_factory=TransportOptions)
     heartbeat_timeout: float = 30.0  # a neighbour silent this long is stalled (native transports; 0: none)
+    progress_timeout: float = -1.0  # a collective's wait this long names a hung member (0: never; < 0: default)
 
 
 @runtime_checkable
@@ -171,6 +172,8 @@ class HierarchicalRing(Ring, Protocol):
 
 class Doubling(Protocol):
     """An engine's recursive-doubling allreduce among some ranks (a backend whose spec says ``hierarchical``)."""
+
+    name: str  # what a hung member's error calls its calls
 
     @property
     def descriptor(self) -> str: ...

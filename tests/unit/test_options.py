@@ -29,6 +29,8 @@ def test_defaults_and_values():
     )  # fmt: skip
     assert (s.transport, s.timeout, s.store, s.data_mode, s.gpu_memory_growth) == ("tcp", 2.5, "launcher", "ps", False)
     assert (s.cache_dir, s.config_dir) == (Path("/c"), Path("/x"))
+    assert options.from_env({"RDKERAS_PROGRESS_TIMEOUT": "4.5"}).progress_timeout == 4.5
+    assert options.from_env({"RDKERAS_PROGRESS_TIMEOUT": "0"}).progress_timeout == 0  # never
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,8 @@ def test_defaults_and_values():
         ({"RDKERAS_TIMEOUT": "0"}, r"RDKERAS_TIMEOUT='0': a wait needs a finite number of seconds > 0"),
         ({"RDKERAS_TIMEOUT": "nan"}, r"RDKERAS_TIMEOUT='nan': a wait needs a finite number"),
         ({"RDKERAS_TIMEOUT": "soon"}, r"RDKERAS_TIMEOUT='soon' is not a number of seconds"),
+        ({"RDKERAS_PROGRESS_TIMEOUT": "-1"}, r"RDKERAS_PROGRESS_TIMEOUT='-1': a progress timeout is a finite"),
+        ({"RDKERAS_PROGRESS_TIMEOUT": "inf"}, r"RDKERAS_PROGRESS_TIMEOUT='inf': a progress timeout is a finite"),
         ({"RDKERAS_STORE": "rank1"}, r"RDKERAS_STORE='rank1': choose rank0 or launcher"),
         ({"RDKERAS_DATA_MODE": "ring"}, r"RDKERAS_DATA_MODE='ring': choose allreduce or ps"),
         ({"RDKERAS_ARENA_BYTES": "1e9"}, r"RDKERAS_ARENA_BYTES='1e9' is not a whole number"),

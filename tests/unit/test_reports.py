@@ -35,3 +35,26 @@ def test_reports_are_written_once_and_read_back(tmp_path, monkeypatch):
     assert reports.read(tmp_path, [3, 4]) == {
         3: {**_r(3, 1, reports.read(tmp_path, [3])[3]["time"], 2, "rank 1 failed")}
     }
+
+
+def test_a_rank_named_hung_is_the_cause_in_the_words_of_the_rank_that_named_it():
+    named = "rank 1 has not entered allreduce #4 (ring grads); it finished #3 3.0 s ago"
+    found = {
+        0: {"rank": 0, "blamed": 1, "reporter": 0, "why": named, "time": 10.0},
+        1: {"rank": 1, "blamed": 1, "reporter": 1, "why": "rank 1 has not entered collective #4", "time": 10.1,
+            "hung": True},
+        2: {"rank": 2, "blamed": 1, "reporter": 0, "why": named, "time": 10.2},
+    }  # fmt: skip
+    verdict = reports.cause(found)
+    assert verdict is not None and (verdict["blamed"], verdict["why"]) == (1, named)
+
+
+def test_a_launcher_leaves_a_rank_named_hung_a_moment_to_write_its_stacks():
+    named = {0: {"rank": 0, "blamed": 1, "reporter": 0, "why": "rank 1 has not entered allreduce #4", "time": 100.0}}
+    assert reports.waiting_for_stacks(named, {1}, now=100.5)
+    assert not reports.waiting_for_stacks(named, {1}, now=100.0 + reports.HUNG_GRACE_S)
+    assert not reports.waiting_for_stacks(named, set(), now=100.5)  # it ended
+    stalled = {0: {**named[0], "why": "rank 1 stalled: no heartbeat for 3 s"}}
+    assert not reports.waiting_for_stacks(stalled, {1}, now=100.5)  # a stopped rank writes nothing: no wait
+    spoke = {**named, 1: {"rank": 1, "blamed": 1, "reporter": 1, "why": "named", "time": 100.2, "hung": True}}
+    assert not reports.waiting_for_stacks(spoke, {1}, now=100.5)
