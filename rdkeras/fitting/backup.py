@@ -9,6 +9,7 @@ its epoch, weights and optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +37,11 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
         folder = keras_internals.backup_paths(cb)[0].parent
         shards = parallel.save_optimizer_shards(cb.model, folder)  # collective; before the weights commit them
         if parallel.is_reporter:
-            _write_backup(cb)
+            optimizer = cb.model.optimizer
+            # With its sharded state beside it, the weights file rightly holds only the optimizer's own variables.
+            quiet = keras_internals.saving_variables(optimizer, list(optimizer.variables)) if shards else None
+            with quiet or contextlib.nullcontext():
+                _write_backup(cb)
             for old in folder.glob(f"{OPTIMIZER_SHARDS}-*"):
                 if shards is None or old != shards:
                     shutil.rmtree(old, ignore_errors=True)
