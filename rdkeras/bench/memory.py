@@ -53,6 +53,7 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
     import numpy as np
 
     from rdkeras.bench import pin_one_core
+    from rdkeras.fitting.saving import variables_bytes
 
     pin_one_core()
     bare_kb = _status_kb("VmRSS")  # TensorFlow, Keras and KerasHub imported, nothing built
@@ -98,9 +99,8 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
     if strategy is not None:
         state = strategy.state_bytes(lm)
     else:
-        count = lambda vs: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs)  # noqa: E731
-        state = {"parameters": count(lm.weights), "optimizer": count(lm.optimizer.variables)}
-    trainable = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in lm.trainable_variables)
+        state = {"parameters": variables_bytes(lm.weights), "optimizer": variables_bytes(lm.optimizer.variables)}
+    trainable = variables_bytes(lm.trainable_variables)
     workers = strategy.num_workers if strategy else 1
     out = {
         **state,

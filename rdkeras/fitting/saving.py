@@ -80,6 +80,11 @@ def _check_room(path: Path, expected_bytes: int) -> None:
         )
 
 
+def variables_bytes(variables: Any) -> int:
+    """Bytes the values of `variables` take, counted from their shapes and dtypes."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
 def state_bytes(model: Any) -> int:
     """Bytes of a model's weights and its optimizer's variables, 4 KiB each for the file format's own: about
     what a save writes (a weights file holds the optimizer's variables too)."""
@@ -87,7 +92,7 @@ def state_bytes(model: Any) -> int:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         variables += list(optimizer.variables)
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize + 4096 for v in variables)
+    return variables_bytes(variables) + 4096 * len(variables)
 
 
 # What write_atomically names its temporary files: ".<stem>.<mkstemp's 8 characters>.tmp<suffix>".

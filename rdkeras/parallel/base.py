@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rdkeras._log import logger
+from rdkeras.fitting.saving import variables_bytes
 
 if TYPE_CHECKING:
     from rdkeras.engine import Engine
@@ -127,13 +128,12 @@ class Parallelism(abc.ABC):
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's variables), counted from the variables."""
-
-        def count(variables: Any) -> int:
-            return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-
         optimizer = model.optimizer
         built = optimizer is not None and optimizer.built
-        return {"parameters": count(model.weights), "optimizer": count(optimizer.variables) if built else 0}
+        return {
+            "parameters": variables_bytes(model.weights),
+            "optimizer": variables_bytes(optimizer.variables) if built else 0,
+        }
 
     def plan_text(self) -> str:
         """The plan as Markdown ('' when there is none yet)."""

@@ -29,6 +29,7 @@ import numpy as np
 
 from rdkeras import keras_internals
 from rdkeras._log import logger
+from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
 from rdkeras.parallel.piece_gradients import clip_by_norm, elements, slots_by_variable, values_of
 
@@ -207,7 +208,7 @@ class ShardedUpdate:
         """Bytes of optimizer state this worker holds (its copy's variables)."""
         if self._copy is None:
             return 0
-        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self._copy.variables)
+        return variables_bytes(self._copy.variables)
 
     # -- a step ------------------------------------------------------------------------------
 

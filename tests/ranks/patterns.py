@@ -18,6 +18,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np
 
+from rdkeras.fitting.saving import variables_bytes
+
 PATTERNS: dict = {}
 SEED = 1234
 # The patterns that apply to a pipeline too (a Functional or Sequential model of several layers, one per strategy).
@@ -788,8 +790,8 @@ def kerashub_lora(env):
     if env.distributed:  # what crossed the wire in the 2 steps, against the bytes of the trainable weights and of all
         out["wire"] = {
             "sent": env.strategy.engine.traffic()["bytes_written"] - before,
-            "trainable": sum(int(np.prod(v.shape)) * 4 for v in lm.trainable_variables),
-            "all": sum(int(np.prod(v.shape)) * 4 for v in lm.weights),
+            "trainable": variables_bytes(lm.trainable_variables),
+            "all": variables_bytes(lm.weights),
         }
     return out
 
@@ -874,8 +876,10 @@ def _with_state(env, model, result: dict) -> dict:
         env.strategy.export(model, path)
     else:
         model.save(path)
-        count = lambda variables: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)  # noqa: E731
-        result["state"] = {"parameters": count(model.weights), "optimizer": count(model.optimizer.variables)}
+        result["state"] = {
+            "parameters": variables_bytes(model.weights),
+            "optimizer": variables_bytes(model.optimizer.variables),
+        }
     return result
 
 
