@@ -343,35 +343,15 @@ def build_without_slots(optimizer: Any) -> None:
     override(optimizer, "build", build)
 
 
-@contextlib.contextmanager
-def saving_variables(optimizer: Any, variables: Sequence[Any]) -> Iterator[None]:
-    """While in it, Keras saves `variables` as `optimizer`'s own (``save_own_variables``: what a .keras or
-    .weights.h5 file holds of it), e.g. a sharded optimizer's whole state, gathered."""
+def saves_own_variables(optimizer: Any, variables: Callable[[], Sequence[Any]]) -> None:
+    """From now on Keras saves ``variables()`` as `optimizer`'s own (``save_own_variables``: what a .keras or
+    .weights.h5 file holds of it), e.g. a sharded optimizer's whole state, gathered. Undone by :func:`restore`."""
 
-    def save_own_variables(store: Any) -> None:
-        for i, variable in enumerate(variables):
+    def save_own_variables(self: Any, store: Any) -> None:
+        for i, variable in enumerate(variables()):
             store[str(i)] = variable.numpy()
 
-    previous = optimizer.__dict__.get("save_own_variables")
-    object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-    try:
-        yield
-    finally:
-        if previous is None:
-            optimizer.__dict__.pop("save_own_variables", None)
-        else:
-            object.__setattr__(optimizer, "save_own_variables", previous)
-
-
-def before_saving(optimizer: Any, hook: Callable[[], None]) -> None:
-    """`hook()` runs each time Keras saves `optimizer`'s variables (a model file or a weights file)."""
-    save = type(optimizer).save_own_variables
-
-    def save_own_variables(store: Any) -> None:
-        hook()
-        save(optimizer, store)
-
-    object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+    override(optimizer, "save_own_variables", save_own_variables)
 
 
 def uses_weight_decay(optimizer: Any, variable: Any) -> bool:

@@ -39,7 +39,7 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
         if parallel.is_reporter:
             optimizer = cb.model.optimizer
             # With its sharded state beside it, the weights file rightly holds only the optimizer's own variables.
-            quiet = keras_internals.saving_variables(optimizer, list(optimizer.variables)) if shards else None
+            quiet = parallel.optimizer_saved_as(cb.model, list(optimizer.variables)) if shards else None
             with quiet or contextlib.nullcontext():
                 _write_backup(cb)
             for old in folder.glob(f"{OPTIMIZER_SHARDS}-*"):

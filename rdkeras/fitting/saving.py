@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras.keras_internals import original, saving_variables
+from rdkeras.keras_internals import original
 
 
 def _atomic_path(filepath: Any, suffixes: tuple[str, ...]) -> Path | None:
@@ -161,5 +161,5 @@ def export(model: Any, parallel: Any, chief: bool, filepath: Any, **kwargs: Any)
     whole = parallel.whole_optimizer_state(model)
     if not chief:
         return
-    with contextlib.nullcontext() if whole is None else saving_variables(model.optimizer, whole):
+    with contextlib.nullcontext() if whole is None else parallel.optimizer_saved_as(model, whole):
         model.save(filepath, **kwargs)

@@ -12,7 +12,8 @@ hybrid parallelism implement it (:mod:`rdkeras.parallel.data_parallel`,
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,6 +112,11 @@ class Parallelism(abc.ABC):
         """Collective: the variables a file of `model` holds of its optimizer, whole, where this parallelism keeps
         them in parts (sharded); None where the optimizer's own variables are whole already."""
         return None
+
+    def optimizer_saved_as(self, model: Any, variables: Sequence[Any]) -> contextlib.AbstractContextManager[None]:
+        """While in it, a file Keras writes of `model` holds `variables` as its optimizer's (a sharded optimizer's
+        whole state, or its own variables beside its shards), unwarned."""
+        return contextlib.nullcontext()
 
     def save_optimizer_shards(self, model: Any, folder: Any) -> Any:
         """Collective, for a backup: where this parallelism shards `model`'s optimizer state, writes it as a sharded

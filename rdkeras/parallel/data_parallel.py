@@ -121,6 +121,8 @@ class DataParallel(ShardedState, Parallelism):
         self._overlap = 0  # the last attached model's gradient bucket bytes (0: one exchange after backprop)
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
         self._sharded: dict[int, ShardedUpdate] = {}  # id(model) -> its sharded update (shard != "none")
+        self._saving: dict[int, list[Any]] = {}  # id(model) -> what a file holds of its sharded optimizer now
+        self._told_saved_in_part = False
         self._gathered_at: dict[int, int] = {}  # id(model) -> the steps_run it was last gathered and checked at
         self._plans = itertools.count()  # parameter-server plans made (each has rings of its own)
 

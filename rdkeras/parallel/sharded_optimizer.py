@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from rdkeras import keras_internals
-from rdkeras._log import logger
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
 from rdkeras.parallel.piece_gradients import clip_by_norm, elements, slots_by_variable, values_of
@@ -92,16 +91,6 @@ class ShardedUpdate:
         self._copy: Any = None
         self._variables: list[Any] = []
         keras_internals.build_without_slots(optimizer)
-        keras_internals.before_saving(optimizer, self._saved_in_part)
-        self._warned = False
-
-    def _saved_in_part(self) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                f"shard={self.mode!r}: a file saved by Keras on one worker holds the optimizer's iteration and "
-                "learning rate, not its sharded state; RDMAStrategy.export(model, path) on every worker writes it whole"
-            )
 
     # -- the plan: layout, pieces and the optimizer's copy, made once per set of variables -----------------
 

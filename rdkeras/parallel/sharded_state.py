@@ -4,10 +4,13 @@ rdkeras.parallel.sharded_checkpoint)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rdkeras import fitting, keras_internals
+from rdkeras._log import logger
 from rdkeras.fitting.backup import OPTIMIZER_SHARDS
 from rdkeras.parallel import sharded_checkpoint
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
@@ -27,6 +30,8 @@ class ShardedState:
         sparse_as_dense: bool
         backup_folder: Any
         _sharded: dict[int, ShardedUpdate]
+        _saving: dict[int, list[Any]]
+        _told_saved_in_part: bool
         _averages: list[GradientAllreduce]
 
         @property
@@ -47,11 +52,33 @@ class ShardedState:
             self.collectives, inner, self.shard, average if inner is optimizer else None, self.sparse_as_dense
         )
         self._sharded[id(model)] = update
+        keras_internals.saves_own_variables(optimizer, lambda: self._saved_variables(model))
         fitting.distribute_optimizer(inner, update.apply)
         if inner is not optimizer and average is not None:
             fitting.distribute_optimizer(optimizer, lambda _o, base, grads, variables: base(average(grads), variables))
         elif inner is not optimizer:
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
+
+    def _saved_variables(self, model: Any) -> list[Any]:
+        """What a file Keras writes holds of `model`'s sharded optimizer: what :meth:`optimizer_saved_as` says,
+        else its own variables (iteration, learning rate), which a save on one worker is told once."""
+        if id(model) in self._saving:
+            return self._saving[id(model)]
+        if not self._told_saved_in_part:
+            self._told_saved_in_part = True
+            logger.warning(
+                f"shard={self.shard!r}: a file saved by Keras on one worker holds the optimizer's iteration and "
+                "learning rate, not its sharded state; RDMAStrategy.export(model, path) on every worker writes it whole"
+            )
+        return list(model.optimizer.variables)
+
+    @contextlib.contextmanager
+    def optimizer_saved_as(self, model: Any, variables: Sequence[Any]) -> Iterator[None]:
+        self._saving[id(model)] = list(variables)
+        try:
+            yield
+        finally:
+            del self._saving[id(model)]
 
     def whole_optimizer_state(self, model: Any) -> list[Any] | None:
         update = self._sharded.get(id(model))

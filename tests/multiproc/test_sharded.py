@@ -46,6 +46,16 @@ def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
     assert sum(state["optimizer"] for state in states) >= one["optimizer"], (states, one)
 
 
+@pytest.mark.parametrize("mode", SHARD_MODES)
+def test_a_keras_save_on_one_worker_says_once_that_it_holds_part_of_the_optimizer(pattern_runs, mode):
+    # Two saves of each model by Keras itself on each worker: told once per worker, mixed precision's
+    # LossScaleOptimizer included (Keras saves the outer optimizer).
+    for rank, worker in enumerate(pattern_runs["data"]):
+        told = [m for name in NAMES for m in worker[f"{name}@{mode}"]["told_saved_in_part"]]
+        assert len(told) == len(NAMES), f"worker {rank}, shard={mode}: {told}"
+        assert all("RDMAStrategy.export(model, path)" in m for m in told), told
+
+
 def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer_state(pattern_runs):
     # RDMAStrategy.export gathered the shards: each file, loaded by a process that never imports rdkeras, holds the
     # optimizer state one process's file holds -- iteration, moments, loss scale -- as one process trained it.

@@ -18,8 +18,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np
 
-from rdkeras.fitting.saving import variables_bytes
-
 PATTERNS: dict = {}
 SEED = 1234
 # The patterns that apply to a pipeline too (a Functional or Sequential model of several layers, one per strategy).
@@ -788,6 +786,8 @@ def kerashub_lora(env):
     history = lm.fit(x, tokens[:, 1:], batch_size=16, epochs=1, verbose=0)
     out = _result(lm, history)
     if env.distributed:  # what crossed the wire in the 2 steps, against the bytes of the trainable weights and of all
+        from rdkeras.fitting.saving import variables_bytes
+
         out["wire"] = {
             "sent": env.strategy.engine.traffic()["bytes_written"] - before,
             "trainable": variables_bytes(lm.trainable_variables),
@@ -870,10 +870,13 @@ def ragged_inputs(env):
 def _with_state(env, model, result: dict) -> dict:
     """`result` and the bytes of model state this process holds: its weights, its optimizer's state. The model is
     saved as model.keras (distributed: by RDMAStrategy.export, the optimizer's state whole), for load_optimizer."""
+    from rdkeras.fitting.saving import variables_bytes  # (lazily: load_optimizer's process never imports rdkeras)
+
     path = os.path.join(env.tmp, "model.keras")
     if env.distributed:
         result["state"] = env.strategy.state_bytes(model)
         env.strategy.export(model, path)
+        result["told_saved_in_part"] = _warnings_saving_twice(env, model)
     else:
         model.save(path)
         result["state"] = {
@@ -881,6 +884,29 @@ def _with_state(env, model, result: dict) -> dict:
             "optimizer": variables_bytes(model.optimizer.variables),
         }
     return result
+
+
+def _warnings_saving_twice(env, model) -> list[str]:
+    """What rdkeras warns when Keras saves the sharded model twice on this worker, weights with its optimizer."""
+    import logging
+
+    from rdkeras._log import logger
+
+    said: list[str] = []
+
+    class Caught(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    caught = Caught(logging.WARNING)
+    logger.addHandler(caught)
+    try:
+        rank = env.strategy.worker_index
+        for i in range(2):
+            model.save_weights(os.path.join(env.tmp, f"plain-{rank}-{i}.weights.h5"))
+    finally:
+        logger.removeHandler(caught)
+    return said
 
 
 @sharded
