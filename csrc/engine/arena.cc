@@ -1,5 +1,6 @@
 #include "engine/arena.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -49,6 +50,13 @@ Arena::Arena(size_t capacity) {
 Arena::~Arena() {
   if (base_) munmap(base_, capacity_);
   if (fd_ >= 0) close(fd_);
+}
+
+bool Arena::discard(uint64_t offset, size_t length) {
+  // Punched out of the memfd, the pages leave every mapping of it: this process's and its peers'.
+  return length > 0 && offset + length <= capacity_ &&
+         fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                   static_cast<off_t>(length)) == 0;
 }
 
 uint64_t Arena::insert(RegionKind kind, uint64_t addr, uint64_t length, uint64_t rkey) {

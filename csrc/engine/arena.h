@@ -73,6 +73,9 @@ class Arena {
   uint64_t offsetOf(const void* p) const { return static_cast<const uint8_t*>(p) - base_; }
 
   const RegionTable& table() const { return *table_; }
+  // Gives the pages of [offset, offset + length) back to the kernel: they cost no memory until touched
+  // again, and read as zeros then. Page-aligned ranges only; returns whether the kernel took them.
+  bool discard(uint64_t offset, size_t length);
   // Owner side. Thread-safe.
   uint64_t insert(RegionKind kind, uint64_t addr, uint64_t length, uint64_t rkey = 0);
   bool remove(uint64_t key);

@@ -56,6 +56,10 @@ void TensorTracker::release(void* p) {
   const uint64_t cls = blocks_.at(off);
   counters_.pool_bytes_in_use -= cls;
   free_[cls].push_back(off);
+  // A large block kept in its size class's free list would stay resident, as large as the largest one-off
+  // (the start's broadcast of the weights); its address range stays reserved for the next of its class.
+  if (cls >= kDiscardBytes && !block_keys_.count(off) && arena_.discard(off, cls))
+    counters_.pool_bytes_discarded += cls;
 }
 
 uint64_t TensorTracker::insertLocked(const void* p, size_t n) {

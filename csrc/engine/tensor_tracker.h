@@ -32,6 +32,7 @@ struct TrackerCounters {
   uint64_t pool_reuses = 0;  // allocations served from a free list
   uint64_t pool_bytes_reserved = 0;
   uint64_t pool_bytes_in_use = 0;
+  uint64_t pool_bytes_discarded = 0;  // released blocks' pages given back to the kernel (summed)
 };
 
 class TensorTracker {
@@ -40,6 +41,10 @@ class TensorTracker {
   static constexpr size_t kExternalCacheEntries = 64;
 
   explicit TensorTracker(Arena& arena);
+
+  // Released blocks of this size or more give their pages back to the kernel, unless a registration
+  // cached for good (see lookupOrRegister) may pin them.
+  static constexpr size_t kDiscardBytes = size_t{1} << 20;
 
   // A block of at least n bytes (n may be 0), 64-byte aligned, from the arena.
   void* allocate(size_t n);

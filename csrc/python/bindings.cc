@@ -65,6 +65,7 @@ py::dict countersDict(const TrackerCounters& c) {
   d["pool_reuses"] = c.pool_reuses;
   d["pool_bytes_reserved"] = c.pool_bytes_reserved;
   d["pool_bytes_in_use"] = c.pool_bytes_in_use;
+  d["pool_bytes_discarded"] = c.pool_bytes_discarded;
   return d;
 }
 

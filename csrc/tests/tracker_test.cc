@@ -1,5 +1,6 @@
 // The tensor tracker: size classes, pool reuse, the registration cache.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 
@@ -40,6 +41,39 @@ TEST_CASE("a released block comes back for the same class, aligned") {
   t.release(b);
   CHECK_THROWS_AS(t.release(b), EngineError);  // twice
   t.release(c);
+}
+
+namespace {
+size_t residentBytes(const Arena& arena) {  // the memfd's pages the kernel holds
+  struct stat st{};
+  REQUIRE(fstat(arena.fd(), &st) == 0);
+  return static_cast<size_t>(st.st_blocks) * 512;
+}
+}  // namespace
+
+TEST_CASE("a large released block gives its pages back; one a registration may pin keeps them") {
+  Arena arena(size_t{64} << 20);
+  TensorTracker t(arena);
+  const size_t n = size_t{4} << 20;
+  auto* big = static_cast<uint8_t*>(t.allocate(n));
+  std::memset(big, 7, n);
+  const size_t touched = residentBytes(arena);
+  CHECK(touched >= n);
+  t.release(big);
+  CHECK(residentBytes(arena) <= touched - n);
+  CHECK(t.counters().pool_bytes_discarded == TensorTracker::sizeClass(n));
+  auto* again = static_cast<uint8_t*>(t.allocate(n));  // the same block, its pages fresh zeros
+  CHECK(again == big);
+  CHECK(again[0] == 0);
+  CHECK(again[n - 1] == 0);
+  std::memset(again, 7, n);
+  t.lookupOrRegister(again, n);  // cached for good: verbs would pin its pages
+  t.release(again);
+  CHECK(t.counters().pool_bytes_discarded == TensorTracker::sizeClass(n));
+  auto* small = static_cast<uint8_t*>(t.allocate(100000));  // below kDiscardBytes: kept as it is
+  std::memset(small, 7, 100000);
+  t.release(small);
+  CHECK(t.counters().pool_bytes_discarded == TensorTracker::sizeClass(n));
 }
 
 TEST_CASE("an exhausted arena names the variable to raise") {

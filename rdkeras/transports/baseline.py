@@ -39,6 +39,7 @@ COUNTER_NAMES = (
     "pool_reuses",
     "pool_bytes_reserved",
     "pool_bytes_in_use",
+    "pool_bytes_discarded",
 )
 TRAFFIC_NAMES = ("bytes_written", "bytes_read", "writes", "reads", "flags", "bytes_received", "wait_seconds")
 

@@ -764,6 +764,28 @@ def resolved_rank() -> dict:
     return {"rank": cluster.resolve().rank}
 
 
+OWNED = [((3000,), "float32", 1), ((7, 5), "float64", 0), ((1000,), "int64", -1), ((33,), "bool", 0),
+         ((0, 4), "float32", 1), ((), "float32", 0), ((100,), "float16", 1)]  # fmt: skip
+
+
+def owned_value(shape: tuple, dtype: str, rank: int) -> np.ndarray:
+    """What rank `rank` holds of an array of OWNED (owners send theirs, the others something else)."""
+    values = np.random.default_rng(rank).standard_normal(shape) * 1000
+    return (values > 0) if dtype == "bool" else values.astype(dtype)
+
+
+def from_owners_round_trip() -> dict:
+    """Every array of OWNED from its owner (-1: the last rank), by Collectives.from_owners."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine() as eng:
+        collectives = Collectives(eng, 4096)
+        owners = [o % eng.world_size for _, _, o in OWNED]
+        got = collectives.from_owners([owned_value(s, d, eng.rank) for s, d, _ in OWNED], owners)
+        return {"got": [[g.dtype.name, list(g.shape), g.astype(np.float64).ravel().tolist()] for g in got],
+                "discarded": eng.counters()["pool_bytes_discarded"]}  # fmt: skip
+
+
 def shard_round_trip(counts: list[int], transport_bucket: int = 4096, calls: int = 3) -> dict:
     """For each count: a flat float32 buffer padded to the members' shards, reduce-scattered (sums, then means),
     each member adding its rank to its shard, then allgathered; and one float64 buffer the same way."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import numpy as np
@@ -25,6 +25,26 @@ from rdkeras.transports.base import ShardingRing
 _FLOAT_KINDS = ("float32", "float64")
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
 _KEPT_BYTES = 1 << 20  # from_owners above this runs on a ring released after it
+_CHUNK_BYTES = 32 << 20  # the most a from_owners call moves at once
+
+
+def _chunks(arrays: Sequence[np.ndarray], limit: int) -> Iterator[list[tuple[int, int, int]]]:
+    """`arrays` in consecutive calls of at most `limit` bytes on the wire: each a list of (array, first, last
+    element) ranges of the flattened arrays, the larger arrays split."""
+    chunk: list[tuple[int, int, int]] = []
+    used = 0
+    for i, a in enumerate(arrays):
+        item = wire_dtype(a.dtype).itemsize
+        step = max(1, limit // item)
+        for lo in range(0, max(a.size, 1), step):
+            hi = min(a.size, lo + step)
+            if chunk and used + (hi - lo) * item > limit:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append((i, lo, hi))
+            used += (hi - lo) * item
+    if chunk:
+        yield chunk
 
 
 def wire_dtype(dtype: np.dtype) -> np.dtype:
@@ -258,16 +278,21 @@ class Collectives:
         me = self.engine.rank
         if self.size == 1 or not arrays:
             return [np.array(a, copy=True) for a in arrays]
-        wire = [
-            (np.asarray(a).astype(wire_dtype(a.dtype)) if o == me else np.zeros(np.shape(a), wire_dtype(a.dtype)))
-            for a, o in zip(arrays, owners, strict=True)
-        ]
-        # A large one (the weights at the start) on a ring of its own, released after: its registered memory goes
-        # back to the engine's pool, for the rings made later, instead of staying as large as the model.
-        large = sum(w.nbytes for w in wire) > _KEPT_BYTES
+        arrays = [np.asarray(a) for a in arrays]
+        out = [np.empty(a.shape, a.dtype) for a in arrays]
+        # A large one (the weights at the start) on a ring of its own, released after, and in calls of at most
+        # _CHUNK_BYTES: its registered memory and its copies stay that size, however large the model.
+        large = sum(a.size * wire_dtype(a.dtype).itemsize for a in arrays) > _KEPT_BYTES
         purpose = "broadcast" if large else "sync"
-        summed = self.allreduce(wire, average=False, purpose=purpose)
-        out = [s.reshape(np.shape(a)).astype(np.asarray(a).dtype) for s, a in zip(summed, arrays, strict=True)]
+        for chunk in _chunks(arrays, _CHUNK_BYTES):
+            wire = [
+                arrays[i].reshape(-1)[lo:hi].astype(wire_dtype(arrays[i].dtype))
+                if owners[i] == me
+                else np.zeros(hi - lo, wire_dtype(arrays[i].dtype))
+                for i, lo, hi in chunk
+            ]
+            for (i, lo, hi), summed in zip(chunk, self.allreduce(wire, average=False, purpose=purpose), strict=True):
+                out[i].reshape(-1)[lo:hi] = summed
         if large:
             self.release(purpose)
         return out
