@@ -23,7 +23,10 @@ backups across workers) is its own policy, in :mod:`rdkeras.fitting`. Here:
   backend's random draws and the loss reduction while a data-parallel step (or a
   pipeline's micro-batch) is traced on this thread (:func:`global_batch_step`: a
   draw the size of this replica's rows becomes its rows of the global batch's
-  draw, and losses reduce as over the global batch).
+  draw, and losses reduce as over the global batch); and while a strategy lives,
+  the TensorFlow backend's ``remat`` (keras.remat, keras.RematScope's layers) and
+  ``SeedGenerator.next`` (:func:`hold_remat`: a recompute inside a traced step,
+  drawing the seeds its forward pass drew).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ _HOOKS = (
     ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_use_weight_decay"),
     ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_var_key"),
     ("keras.src.optimizers.base_optimizer.BaseOptimizer", "_learning_rate"),
+    ("keras.src.backend.tensorflow.core", "remat"),
+    ("keras.src.random.seed_generator.SeedGenerator", "next"),
 )
 # Attributes that exist only on instances (set in __init__/compile/build).
 _INSTANCE_ATTRS = {
@@ -468,6 +473,8 @@ PATCH_TABLE = {
     "random.randint": _RANDOM_DRAW,
     "random.dropout": "global_batch_step: Dropout's keep mask, its rows of the global batch's mask",
     "losses.reduce_weighted_values": "global_batch_step: a loss reduces as one process's over the global batch",
+    "backend.remat": "hold_remat: keras.remat/RematScope in a traced step (tf.recompute_grad refuses keywords there)",
+    "SeedGenerator.next": "hold_remat: a rematerialized call's recompute draws the seeds its forward pass drew",
 }
 _active: list[tuple[str, Any, str, Any]] = []  # (site, owner, attribute, the value it replaced), in order
 
@@ -807,3 +814,111 @@ def weight_gradients(layer: Any, inputs: Any, pre_activation_grads: Any) -> list
         return tape.gradient(outputs, layer.trainable_variables, output_gradients=pre_activation_grads)
     finally:
         layer.activation = activation
+
+
+# -- rematerialization: keras.remat and keras.RematScope on the TensorFlow backend -----------------------------
+
+_remat = threading.local()  # .frames: the rematerialized calls traced on this thread now, innermost last
+_remat_holders: list[Callable[[], None]] = []  # the undo of hold_remat's patches, while any holder is left
+_remat_count = [0]
+
+
+class _RematFrame:
+    """One rematerialized call on this thread: the seeds its forward pass drew, by generator (recording), or
+    those it hands out again (the recompute, replaying)."""
+
+    def __init__(self, seeds: dict[int, list[Any]], replay: bool):
+        self.seeds, self.replay = seeds, replay
+        self.taken: dict[int, int] = {}
+
+
+def _remat_frames() -> list[_RematFrame]:
+    if not hasattr(_remat, "frames"):
+        _remat.frames = []
+    return _remat.frames  # type: ignore[no-any-return]
+
+
+def remat(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras's TensorFlow ``remat`` (``tf.recompute_grad(f)``), as rdkeras runs it (:func:`hold_remat`): `f`'s
+    floating-point tensor arguments, positional or keyword, are the recomputed function's inputs and the rest
+    (``training=True``, masks, None) is closed over -- ``tf.recompute_grad`` refuses keywords in a traced step,
+    which is where ``fit`` runs, so Keras's own fails for every mode but "activations" --; the recompute draws
+    the random seeds the forward pass drew (Dropout's mask is the forward's, so the gradient is the forward's
+    function's), and runs under the forward's :func:`global_batch_step` (a pipeline's micro-batch: its rows of
+    the global batch's draws), wherever the backward pass is traced."""
+    import tensorflow as tf
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        flat = tf.nest.flatten((args, kwargs))
+        moving = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.dtype.is_floating]
+        if not moving:  # nothing to differentiate by: no activation to keep either
+            return f(*args, **kwargs)
+        seeds: dict[int, list[Any]] = {}
+        batch = current_global_batch()
+        runs = [0]
+
+        def body(*tensors: Any) -> Any:
+            leaves = list(flat)
+            for i, t in zip(moving, tensors, strict=True):
+                leaves[i] = t
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), leaves)
+            frame = _RematFrame(seeds, replay=runs[0] > 0)
+            runs[0] += 1
+            again = frame.replay and batch is not None and current_global_batch() is not batch
+            frames = _remat_frames()
+            frames.append(frame)
+            try:
+                with global_batch_step(batch) if again else contextlib.nullcontext():
+                    return f(*a, **kw)
+            finally:
+                frames.remove(frame)
+
+        return tf.recompute_grad(body)(*[flat[i] for i in moving])
+
+    return call
+
+
+def _replaying_next(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``SeedGenerator.next`` inside rematerialized calls: a recompute hands out the seeds its forward drew (the
+    generator does not advance again), and every forward records what it draws for the recomputes around it."""
+
+    @functools.wraps(previous)
+    def next_seed(generator: Any, ordered: bool = True) -> Any:
+        frames = _remat_frames()
+        if not frames:
+            return previous(generator, ordered)
+        source = max((i for i, frame in enumerate(frames) if frame.replay), default=-1)
+        value = None
+        if source >= 0:
+            frame = frames[source]
+            drawn, at = frame.seeds.get(id(generator), []), frame.taken.get(id(generator), 0)
+            if at < len(drawn):
+                value, frame.taken[id(generator)] = drawn[at], at + 1
+        if value is None:
+            value = previous(generator, ordered)
+        for frame in frames[source + 1 :]:
+            frame.seeds.setdefault(id(generator), []).append(value)
+        return value
+
+    return next_seed
+
+
+def hold_remat() -> None:
+    """Until as many :func:`release_remat`, Keras's TensorFlow backend rematerializes with :func:`remat`
+    (``keras.remat``, and the layers a ``keras.RematScope`` made: their mode is fixed when they are created)."""
+    from keras.src.backend.tensorflow import core
+    from keras.src.random import seed_generator
+
+    if _remat_count[0] == 0:
+        owner = seed_generator.SeedGenerator
+        _remat_holders.append(_replace("SeedGenerator.next", owner, "next", _replaying_next(owner.__dict__["next"])))
+        _remat_holders.append(_replace("backend.remat", core, "remat", remat))
+    _remat_count[0] += 1
+
+
+def release_remat() -> None:
+    _remat_count[0] -= 1
+    if _remat_count[0] == 0:
+        while _remat_holders:
+            _remat_holders.pop()()

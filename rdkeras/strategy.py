@@ -216,6 +216,7 @@ class RDMAStrategy(CustomLoops, ModelState):
             raise
         self._closed = False
         keras_internals.route_trainer_methods(self._route)
+        keras_internals.hold_remat()  # keras.RematScope's layers in traced steps (released at close)
 
     # -- where this process sits ------------------------------------------------------
 
@@ -378,6 +379,7 @@ class RDMAStrategy(CustomLoops, ModelState):
             return
         self._closed = True
         keras_internals.unroute_trainer_methods(self._route)
+        keras_internals.release_remat()
         self._parallel.detach_all()
         self.engine.close()
 

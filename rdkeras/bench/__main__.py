@@ -1,5 +1,5 @@
 """python -m rdkeras.bench BENCH [options]: sendrecv, allreduce, algorithms, fit, pipeline, paper, hosts, elastic,
-embedding, memory."""
+embedding, memory, remat."""
 
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ def main(argv: list[str] | None = None) -> int:
     to_stderr()  # an application: rdkeras's messages are shown
     parser = argparse.ArgumentParser(prog="python -m rdkeras.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    from rdkeras.bench import algorithms, allreduce, elastic, embedding, fit, hosts, memory, paper, pipeline, sendrecv
+    from rdkeras.bench import (
+        algorithms,
+        allreduce,
+        elastic,
+        embedding,
+        fit,
+        hosts,
+        memory,
+        paper,
+        pipeline,
+        remat,
+        sendrecv,
+    )
 
     benches = {
         "sendrecv": sendrecv,
@@ -26,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "elastic": elastic,
         "embedding": embedding,
         "memory": memory,
+        "remat": remat,
     }
     for name, module in benches.items():
         module.add_arguments(sub.add_parser(name, help=(module.__doc__ or name).splitlines()[0]))

@@ -187,6 +187,23 @@ def validate(cfg: Any) -> None:
     if "samples" in cfg.data and cfg.data.samples is None and trainer.steps_per_epoch is None:
         raise ConfigError("synthetic data is sized by trainer.steps_per_epoch: set it (or data.samples)")
     _check_objective(trainer)
+    arguments = remat_arguments(trainer.get("remat"))
+    if arguments is not None and arguments["mode"] == "list_of_layers" and not arguments["layer_names"]:
+        raise ConfigError("trainer.remat.mode=list_of_layers recomputes the layers trainer.remat.layer_names names: "
+                          "name them (e.g. 'trainer.remat.layer_names=[dense_1,dense_2]')")  # fmt: skip
+
+
+def remat_arguments(setting: Any) -> dict[str, Any] | None:
+    """``keras.RematScope``'s arguments from ``trainer.remat`` (a mapping, or a mode alone); None: no
+    rematerialization (null, or mode null or "none")."""
+    if isinstance(setting, str) or setting is None:
+        setting = {"mode": setting}
+    mode = setting.get("mode")
+    if mode in (None, "none"):
+        return None
+    threshold = setting.get("output_size_threshold")
+    return {"mode": mode, "output_size_threshold": 1024 if threshold is None else threshold,
+            "layer_names": list(setting.get("layer_names") or [])}  # fmt: skip
 
 
 def check_values(cfg: Any) -> None:

@@ -78,6 +78,17 @@ HEARTBEAT = Rule(
 UPDATE_FREQ = Rule(
     "a whole number >= 1, 'batch' or 'epoch'", lambda v: v in ("batch", "epoch") or (_whole(v) and v >= 1)
 )
+# keras.RematScope's modes (trainer.remat.mode; "none" and null: no rematerialization).
+REMAT_MODES = ("none", "full", "activations", "larger_than", "list_of_layers")
+REMAT_MODE = Rule(f"one of {', '.join(REMAT_MODES)}", lambda v: v in REMAT_MODES, null="no rematerialization")
+REMAT = Rule(  # trainer.remat=full on the command line: the mode alone
+    f"a mapping (mode, output_size_threshold, layer_names) or one of {', '.join(REMAT_MODES)}",
+    lambda v: isinstance(v, Mapping) or v in REMAT_MODES,
+    null="no rematerialization",
+)
+LAYER_NAMES = Rule(
+    "a list of layer names", lambda v: isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)
+)
 # Setting -> its rules, checked in order (the first that fails is the error).
 RULES: dict[str, tuple[Rule, ...]] = {
     "cluster.num_workers": (whole(1),),
@@ -91,6 +102,10 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "trainer.threads": (whole(1, null="cores / local workers"),),
     "trainer.seed": (whole(0, 2**32 - 1),),
     "trainer.verbose": (whole(0, 2),),
+    "trainer.remat": (REMAT,),
+    "trainer.remat.mode": (REMAT_MODE,),
+    "trainer.remat.output_size_threshold": (whole(0),),
+    "trainer.remat.layer_names": (LAYER_NAMES,),
     # A schedule's config (a mapping) is the optimizer's to check.
     "trainer.optimizer.learning_rate": (
         Rule("a finite number > 0", lambda v: isinstance(v, Mapping) or (_number(v) and v > 0)),

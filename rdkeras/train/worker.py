@@ -18,7 +18,7 @@ from typing import Any
 from rdkeras import cluster, options
 from rdkeras.parallel import canonical, is_auto
 from rdkeras.train import divergence
-from rdkeras.train.config import ConfigError, check_placement
+from rdkeras.train.config import ConfigError, check_placement, remat_arguments
 
 
 def make_strategy(cfg: Any) -> Any:
@@ -76,9 +76,22 @@ def build_model(cfg: Any, data: Any) -> Any:
     # Sizes a model config leaves open (null) come from the data, e.g. a corpus's vocabulary.
     filled = {k: v for k, v in data.info.items() if k in cfg.model and cfg.model[k] is None}
     try:
-        return instantiate(cfg.model, **filled)
+        with remat_scope(cfg.trainer.get("remat")):
+            return instantiate(cfg.model, **filled)
     except Exception as e:
         raise ConfigError(f"cannot build model {cfg.model._target_}: {e}") from None
+
+
+def remat_scope(setting: Any) -> Any:
+    """``keras.RematScope`` as ``trainer.remat`` says (a null context without it): Keras fixes each layer's mode when
+    the layer is created, so the model is built under it, on every worker alike, and its calls recompute anywhere
+    (a pipeline's stages too)."""
+    import contextlib
+
+    import keras
+
+    arguments = remat_arguments(setting)
+    return contextlib.nullcontext() if arguments is None else keras.RematScope(**arguments)
 
 
 def perplexity_callback() -> Any:

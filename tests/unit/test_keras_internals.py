@@ -187,3 +187,45 @@ def test_every_patch_is_in_the_table_and_undone_on_the_way_out():
     with pytest.raises(KeyError, match=r"not in keras_internals\.PATCH_TABLE"):
         keras_internals._replace("Model.train_step", keras.Model, "train_step", None)
     assert "train_step" not in vars(keras.Model)
+
+
+def _remat_gradients(mode: str | None) -> list[np.ndarray]:
+    """A Dense layer and a Dropout built under ``keras.RematScope(mode)`` (None: none): their weight gradients in a
+    traced step, as fit computes them (``training=True`` reaches the layers' calls as a keyword)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(3)
+    with keras.RematScope(mode) if mode else contextlib.nullcontext():
+        dense, dropout = keras.layers.Dense(5, activation="relu"), keras.layers.Dropout(0.5)
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype("float32")
+
+    @tf.function
+    def step(x: tf.Tensor) -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dropout(dense(x), training=True) ** 2)
+        return tape.gradient(loss, dense.trainable_variables)
+
+    return [g.numpy() for g in step(x)]
+
+
+def test_rematerialization_runs_in_a_traced_step_and_recomputes_the_forward_pass():
+    from keras.src.backend.tensorflow import core
+
+    keras_own = core.remat
+    with pytest.raises(ValueError, match="keywords arguments only when eager"):  # Keras's own, in a traced step
+        _remat_gradients("full")
+    plain = _remat_gradients(None)
+    keras_internals.hold_remat()
+    keras_internals.hold_remat()  # (two strategies)
+    try:
+        keras_internals.release_remat()
+        assert {p.split()[0] for p in keras_internals.active_patches()} == {"backend.remat", "SeedGenerator.next"}
+        for mode in ("full", "larger_than", "activations"):
+            # The recompute draws the forward's Dropout mask: the gradient of what the forward pass computed.
+            for g, expected in zip(_remat_gradients(mode), plain, strict=True):
+                np.testing.assert_allclose(g, expected, rtol=0, atol=1e-6, err_msg=mode)
+    finally:
+        keras_internals.release_remat()
+    assert core.remat is keras_own and keras_internals.active_patches() == []

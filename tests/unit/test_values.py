@@ -107,3 +107,45 @@ def test_a_global_batch_larger_than_the_data_is_refused_when_the_data_are_loaded
         r"choose at most 1347$",
     ):
         check_batch_size(2048, data)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.remat.mode=fast"], "trainer.remat.mode must be one of none, full, activations, larger_than, "
+         "list_of_layers or null (no rematerialization), got 'fast'"),
+        (["trainer.remat=fast"], "trainer.remat must be a mapping (mode, output_size_threshold, layer_names) or one "
+         "of none, full, activations, larger_than, list_of_layers or null (no rematerialization), got 'fast'"),
+        (["trainer.remat.mode=larger_than", "trainer.remat.output_size_threshold=-1"],
+         "trainer.remat.output_size_threshold must be a whole number >= 0, got -1"),
+        (["trainer.remat.layer_names=dense"], "trainer.remat.layer_names must be a list of layer names, got 'dense'"),
+        (["trainer.remat.mode=list_of_layers"], "trainer.remat.mode=list_of_layers recomputes the layers "
+         "trainer.remat.layer_names names: name them"),
+    ],
+)  # fmt: skip
+def test_a_bad_remat_setting_names_the_setting_and_the_modes(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        validate(compose(overrides))
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "scope"),
+    [
+        ([], None),
+        (["trainer.remat.mode=none"], None),
+        (["trainer.remat=full"], ("full", 1024, [])),
+        (["trainer.remat.mode=larger_than", "trainer.remat.output_size_threshold=4096"], ("larger_than", 4096, [])),
+        (["trainer.remat.mode=list_of_layers", "trainer.remat.layer_names=[fc1,fc2]"],
+         ("list_of_layers", 1024, ["fc1", "fc2"])),
+    ],
+)  # fmt: skip
+def test_the_remat_setting_gives_the_model_a_remat_scope(overrides, scope):
+    from rdkeras.train.worker import remat_scope
+
+    cfg = compose(overrides)
+    validate(cfg)
+    made = remat_scope(cfg.trainer.remat)
+    got = None if scope is None and not hasattr(made, "mode") else (made.mode, made.output_size_threshold,
+                                                                     made.layer_names)  # fmt: skip
+    assert got == scope
