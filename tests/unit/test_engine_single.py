@@ -326,7 +326,7 @@ def test_the_rdkeras_command_runs_each_entry_point_by_name(tmp_path):
     bench = run("bench", "--help")
     assert (
         bench.returncode == 0
-        and "{sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic,embedding,memory}" in bench.stdout
+        and "{sendrecv,allreduce,algorithms,fit,pipeline,paper,hosts,elastic,embedding,memory,remat}" in bench.stdout
     )
     launch = run("launch", "--help")
     assert launch.returncode == 0 and "-n PER_NODE" in launch.stdout
