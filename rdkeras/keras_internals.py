@@ -322,6 +322,12 @@ def state_variables(model: Any) -> list[Any]:
     return list(model.weights) + extra
 
 
+def iteration_counter(optimizer: Any) -> Any:
+    """The variable counting `optimizer`'s ``apply`` calls: ``iterations`` is a tensor, the updates so far, under
+    gradient accumulation."""
+    return optimizer._iterations
+
+
 def tracked_variables(optimizer: Any) -> list[Any]:
     """The variables a built optimizer updates (what ``apply`` defaults to)."""
     return list(optimizer._trainable_variables)
@@ -342,8 +348,14 @@ def build_without_slots(optimizer: Any) -> None:
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     def build(self: Any, variables: Any) -> None:
-        if not self.built:
+        if self.built:
+            return
+        per_variable = self.use_ema, self.gradient_accumulation_steps  # (moving averages, accumulators)
+        self.use_ema, self.gradient_accumulation_steps = False, None
+        try:
             BaseOptimizer.build(self, list(variables))
+        finally:
+            self.use_ema, self.gradient_accumulation_steps = per_variable
 
     override(optimizer, "build", build)
 

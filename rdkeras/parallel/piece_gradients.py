@@ -1,10 +1,12 @@
 """Keras's arithmetic on gradients, reproduced for pieces of variables (rdkeras.parallel.sharded_optimizer): a
 clip by norm in Keras's order of operations, the elements of an IndexedSlices gradient that a piece holds, the
-values Keras squares for a norm; and an optimizer's per-variable state, by variable and slot name."""
+values Keras squares for a norm; clipping and moving averages as Keras computes them; and an optimizer's
+per-variable state, by variable and slot name."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,56 @@ def clip_by_norm(t: Any, clipnorm: float, denominator: Any) -> Any:
     import tensorflow as tf
 
     return t * clipnorm / tf.cast(denominator, t.dtype)
+
+
+def clipping(optimizer: Any, present: list[bool], squared_norms: Callable[[], list]) -> list:
+    """Per variable, what the compiled optimizer's clipping does to its gradient (Keras's arithmetic, from the
+    whole gradients' norms, which `squared_norms` gives where needed): a function of a tensor."""
+    import tensorflow as tf
+
+    o = optimizer
+    same: list[Callable[[Any], Any]] = [lambda t: t] * len(present)
+    if o.clipnorm and o.clipnorm > 0:
+        squares = squared_norms()
+        out: list[Callable[[Any], Any]] = []
+        for i, g in enumerate(present):
+            if not g:
+                out.append(same[i])
+                continue
+            l2sum = squares[i]
+            l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, tf.ones_like(l2sum))), l2sum)
+            denominator = tf.maximum(l2norm, tf.cast(o.clipnorm, l2norm.dtype))
+            out.append(functools.partial(clip_by_norm, clipnorm=o.clipnorm, denominator=denominator))
+        return out
+    if o.global_clipnorm and o.global_clipnorm > 0:
+        squares = squared_norms()
+        norm = tf.sqrt(tf.reduce_sum(tf.stack([squares[i] for i, g in enumerate(present) if g])))
+        scale = o.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / o.global_clipnorm)
+        scale = scale + (norm - norm)
+        return [lambda t: t * tf.cast(scale, t.dtype)] * len(present)
+    if o.clipvalue and o.clipvalue > 0:
+        return [lambda t: tf.clip_by_value(t, -o.clipvalue, o.clipvalue)] * len(present)
+    return same
+
+
+def moving_average(optimizer: Any, pieces: list, averages: list) -> Any:
+    """Keras's ``use_ema`` arithmetic on pieces: each piece's moving average (`averages`) updated every call;
+    whether they were written into the pieces (every ``ema_overwrite_frequency`` calls; a tensor)."""
+    import tensorflow as tf
+
+    momentum = tf.cast(tf.not_equal(optimizer.iterations, 0), pieces[0].dtype) * optimizer.ema_momentum
+    for piece, average in zip(pieces, averages, strict=True):
+        average.assign(momentum * average + (1 - momentum) * piece)
+    frequency = optimizer.ema_overwrite_frequency
+    if not frequency:
+        return tf.constant(False)
+
+    def overwrite() -> Any:
+        for piece, average in zip(pieces, averages, strict=True):
+            piece.assign(average)
+        return tf.constant(True)
+
+    return tf.cond(tf.equal((optimizer.iterations + 1) % frequency, 0), overwrite, lambda: tf.constant(False))
 
 
 def elements(gradient: Any, lo: int, hi: int, transform: Any) -> Any:

@@ -21,8 +21,7 @@ The compiled optimizer builds none of its per-variable state (:func:`keras_inter
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
-from rdkeras.parallel.piece_gradients import clip_by_norm, elements, slots_by_variable, values_of
+from rdkeras.parallel.piece_gradients import clipping, elements, moving_average, slots_by_variable, values_of
 
 SHARDS = ("none", "optimizer", "gradients")
 
@@ -69,17 +68,12 @@ class ShardedUpdate:
         average: GradientAllreduce | None,
         sparse_as_dense: bool = False,
     ):
-        refused = {
-            "gradient_accumulation_steps": getattr(optimizer, "gradient_accumulation_steps", None),
-            "use_ema": getattr(optimizer, "use_ema", False),
-            "loss_scale_factor": getattr(optimizer, "loss_scale_factor", None),
-        }
-        given = [name for name, value in refused.items() if value]
         if keras_internals.inner_optimizer(optimizer) is not optimizer:
             raise TypeError("a sharded update takes a LossScaleOptimizer's inner optimizer")
-        if given:
+        if getattr(optimizer, "loss_scale_factor", None):
             raise NotImplementedError(
-                f"shard={mode!r} does not run with {', '.join(given)} yet: use shard='none' for this optimizer"
+                f"shard={mode!r} does not run with loss_scale_factor yet: use shard='none' for this optimizer, or "
+                "mixed precision's LossScaleOptimizer"
             )
         if mode not in SHARDS[1:]:
             raise ValueError(f"a sharded update shards 'optimizer' or 'gradients', got {mode!r}")
@@ -90,7 +84,10 @@ class ShardedUpdate:
         self._planned: tuple[int, ...] = ()
         self._copy: Any = None
         self._variables: list[Any] = []
+        self._accumulators: list[Any] = []  # per piece: its gradient_accumulator (gradient_accumulation_steps)
+        self._averages: list[Any] = []  # per piece: its moving average (use_ema)
         keras_internals.build_without_slots(optimizer)
+        keras_internals.override(optimizer, "finalize_variable_values", lambda _o, _variables: self.finalize())
 
     # -- the plan: layout, pieces and the optimizer's copy, made once per set of variables -----------------
 
@@ -129,30 +126,15 @@ class ShardedUpdate:
             config = {**self.optimizer.get_config(), "clipnorm": None, "global_clipnorm": None, "clipvalue": None}
             copy = type(self.optimizer).from_config({**config, "name": f"{self.optimizer.name}_shard"})
             keras_internals.decide_weight_decay(copy, decisions)
-            copy.build([p for g in groups for p in g.pieces])
+            pieces = [p for g in groups for p in g.pieces]
+            copy.build(pieces)
+            # Built with the accumulators and moving averages Keras would make (named as its, for files), which
+            # `apply` drives itself: Keras clips the accumulated gradient, by whole variables' norms.
+            copy.gradient_accumulation_steps, copy.use_ema = None, False
+            slots = slots_by_variable(copy, pieces)
+            self._accumulators = [slots.get((k, "gradient_accumulator")) for k in range(len(pieces))]
+            self._averages = [slots.get((k, "average")) for k in range(len(pieces))]
         self._groups, self._copy, self._planned, self._variables = groups, copy, key, list(variables)
-
-    def consolidated(self) -> Any:
-        """Collective: a plain optimizer of the compiled one's class and config, built on the variables it updates,
-        holding the whole state the workers' shards hold between them -- what one process's optimizer would hold.
-        For a file written whole (``RDMAStrategy.export``); every worker gets it."""
-        optimizer, variables = self.optimizer, self._variables
-        full = type(optimizer).from_config(optimizer.get_config())
-        full.build(variables)
-        full.iterations.assign(optimizer.iterations)
-        if keras_internals.settable_learning_rate(optimizer):
-            full.learning_rate = np.asarray(optimizer.learning_rate)
-        if self._copy is None:
-            return full  # (never stepped: the state is the initial one)
-        slots = slots_by_variable(full, variables)
-        for (g, name), shard in self.shard_slots().items():
-            group = self._groups[g]
-            whole = self.collectives.allgather(shard, purpose="export")
-            for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
-                if (i, name) in slots:
-                    slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
-        self.collectives.release("export")  # (a one-off, as large as the model)
-        return full
 
     @property
     def groups(self) -> list[_Group]:
@@ -166,6 +148,11 @@ class ShardedUpdate:
     def plan(self, variables: Sequence[Any]) -> None:
         """Lays out and builds the shards for `variables` now (the first step would; a restore needs them)."""
         self._plan(variables)
+
+    @property
+    def copy(self) -> Any:
+        """The optimizer that updates this worker's pieces (None before the first step or :meth:`plan`)."""
+        return self._copy
 
     def shard_slots(self) -> dict[tuple[int, str], np.ndarray]:
         """This worker's shard of each per-variable slot ("momentum", ...), by (dtype group, slot name): the
@@ -216,26 +203,84 @@ class ShardedUpdate:
             grads = [r if isinstance(g, tf.IndexedSlices) else g for g, r in zip(grads, rows, strict=True)]
         self._plan(variables)
         shards = {} if self.mode == "optimizer" else {id(g): self._reduce_scatter(g, grads) for g in self._groups}
-        transform = self._clipping(grads, shards)
-        piece_grads = self._piece_gradients(grads, shards, transform)
-        pieces = [p for g in self._groups for p in g.pieces]
         for group in self._groups:
             for (i, lo, hi), piece in zip(group.owned, group.pieces, strict=True):
                 piece.assign(tf.reshape(variables[i], [-1])[lo:hi])
-        copy = self._copy
-        copy.iterations.assign(optimizer.iterations)
-        if keras_internals.settable_learning_rate(optimizer):  # (a value: a variable would be tracked as the copy's)
-            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
-        copy.apply(piece_grads, pieces)
+        present = [g is not None for g in grads]
+        steps = self.optimizer.gradient_accumulation_steps
+        if steps:
+            self._accumulated(optimizer, self._piece_gradients(grads, shards, [None] * len(grads)), present)
+        else:
+            transform = clipping(self.optimizer, present, lambda: self._squared_norms(grads, shards))
+            self._step(optimizer, self._piece_gradients(grads, shards, transform))
+        if self._ema():
+            moving_average(optimizer, self._pieces(), self._averages)
+        # Every piece holds its variable's value, updated or not (or its moving average, written into it): those
+        # with a gradient are gathered, or all where something but the update may have changed them.
+        which = [True] * len(present) if steps or self._ema() else present
         for group in self._groups:
-            self._gather(group, variables, grads)
+            self._gather(group, variables, which)
         for v, g in zip(variables, grads, strict=True):
             if g is not None and v.constraint is not None:
                 v.assign(v.constraint(v))
-        optimizer.iterations.assign_add(1)
+        keras_internals.iteration_counter(optimizer).assign_add(1)
+
+    def _ema(self) -> bool:
+        return any(a is not None for a in self._averages)
+
+    def _pieces(self) -> list[Any]:
+        return [p for g in self._groups for p in g.pieces]
+
+    def _accumulated(self, optimizer: Any, raw: list, present: list[bool]) -> Any:
+        """Keras's gradient accumulation on the pieces' gradients `raw`: every ``gradient_accumulation_steps``
+        calls, their accumulated mean is clipped (by whole variables' norms) and applied; otherwise accumulated.
+        Whether this call updated (a tensor)."""
+        import tensorflow as tf
+
+        steps = optimizer.gradient_accumulation_steps
+        owners = [i for g in self._groups for i, _, _ in g.owned]
+        pairs = list(zip(raw, self._accumulators, strict=True))
+
+        def update() -> Any:
+            mean = [None if r is None else (tf.convert_to_tensor(r) + a) / steps for r, a in pairs]
+            transform = clipping(self.optimizer, present, lambda: self._piece_squares(mean, present))
+            self._step(optimizer, [None if m is None else transform[i](m) for i, m in zip(owners, mean, strict=True)])
+            for a in self._accumulators:
+                a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        def accumulate() -> Any:
+            for r, a in pairs:
+                if r is not None:
+                    a.assign_add(tf.convert_to_tensor(r))
+            return tf.constant(False)
+
+        calls = keras_internals.iteration_counter(optimizer)
+        return tf.cond(tf.equal((calls + 1) % steps, 0), update, accumulate)
+
+    def _step(self, optimizer: Any, piece_grads: list) -> None:
+        """The copy's update of the pieces, at the compiled optimizer's iteration and learning rate."""
+        import tensorflow as tf
+
+        copy = self._copy
+        copy.iterations.assign(optimizer.iterations)  # (the updates so far: the copy does not accumulate)
+        if keras_internals.settable_learning_rate(optimizer):  # (a value: a variable would be tracked as the copy's)
+            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
+        copy.apply(piece_grads, self._pieces())
+
+    def finalize(self) -> None:
+        """Collective, at the end of ``fit`` (Keras's ``finalize_variable_values``): with ``use_ema``, every
+        variable takes its moving average."""
+        if self._copy is None or not self._ema():
+            return
+        for piece, average in zip(self._pieces(), self._averages, strict=True):
+            piece.assign(average)
+        for group in self._groups:
+            self._gather(group, self._variables, [True] * len(self._variables))
 
     def _piece_gradients(self, grads: list, shards: dict, transform: list) -> list:
-        """Each piece's gradient (None where its variable has none), clipped (`transform`, per variable): sliced
+        """Each piece's gradient (None where its variable has none), clipped (`transform`, per variable; None: as it
+        is): sliced
         from the whole averaged gradient, or from this worker's reduce-scattered shard of them; an Embedding's as
         the IndexedSlices of the piece's elements Keras would apply (duplicates unsummed), unless Keras's clipping
         by the global norm would have made it dense."""
@@ -244,16 +289,16 @@ class ShardedUpdate:
         out: list = []
         for group in self._groups:
             for i, lo, hi in group.owned:
-                g = grads[i]
+                g, clip = grads[i], transform[i] or (lambda t: t)
                 if g is None:
                     out.append(None)
                 elif isinstance(g, tf.IndexedSlices) and not self._densified():
-                    out.append(elements(g, lo, hi, transform[i]))
+                    out.append(elements(g, lo, hi, clip))
                 elif id(group) in shards and not isinstance(g, tf.IndexedSlices):
                     at = group.offsets[group.indices.index(i)] - group.start
-                    out.append(transform[i](shards[id(group)][at + lo : at + hi]))
+                    out.append(clip(shards[id(group)][at + lo : at + hi]))
                 else:
-                    out.append(transform[i](tf.reshape(tf.convert_to_tensor(g), [-1])[lo:hi]))
+                    out.append(clip(tf.reshape(tf.convert_to_tensor(g), [-1])[lo:hi]))
         return out
 
     def _densified(self) -> bool:
@@ -278,36 +323,6 @@ class ShardedUpdate:
         shard.set_shape([group.per])
         return shard
 
-    def _clipping(self, grads: list, shards: dict) -> list:
-        """Per variable, what the compiled optimizer's clipping does to its gradient (Keras's arithmetic, from the
-        whole gradients' norms): a function of a tensor."""
-        import tensorflow as tf
-
-        o = self.optimizer
-        same: list[Callable[[Any], Any]] = [lambda t: t] * len(grads)
-        if o.clipnorm and o.clipnorm > 0:
-            squares = self._squared_norms(grads, shards)
-            out: list[Callable[[Any], Any]] = []
-            for i, g in enumerate(grads):
-                if g is None:
-                    out.append(same[i])
-                    continue
-                l2sum = squares[i]
-                l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, tf.ones_like(l2sum))), l2sum)
-                denominator = tf.maximum(l2norm, tf.cast(o.clipnorm, l2norm.dtype))
-                out.append(functools.partial(clip_by_norm, clipnorm=o.clipnorm, denominator=denominator))
-            return out
-        if o.global_clipnorm and o.global_clipnorm > 0:
-            squares = self._squared_norms(grads, shards)
-            present = [squares[i] for i, g in enumerate(grads) if g is not None]
-            norm = tf.sqrt(tf.reduce_sum(tf.stack(present)))
-            scale = o.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / o.global_clipnorm)
-            scale = scale + (norm - norm)
-            return [lambda t: t * tf.cast(scale, t.dtype)] * len(grads)
-        if o.clipvalue and o.clipvalue > 0:
-            return [lambda t: tf.clip_by_value(t, -o.clipvalue, o.clipvalue)] * len(grads)
-        return same
-
     def _squared_norms(self, grads: list, shards: dict) -> list:
         """Each variable's gradient's sum of squares as Keras takes it -- of an IndexedSlices' rows, duplicates
         unsummed: from the whole gradients, and for the reduce-scattered ones summed over the workers' shards."""
@@ -329,16 +344,35 @@ class ShardedUpdate:
                 i for i in group.indices if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)
             }
 
+        summed = self._summed(partial)
+        return [tf.cast(summed[i], grads[i].dtype) if i in scattered else squares[i] for i in range(len(grads))]
+
+    def _piece_squares(self, piece_grads: list, present: list[bool]) -> list:
+        """Each variable's sum of squares from its pieces' (dense) gradients, summed over the workers."""
+        import tensorflow as tf
+
+        partial = [tf.zeros([], tf.float64) for _ in present]
+        owners = [i for g in self._groups for i, _, _ in g.owned]
+        for i, g in zip(owners, piece_grads, strict=True):
+            if g is not None:
+                partial[i] = partial[i] + tf.cast(tf.reduce_sum(tf.square(g)), tf.float64)
+        summed = self._summed(partial)
+        return [tf.cast(summed[i], self._variables[i].dtype) if p else None for i, p in enumerate(present)]
+
+    def _summed(self, partial: list) -> Any:
+        """The float64 scalars `partial`, each summed over the workers (one allreduce)."""
+        import tensorflow as tf
+
         def total(values: np.ndarray) -> np.ndarray:
             (summed,) = self.collectives.allreduce([values], average=False, purpose="norms")
             return np.array(summed)
 
         summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
-        summed.set_shape([len(grads)])
-        return [tf.cast(summed[i], grads[i].dtype) if i in scattered else squares[i] for i in range(len(grads))]
+        summed.set_shape([len(partial)])
+        return summed
 
-    def _gather(self, group: _Group, variables: list, grads: list) -> None:
-        """Every worker's updated shard into the variables of `group` (those with a gradient)."""
+    def _gather(self, group: _Group, variables: list, which: list[bool]) -> None:
+        """Every worker's updated shard into the variables of `group` (those `which` says)."""
         import tensorflow as tf
 
         dtype = tf.as_dtype(group.dtype)
@@ -352,5 +386,5 @@ class ShardedUpdate:
         whole = tf.numpy_function(gather, [shard], dtype, stateful=True, name="rdkeras_allgather")
         whole.set_shape([self.collectives.size * group.per])
         for i, at, size in zip(group.indices, group.offsets, group.sizes, strict=True):
-            if grads[i] is not None:
+            if which[i]:
                 variables[i].assign(tf.reshape(whole[at : at + size], variables[i].shape))

@@ -9,11 +9,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.fitting.backup import OPTIMIZER_SHARDS
 from rdkeras.parallel import sharded_checkpoint
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
+from rdkeras.parallel.piece_gradients import slots_by_variable
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 
 if TYPE_CHECKING:
@@ -84,7 +87,7 @@ class ShardedState:
         update = self._sharded.get(id(model))
         if update is None:
             return None
-        full = update.consolidated()  # collective
+        full = consolidated(update)  # collective
         optimizer = model.optimizer
         if keras_internals.inner_optimizer(optimizer) is optimizer:
             return list(full.variables)
@@ -125,3 +128,26 @@ class ShardedState:
         counted = super().state_bytes(model)  # type: ignore[misc]
         update = self._sharded.get(id(model))
         return {**counted, "optimizer": counted["optimizer"] + (update.state_bytes() if update is not None else 0)}
+
+
+def consolidated(update: ShardedUpdate) -> Any:
+    """Collective: a plain optimizer of the compiled one's class and config, built on the variables `update`
+    updates, holding the whole state the workers' shards hold between them -- what one process's optimizer would
+    hold. For a file written whole (``RDMAStrategy.export``); every worker gets it."""
+    optimizer, variables, collectives = update.optimizer, update.variables, update.collectives
+    full = type(optimizer).from_config(optimizer.get_config())
+    full.build(variables)
+    keras_internals.iteration_counter(full).assign(keras_internals.iteration_counter(optimizer))
+    if keras_internals.settable_learning_rate(optimizer):
+        full.learning_rate = np.asarray(optimizer.learning_rate)
+    if update.copy is None:
+        return full  # (never stepped: the state is the initial one)
+    slots = slots_by_variable(full, variables)
+    for (g, name), shard in update.shard_slots().items():
+        group = update.groups[g]
+        whole = collectives.allgather(shard, purpose="export")
+        for i, offset, size in zip(group.indices, group.offsets, group.sizes, strict=True):
+            if (i, name) in slots:
+                slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
+    collectives.release("export")  # (a one-off, as large as the model)
+    return full

@@ -955,6 +955,26 @@ def sharded_adamw_global_clipnorm(env):
 
 
 @sharded
+def sharded_accumulation_ema(env):
+    """Adam accumulating 2 steps' gradients (clipped by their global norm once accumulated), with moving averages
+    written into the weights every 3 steps and at the end; an Embedding among the layers; 5 steps an epoch."""
+    import keras
+
+    rng = np.random.default_rng(41)
+    x = rng.integers(0, 40, (80, 5)).astype("int32")
+    y = (x.sum(axis=1) % 3).astype("int32")
+    with env.scope():
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 8),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])  # fmt: skip
+        optimizer = keras.optimizers.Adam(0.02, gradient_accumulation_steps=2, global_clipnorm=0.5, use_ema=True,
+                                          ema_momentum=0.8, ema_overwrite_frequency=3)  # fmt: skip
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    return _with_state(env, model, _result(model, history))
+
+
+@sharded
 def sharded_sgd_clipvalue_lr_callback(env):
     """SGD with momentum and clipvalue; a callback sets the learning rate each epoch."""
     import keras
