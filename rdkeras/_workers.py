@@ -2,7 +2,8 @@
 
 ``run_workers`` starts one process per command, each in its own process group
 and with ``PR_SET_PDEATHSIG`` (the kernel kills it if the launcher dies,
-however it dies); forwards output through :class:`_Terminal`; returns when all
+however it dies; a reaper, :mod:`rdkeras._reaper`, then kills its group and
+removes the reports folder); forwards output through :class:`_Terminal`; returns when all
 ended, one failed (the others get ``FAILURE_GRACE_S`` to notice on their own),
 or the timeout passed; and kills every survivor's group on the way out.
 ``rdkeras.launch`` builds on it.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rdkeras import reports
+from rdkeras._reaper import Reaper
 
 _RESULT_MARK = "@@rdkeras-result@@"
 # After one worker fails, how long the others get to fail on their own (a dead
@@ -152,6 +154,7 @@ def run_workers(
     # Workers report what ended them here (rdkeras.reports): the cause, where exit order would mislead.
     report_dir = tempfile.mkdtemp(prefix="rdkeras-reports-")
     envs = [{**env, "RDKERAS_REPORT_DIR": report_dir} for env in envs]
+    reaper = Reaper(report_dir)  # (removes the folder, and kills the workers' groups, if this process is killed)
     logs = []
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -202,6 +205,7 @@ def run_workers(
                 preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
             )
         )
+        reaper.watch(procs[-1].pid)
         readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
         readers[-1].start()
 
@@ -249,8 +253,9 @@ def run_workers(
             p.stdout.close()  # type: ignore[union-attr]
         for f in logs:
             f.close()
-    found = reports.read(report_dir, ranks)
-    shutil.rmtree(report_dir, ignore_errors=True)
+        found = reports.read(report_dir, ranks)
+        shutil.rmtree(report_dir, ignore_errors=True)  # (here: on SIGINT and SIGTERM too; on SIGKILL, the reaper)
+        reaper.done()
     for i, p in enumerate(procs):
         results[i].report = found.get(ranks[i])
         results[i].returncode = p.returncode
