@@ -315,7 +315,7 @@ def cause_of(bad: RankResult, results: list[RankResult]) -> str:
     if known is None or known["blamed"] != bad.rank:
         return _status(bad)
     seen = "" if known["reporter"] == known["blamed"] else f", seen by rank {known['reporter']}"
-    return f"{known['why']}{seen}; then {_status(bad)}"
+    return f"{reports.subject(known['why'], bad.rank)}{seen}; then {_status(bad)}"
 
 
 def _status(r: RankResult) -> str:
