@@ -1,11 +1,15 @@
-"""The launcher's verdict lines: whose error each rank reported, and times that are never negative."""
+"""The launcher's verdict lines: whose error each rank reported, times that are never negative, and when the
+launcher stops waiting for workers after a failure."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 from rdkeras import reports
-from rdkeras._workers import RankResult
+from rdkeras._workers import REPORTED_GRACE_S, RankResult, _nothing_to_wait_for
 from rdkeras.launch_verdict import verdict
 
 
@@ -40,3 +44,24 @@ def test_per_rank_lines_say_whose_error_and_no_negative_time():
     assert lines[2] == "rank 1: exit code 1"
     assert lines[3] == "rank 2: exit code 1, 1.0 s after rank 1; it reported rank 1 stopped on an error of its own"
     assert not any("-" in line.split("(")[0] for line in lines[1:])
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_the_launcher_waits_for_no_rank_that_reported_long_enough_ago(tmp_path):
+    procs = [_sleeper(), _sleeper()]
+    try:
+        write = lambda rank, report: (tmp_path / f"failure-{rank}.json").write_text(json.dumps(report))  # noqa: E731
+        write(0, _report(0, 1, "rank 1 stalled: no heartbeat for 3 s"))
+        # Rank 1 is blamed and silent (stopped): nobody is left to wait for but rank 0, on its way out.
+        assert not _nothing_to_wait_for(procs, [0, 1], str(tmp_path))
+        write(0, {**_report(0, 1, "rank 1 stalled: no heartbeat for 3 s"), "time": time.time() - REPORTED_GRACE_S})
+        assert _nothing_to_wait_for(procs, [0, 1], str(tmp_path))
+        # A rank that has said nothing and is not blamed has not noticed yet: it gets the grace.
+        assert not _nothing_to_wait_for([*procs, procs[0]], [0, 1, 2], str(tmp_path))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
