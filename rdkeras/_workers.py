@@ -2,10 +2,12 @@
 
 ``run_workers`` starts one process per command, each in its own process group
 and with ``PR_SET_PDEATHSIG`` (the kernel kills it if the launcher dies,
-however it dies); forwards output through :class:`_Terminal`; returns when all
-ended, one failed (the others get ``FAILURE_GRACE_S`` to notice on their own),
-or the timeout passed; and kills every survivor's group on the way out.
-``rdkeras.launch`` builds on it.
+however it dies; a reaper, :mod:`rdkeras._reaper`, then kills its group and
+removes the reports folder); forwards output through :class:`_Terminal`;
+returns when all ended, one failed or reported a failure (the others get
+``FAILURE_GRACE_S`` to notice on their own, one that reported
+``REPORTED_GRACE_S`` to exit), or the timeout passed; and kills every
+survivor's group on the way out. ``rdkeras.launch`` builds on it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rdkeras import reports
+from rdkeras._reaper import Reaper
 
 _RESULT_MARK = "@@rdkeras-result@@"
 # After one worker fails, how long the others get to fail on their own (a dead
 # peer is noticed within milliseconds) before they are killed.
 FAILURE_GRACE_S = 10.0
+# How long a worker that reported what ended it (its traceback follows at once) gets to exit by itself: the
+# interpreter's and TensorFlow's teardown can take seconds more on a loaded machine, and the job waits for nothing.
+REPORTED_GRACE_S = 5.0
 
 PR_SET_PDEATHSIG = 1
 # Lines TensorFlow prints while it starts, kept out of the terminal (not the logs) unless verbose.
@@ -59,7 +65,7 @@ class RankResult:
     ended_at: float = float("inf")  # when the launcher saw it exit (monotonic)
     tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
     report: dict | None = None  # what the worker said ended it (rdkeras.reports), if it said
-    killed: bool = False  # still running when the launcher gave up on it, and killed
+    killed: bool = False  # still running when the launcher gave up on it, and killed (ended_at: then)
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -152,6 +158,7 @@ def run_workers(
     # Workers report what ended them here (rdkeras.reports): the cause, where exit order would mislead.
     report_dir = tempfile.mkdtemp(prefix="rdkeras-reports-")
     envs = [{**env, "RDKERAS_REPORT_DIR": report_dir} for env in envs]
+    reaper = Reaper(report_dir)  # (removes the folder, and kills the workers' groups, if this process is killed)
     logs = []
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -202,6 +209,7 @@ def run_workers(
                 preexec_fn=preexec,  # runs between fork and exec: only prctl and getppid
             )
         )
+        reaper.watch(procs[-1].pid)
         readers.append(threading.Thread(target=pump, args=(len(procs) - 1,), daemon=True))
         readers[-1].start()
 
@@ -222,12 +230,12 @@ def run_workers(
                 if watch.finished():
                     break  # every member is done: replacements still waiting to join are not needed
                 failed = watch.error is not None
-            else:
-                failed = stop_on_failure and any(p.poll() not in (None, 0) for p in procs)
+            else:  # a failure: a bad exit, or a report (a stalled rank's peers report it before they exit)
+                failed = stop_on_failure and (any(p.poll() not in (None, 0) for p in procs) or _reported(report_dir))
             if failed or (deadline is not None and time.monotonic() > deadline):
                 if failed:  # let the others notice the failure and report it themselves
                     end = time.monotonic() + FAILURE_GRACE_S
-                    while time.monotonic() < end and not _only_the_blamed_run(procs, ranks, report_dir):
+                    while time.monotonic() < end and not _nothing_to_wait_for(procs, ranks, report_dir):
                         note_exits()
                         time.sleep(0.05)
                 break
@@ -236,7 +244,7 @@ def run_workers(
         note_exits()
         for i, p in enumerate(procs):
             if p.poll() is None:
-                results[i].killed = True
+                results[i].killed, results[i].ended_at = True, time.monotonic()
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -249,8 +257,9 @@ def run_workers(
             p.stdout.close()  # type: ignore[union-attr]
         for f in logs:
             f.close()
-    found = reports.read(report_dir, ranks)
-    shutil.rmtree(report_dir, ignore_errors=True)
+        found = reports.read(report_dir, ranks)
+        shutil.rmtree(report_dir, ignore_errors=True)  # (here: on SIGINT and SIGTERM too; on SIGKILL, the reaper)
+        reaper.done()
     for i, p in enumerate(procs):
         results[i].report = found.get(ranks[i])
         results[i].returncode = p.returncode
@@ -273,19 +282,32 @@ class _TextOut:
         sys.stdout.flush()
 
 
-def _only_the_blamed_run(procs: list[subprocess.Popen], ranks: list[int], report_dir: str) -> bool:
-    """Whether every worker still running is one the others' reports blame and that has not reported itself (a
-    stopped or hung rank cannot end by itself, nor say anything): then nothing is left to wait for. A rank that
-    reported is alive and on its way out (printing its traceback, say): it gets the grace; one named hung, a
-    moment to write its stacks."""
+def _reported(report_dir: str) -> bool:
+    """Whether a worker wrote a failure report (rdkeras.reports) into `report_dir`."""
+    try:
+        return any(name.startswith("failure-") and name.endswith(".json") for name in os.listdir(report_dir))
+    except OSError:
+        return False
+
+
+def _nothing_to_wait_for(procs: list[subprocess.Popen], ranks: list[int], report_dir: str) -> bool:
+    """Whether no worker still running will end by itself soon: each is one the others' reports blame that has
+    not reported itself (a stopped or hung rank cannot end by itself, nor say anything), or one that reported
+    REPORTED_GRACE_S ago or more (it said why it stops and printed its traceback; its teardown is not waited for),
+    or one named hung that reported so (its stacks are in its log: it will not end by itself either). A rank
+    named hung gets a moment to write its stacks; one that said nothing yet, the rest of the failure's grace."""
     running = {r for p, r in zip(procs, ranks, strict=True) if p.poll() is None}
     if not running:
         return True
-    found = reports.read(report_dir, ranks)
+    found, now = reports.read(report_dir, ranks), time.time()
     blamed = {int(report["blamed"]) for report in found.values()}
-    # A rank named hung that reported so (its stacks are in its log) will not end by itself either.
-    spoke = {r for r, report in found.items() if not report.get("hung")}
-    return running <= blamed and not running & spoke and not reports.waiting_for_stacks(found, running)
+    for rank in running:
+        report = found.get(rank)
+        if report is None and rank not in blamed:
+            return False  # it has not noticed yet
+        if report is not None and not report.get("hung") and now - report["time"] < REPORTED_GRACE_S:
+            return False  # on its way out
+    return not reports.waiting_for_stacks(found, running, now)
 
 
 def first_failure(results: list[RankResult]) -> RankResult | None:
@@ -310,10 +332,12 @@ def cause_of(bad: RankResult, results: list[RankResult]) -> str:
     if known is None or known["blamed"] != bad.rank:
         return _status(bad)
     seen = "" if known["reporter"] == known["blamed"] else f", seen by rank {known['reporter']}"
-    return f"{known['why']}{seen}; then {_status(bad)}"
+    return f"{reports.subject(known['why'], bad.rank)}{seen}; then {_status(bad)}"
 
 
 def _status(r: RankResult) -> str:
+    if r.killed and r.report is not None and not r.report.get("hung"):
+        return f"killed by the launcher (it reported, then did not exit within {REPORTED_GRACE_S:.0f} s)"
     if r.killed:
         return "killed by the launcher (still running at the timeout, or after the others had failed)"
     if r.returncode is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import secrets
 import signal
@@ -45,6 +44,7 @@ from rdkeras._workers import (  # noqa: F401 (the launcher's names, re-exported)
     run_workers,
 )
 from rdkeras.launch_elastic import ElasticSettings, add_elastic_arguments, elastic_outcome, run_elastic
+from rdkeras.launch_verdict import verdict
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
@@ -369,16 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in lines:
             print(f"rdkeras.launch: {line}", file=sys.stderr)
         return status
-    bad = failed_rank(results)
-    if bad is not None:
-        print(f"rdkeras.launch: {_failure_message(bad, results)}", file=sys.stderr)
-        for r in results:
-            gap = r.ended_at - bad.ended_at
-            after = f", {gap:.1f} s after rank {bad.rank}" if r is not bad and math.isfinite(gap) else ""
-            said = f"; it reported: {r.report['why']}" if r.report and r is not bad else ""
-            print(f"rdkeras.launch: rank {r.rank}: {_status(r)}{after}{said}", file=sys.stderr)
-        return bad.returncode if bad.returncode and bad.returncode > 0 else 1
-    return 0
+    status, lines = verdict(results)
+    for line in lines:
+        print(f"rdkeras.launch: {line}", file=sys.stderr)
+    return status
 
 
 class _CallableModule(types.ModuleType):

@@ -86,6 +86,25 @@ def cause(reports: dict[int, dict]) -> dict | None:
     return min(votes[blamed], key=lambda r: (bool(r.get("hung")), r["reporter"] != r["rank"], r["time"]))
 
 
+def subject(why: str, blamed: int) -> str:
+    """`why` with its subject: a peer's finding may say "it stalled: ..." of the rank it blames (the engine's
+    failure record), which reads "rank 1 stalled: ..." wherever the rank is not named just before."""
+    return f"rank {blamed} {why[3:]}" if why.startswith("it ") else why
+
+
+def sentence(report: dict) -> str:
+    """What a report says, naming whose error it is: "an error of its own: ..." or "rank 1 stalled: ...
+    (seen by rank 2)"."""
+    rank, blamed, reporter = int(report["rank"]), int(report["blamed"]), int(report["reporter"])
+    if blamed == rank:
+        return f"{'it was named hung' if report.get('hung') else 'an error of its own'}: {report['why']}"
+    said = subject(report["why"], blamed)
+    if not said.startswith(f"rank {blamed} "):
+        said = f"rank {blamed} failed: {said}"
+    seen = reporter not in (rank, blamed) and "(seen by rank" not in said
+    return f"{said} (seen by rank {reporter})" if seen else said
+
+
 _engines: list[Callable[[BaseException], None]] = []  # died_of(error) of every open engine
 _previous_hook: Callable[..., Any] | None = None
 

@@ -4,9 +4,11 @@ prints the rank they agree on (rdkeras.reports)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,26 +67,86 @@ def _worker_pids(launcher: int) -> dict[int, int]:
     return out
 
 
-# The chief by default; another rank with -m slow (test_stalls stalls every rank under the supervisor).
-@pytest.mark.parametrize("stalled", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_stalled_rank_is_named_by_the_launcher(stalled):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RDKERAS_TRANSPORT": "shm", "RDKERAS_HEARTBEAT_TIMEOUT": "3"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rdkeras.launch", "-n", "3", str(SCRIPT), "-1", "0"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while len(pids := _worker_pids(launcher.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(2)  # into the ring's steps
-        os.kill(pids[stalled], signal.SIGSTOP)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
-    first = next(line for line in err.splitlines() if "failed first" in line)
-    assert f"worker rank {stalled} failed first (rank {stalled} stalled: no heartbeat" in first, err[-3000:]
-    assert "killed by the launcher" in first and "inf s" not in err
+HEARTBEAT_S = 3.0
+KERAS = ROOT / "examples" / "mnist_mlp.py"
+RING = [str(SCRIPT), "-1", "0"]  # no rank raises: a ring exchange until one is stopped
+SLOW_EXIT = [*RING, "30"]  # ... and each rank's exit takes 30 s
+KERAS_FIT = [str(KERAS), "--epochs", "10000", "--samples", "256"]
+
+
+def _stall_under_the_launcher(command: list[str], stalled: int, ready: str) -> tuple[str, float]:
+    """Launches 3 workers of `command` and SIGSTOPs rank `stalled` once `ready` is in their output (or 2 s after they
+    started: ``""``); returns the
+    launcher's stderr and the seconds from the stop to the launcher's exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RDKERAS_TRANSPORT": "shm", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "RDKERAS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)}  # fmt: skip
+    launcher = subprocess.Popen([sys.executable, "-m", "rdkeras.launch", "-n", "3", *command], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(launcher.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    with launcher:
+        try:
+            deadline = time.monotonic() + 180
+            while (
+                len(pids := _worker_pids(launcher.pid)) < 3 or ready not in "".join(out)
+            ) and launcher.poll() is None:
+                assert time.monotonic() < deadline, "".join(out)[-3000:]
+                time.sleep(0.1)
+            time.sleep(0 if ready else 2)  # (into the ring's steps)
+            os.kill(pids[stalled], signal.SIGSTOP)
+            stopped = time.monotonic()
+            err = launcher.stderr.read()  # type: ignore[union-attr]
+            launcher.wait(timeout=60)
+            return err, time.monotonic() - stopped
+        finally:
+            launcher.kill()
+            reader.join(timeout=30)
+
+
+def _verdict_problems(err: str, stalled: int, seconds: float) -> list[str]:
+    """What is wrong with the launcher's verdict on a stalled rank, and with how long it took to end the job."""
+    out = []
+    first = next((line for line in err.splitlines() if "failed first" in line), "")
+    if f"worker rank {stalled} failed first (rank {stalled} stalled: no heartbeat" not in first:
+        out.append(f"the verdict does not name rank {stalled} stalled: {first!r}")
+    for rank in {0, 1, 2} - {stalled}:
+        line = next((x for x in err.splitlines() if x.startswith(f"rdkeras.launch: rank {rank}: ")), "")
+        if f"it reported rank {stalled} stalled" not in line:  # whose error it reported
+            out.append(f"rank {rank}'s line does not say it reported rank {stalled}'s stall: {line!r}")
+    if re.search(r"-[0-9.]+ s\b|inf s", err):
+        out.append("a negative or infinite time")
+    if seconds >= HEARTBEAT_S + 10:
+        out.append(f"the launcher ended the job {seconds:.1f} s after the stop")
+    return out
+
+
+# The chief of a ring whose ranks take 30 s to exit (the launcher does not wait that out once they reported), and
+# rank 1 of a Keras fit; with -m slow, another rank of the ring, and trials of the fit at every rank.
+@pytest.mark.parametrize(
+    ("command", "stalled"),
+    [
+        pytest.param(SLOW_EXIT, 0, id="ring-0-slow-exit"),
+        pytest.param(KERAS_FIT, 1, id="keras-1"),
+        pytest.param(RING, 2, id="ring-2", marks=pytest.mark.slow),
+    ],
+)
+def test_a_stalled_rank_is_named_by_the_launcher(command, stalled):
+    err, seconds = _stall_under_the_launcher(command, stalled, "Epoch 2/" if command is KERAS_FIT else "")
+    print(f"rank {stalled} stopped: the launcher ended the job {seconds:.1f} s later")
+    problems = _verdict_problems(err, stalled, seconds)
+    assert not problems, "\n".join(problems) + "\n" + err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_stalled_keras_job_ends_within_the_heartbeat_timeout_every_time():
+    """9 launched Keras fits, each rank stopped in turn: every verdict names it, and each job ends in time."""
+    failures, times = [], []
+    for trial in range(9):
+        err, seconds = _stall_under_the_launcher(KERAS_FIT, trial % 3, "Epoch 2/")
+        times.append(seconds)
+        if problems := _verdict_problems(err, trial % 3, seconds):
+            failures.append(f"trial {trial} (rank {trial % 3}): {problems}")
+    print(f"9 stalls of a launched Keras fit: the launcher ended the job {min(times):.1f}-{max(times):.1f} s after")
+    assert not failures, "\n".join(failures)
