@@ -328,6 +328,56 @@ def iteration_counter(optimizer: Any) -> Any:
     return optimizer._iterations
 
 
+def layers_owning_variables(model: Any) -> list[Any]:
+    """`model` and every layer inside it, each once (a layer's own variables: :func:`own_trainable_variables`)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def own_trainable_variables(layer: Any) -> list[Any]:
+    """The trainable variables `layer` itself created (not its sublayers')."""
+    return list(layer._trainable_variables)
+
+
+def storage(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras variable."""
+    return variable._value
+
+
+def set_storage(variable: Any, value: Any) -> None:
+    """`variable` is stored in the TensorFlow variable `value` from now on (any shape: a sharded piece)."""
+    variable._value = value
+
+
+def call_with_values(layer: Any, variables: Sequence[Any], values: Callable[[], list[Any]]) -> None:
+    """Each call of `layer` reads `variables` as the tensors ``values()`` gives then (a ``keras.StatelessScope``,
+    inside those of outer calls); what the call assigns to other variables (a seed, a moving mean) is assigned to
+    them after. Undone by :func:`restore`."""
+    from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+
+    call = original(layer, "call")
+
+    def call_on_values(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = get_stateless_scope()
+        scope = StatelessScope(list(zip(variables, values(), strict=True)), collect_losses=True)
+        if outer is not None:
+            scope.state_mapping = {**outer.state_mapping, **scope.state_mapping}
+        entry = dict(scope.state_mapping)
+        with scope:
+            out = call(*args, **kwargs)
+        if scope.losses:
+            raise NotImplementedError(
+                f"shard='parameters': layer {self.name} adds losses in its call (an activity regularizer), which "
+                "are not carried yet: use shard='gradients'"
+            )
+        for v in self.variables:
+            new = scope.state_mapping.get(id(v))
+            if new is not None and new is not entry.get(id(v)):
+                v.assign(new)
+        return out
+
+    override(layer, "call", call_on_values)
+
+
 def tracked_variables(optimizer: Any) -> list[Any]:
     """The variables a built optimizer updates (what ``apply`` defaults to)."""
     return list(optimizer._trainable_variables)
@@ -460,6 +510,15 @@ def original(obj: Any, name: str) -> Any:
 def overridden(obj: Any) -> bool:
     """Whether :func:`override` replaced any method of `obj`."""
     return "_rdkeras_originals" in obj.__dict__
+
+
+def restore_method(obj: Any, name: str) -> None:
+    """Removes the override of method `name` from `obj` (its others stay)."""
+    originals = obj.__dict__.get("_rdkeras_originals", {})
+    if originals.pop(name, None) is not None:
+        obj.__dict__.pop(name, None)
+    if not originals:
+        obj.__dict__.pop("_rdkeras_originals", None)
 
 
 def restore(obj: Any) -> None:

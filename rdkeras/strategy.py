@@ -101,8 +101,9 @@ class RDMAStrategy(CustomLoops, ModelState):
             tensors by allreduce, as Horovod's switch does (default False: their rows and indices are gathered from
             every worker, and the optimizer applies the IndexedSlices one process computes).
         shard: data parallelism: what each worker keeps only 1/N of -- "none" (default), "optimizer" (the
-            optimizer state, ZeRO stage 1) or "gradients" (the averaged gradients too, stage 2); the same steps as
-            one process (:mod:`rdkeras.parallel.sharded_optimizer`).
+            optimizer state, ZeRO stage 1), "gradients" (the averaged gradients too, stage 2) or "parameters" (each
+            layer's weights too, gathered for each call: stage 3); the same steps as one process
+            (:mod:`rdkeras.parallel.sharded_optimizer`, :mod:`rdkeras.parallel.sharded_parameters`).
     """
 
     def __init__(

@@ -3,7 +3,7 @@
     python -m rdkeras.bench memory [--workers 1,2,4] [--hidden 512] [--layers 4] [--quick]
 
 A GPT-2 causal LM built from its config (no download) trains with Adam for a few steps in one process, then on N
-data-parallel workers with ``shard="none"``, ``"optimizer"`` and ``"gradients"``, each configuration a launch of
+data-parallel workers with ``shard="none"``, ``"optimizer"``, ``"gradients"`` and ``"parameters"``, each a launch of
 its own (peak memory is a process's). Printed per configuration, for the chief: the bytes of parameters,
 gradients and optimizer state it holds (counted from the variables; a sharded worker receives its shard of the
 averaged gradients only), its peak resident memory above what it held once TensorFlow, Keras and KerasHub were
@@ -18,7 +18,7 @@ import contextlib
 import json
 from pathlib import Path
 
-MODES = ("none", "optimizer", "gradients")
+MODES = ("none", "optimizer", "gradients", "parameters")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,7 +104,7 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
     workers = strategy.num_workers if strategy else 1
     out = {
         **state,
-        "gradients": trainable // workers if mode == "gradients" else trainable,
+        "gradients": trainable // workers if mode in ("gradients", "parameters") else trainable,
         "peak_above_bare_mb": (_status_kb("VmHWM") - bare_kb) / 1024,
         "step_s": float(np.median(timer.times[2:])),
         "bytes_per_step": (timer.bytes[1] - timer.bytes[0]) / max(1, steps - 2),

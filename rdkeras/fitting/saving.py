@@ -158,8 +158,9 @@ def save_weights(model: Any, filepath: Any, overwrite: bool = True, max_shard_si
 
 def export(model: Any, parallel: Any, chief: bool, filepath: Any, **kwargs: Any) -> None:
     """``RDMAStrategy.export``: collective; the chief saves `model` with its optimizer's state whole."""
-    whole = parallel.whole_optimizer_state(model)
-    if not chief:
-        return
-    with contextlib.nullcontext() if whole is None else parallel.optimizer_saved_as(model, whole):
-        model.save(filepath, **kwargs)
+    with parallel.whole_weights(model):
+        whole = parallel.whole_optimizer_state(model)
+        if not chief:
+            return
+        with contextlib.nullcontext() if whole is None else parallel.optimizer_saved_as(model, whole):
+            model.save(filepath, **kwargs)

@@ -113,6 +113,11 @@ class Parallelism(abc.ABC):
         them in parts (sharded); None where the optimizer's own variables are whole already."""
         return None
 
+    def whole_weights(self, model: Any) -> contextlib.AbstractContextManager[None]:
+        """Collective: while in it, `model`'s variables hold their whole values, where this parallelism stores
+        them sharded (``shard="parameters"``)."""
+        return contextlib.nullcontext()
+
     def optimizer_saved_as(self, model: Any, variables: Sequence[Any]) -> contextlib.AbstractContextManager[None]:
         """While in it, a file Keras writes of `model` holds `variables` as its optimizer's (a sharded optimizer's
         whole state, or its own variables beside its shards), unwarned."""

@@ -33,6 +33,7 @@ from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
+from rdkeras.parallel.sharded_parameters import ShardedParameters
 from rdkeras.parallel.sharded_state import ShardedState
 from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
 from rdkeras.parallel.step_sum import StepSum
@@ -121,6 +122,7 @@ class DataParallel(ShardedState, Parallelism):
         self._overlap = 0  # the last attached model's gradient bucket bytes (0: one exchange after backprop)
         self._servers: dict[int, Any] = {}  # id(model) -> its ParameterServer
         self._sharded: dict[int, ShardedUpdate] = {}  # id(model) -> its sharded update (shard != "none")
+        self._parameters: dict[int, ShardedParameters] = {}  # id(model) -> its sharded weights (shard="parameters")
         self._saving: dict[int, list[Any]] = {}  # id(model) -> what a file holds of its sharded optimizer now
         self._told_saved_in_part = False
         self._gathered_at: dict[int, int] = {}  # id(model) -> the steps_run it was last gathered and checked at
@@ -182,6 +184,8 @@ class DataParallel(ShardedState, Parallelism):
             fitting.distribute_optimizer(keras_internals.inner_optimizer(optimizer), ps.apply)
             # Owners update different variables: all must agree whether a mixed-precision step is skipped.
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
+        elif self.shard == "parameters":
+            self._shard_parameters(model)
         elif self.shard != "none":
             self._shard_optimizer(model, overlap)
         else:
@@ -231,6 +235,7 @@ class DataParallel(ShardedState, Parallelism):
         self._averages.clear()
         self._servers.clear()
         self._sharded.clear()
+        self._unshard_parameters()
 
     def _all_finite(self, local: Any) -> Any:
         import tensorflow as tf
@@ -280,7 +285,7 @@ class DataParallel(ShardedState, Parallelism):
 
     def step_overrides(self) -> dict[str, Any]:
         if self.num_workers == 1 and self.elastic is None:
-            return {}
+            return self._parameter_overrides()
         collectives = self.collectives
 
         def predict_step(model: Any, data: Any) -> Any:
@@ -313,7 +318,8 @@ class DataParallel(ShardedState, Parallelism):
 
             return step
 
-        return {"predict_step": predict_step, "train_step": step_of("train_step"), "test_step": step_of("test_step")}
+        steps = {"predict_step": predict_step, "train_step": step_of("train_step"), "test_step": step_of("test_step")}
+        return {**steps, **self._parameter_overrides()}
 
     def _split_batch(self, data: Any) -> tuple[Any, global_batch.GlobalBatch]:
         """(this worker's rows of a global batch, where they sit in it): the split of
@@ -483,10 +489,11 @@ class DataParallel(ShardedState, Parallelism):
             share_variables(self.collectives, variables, [source] * len(variables))
         elif self.num_workers > 1:
             restored = self._share_restore(model, restored, root=0)
-            variables = keras_internals.state_variables(model)
+            variables = self._whole_variables(model, keras_internals.state_variables(model))
             share_variables(self.collectives, variables, [0] * len(variables))
             if restored:
                 self._restore_optimizer_shards(model)
+            self._lay_out_parameters(model)
         self.synced = True
 
     def gather_state(self, model: Any) -> None:
@@ -506,7 +513,7 @@ class DataParallel(ShardedState, Parallelism):
     def check_replicas(self, model: Any, when: str = "") -> None:
         """Averages the model's non-trainable float state over the replicas where it differs (BatchNormalization's
         statistics), and fails on every worker naming the first other variable that differs (collective)."""
-        variables = keras_internals.state_variables(model)
+        variables = self._whole_variables(model, keras_internals.state_variables(model))
         averaged = replicas.averaged_on_disagreement(variables, model.non_trainable_variables)
         replicas.agree(self.collectives, variables, averaged, when or "at this check")
 

@@ -17,7 +17,12 @@ MODES = ("allreduce", "ps")  # the data-parallel gradient exchange
 SCHEDULES = ("1f1b", "gpipe")  # the pipeline's order of forward and backward passes (rdkeras.parallel.schedule)
 ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")  # the allreduce (rdkeras.parallel.collectives)
 COMPRESSIONS = (None, "fp16", "bf16")
-SHARDS = ("none", "optimizer", "gradients")  # what each data-parallel worker keeps 1/N of (sharded_optimizer)
+SHARDS = (
+    "none",
+    "optimizer",
+    "gradients",
+    "parameters",
+)  # what each data-parallel worker keeps 1/N of (sharded_optimizer)
 AUTO = "auto"  # placement: cut the layers into balanced stages from measured costs
 
 
@@ -59,7 +64,8 @@ class DataParallelOptions:
             transport's default.
         sparse_as_dense: An Embedding's sparse gradients allreduced as dense tensors (Horovod's switch).
         shard: "none"; "optimizer": each worker keeps the optimizer state of its 1/N of the parameters (ZeRO
-            stage 1); "gradients": and receives only its 1/N of the averaged gradients (stage 2).
+            stage 1); "gradients": and receives only its 1/N of the averaged gradients (stage 2); "parameters": and
+            stores only its 1/N of each layer's weights, gathered for each call (stage 3).
     """
 
     mode: str = "allreduce"
@@ -85,8 +91,8 @@ class DataParallelOptions:
                 f"shard={self.shard!r} needs mode='allreduce': parameter servers already keep each variable's "
                 "optimizer state on one worker only"
             )
-        if self.shard == "gradients" and self.compression:
-            raise ValueError("shard='gradients' reduce-scatters the gradients uncompressed: set compression=None")
+        if self.shard in ("gradients", "parameters") and self.compression:
+            raise ValueError(f"shard={self.shard!r} reduce-scatters the gradients uncompressed: set compression=None")
         for name in ("compress_within_hosts", "sparse_as_dense"):
             _flag(name, getattr(self, name))
 

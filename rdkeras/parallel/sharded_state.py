@@ -14,10 +14,12 @@ import numpy as np
 from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.fitting.backup import OPTIMIZER_SHARDS
+from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel import sharded_checkpoint
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
 from rdkeras.parallel.piece_gradients import slots_by_variable
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
+from rdkeras.parallel.sharded_parameters import ShardedParameters
 
 if TYPE_CHECKING:
     from rdkeras.engine import Engine
@@ -33,6 +35,7 @@ class ShardedState:
         sparse_as_dense: bool
         backup_folder: Any
         _sharded: dict[int, ShardedUpdate]
+        _parameters: dict[int, ShardedParameters]
         _saving: dict[int, list[Any]]
         _told_saved_in_part: bool
         _averages: list[GradientAllreduce]
@@ -62,6 +65,87 @@ class ShardedState:
         elif inner is not optimizer:
             fitting.agree_on_finite_gradients(optimizer, self._all_finite)
 
+    # -- shard="parameters" ----------------------------------------------------------------------
+
+    def _shard_parameters(self, model: Any) -> None:
+        """The compiled optimizer updates this worker's pieces of the weights, laid out when fit starts."""
+        parameters = ShardedParameters(self.collectives, model)
+        previous = self._parameters.get(id(model))
+        if previous is not None:  # compiled again (a layer unfrozen): laid out anew when fit starts
+            previous.unshard()
+        self._parameters[id(model)] = parameters
+        keras_internals.saves_own_variables(model.optimizer, lambda: self._saved_variables(model))
+        fitting.distribute_optimizer(model.optimizer, parameters.apply)
+
+    def _lay_out_parameters(self, model: Any) -> None:
+        """Once every worker holds the chief's weights (as the first fit starts, its step not traced yet): each
+        keeps only its pieces; an evaluate or predict traced before read whole variables, so it is traced again."""
+        parameters = self._parameters.get(id(model))
+        if parameters is not None and not parameters.units:
+            parameters.shard()
+            model.test_function = model.predict_function = None
+
+    def _whole_variables(self, model: Any, variables: list[Any]) -> list[Any]:
+        """`variables` less those stored sharded (alike on every worker by construction, and not whole here)."""
+        parameters = self._parameters.get(id(model))
+        return variables if parameters is None else parameters.variables_in(variables)
+
+    def _unshard_parameters(self) -> None:
+        """Every sharded model back to whole variables and plain layer calls (collective: at close)."""
+        for parameters in self._parameters.values():
+            try:
+                parameters.unshard()
+            except Exception as e:  # (a peer gone: the model is lost with the job)
+                logger.warning(f"shard='parameters': the weights stay sharded, as they could not be gathered: {e}")
+        self._parameters.clear()
+
+    def _parameter_overrides(self) -> dict[str, Any]:
+        """Model methods that read or write whole weights, for sharded ones (collective, like a step)."""
+        if self.shard != "parameters":
+            return {}
+
+        def sharded(model: Any) -> ShardedParameters | None:
+            parameters = self._parameters.get(id(model))
+            return parameters if parameters is not None and parameters.sharded else None
+
+        def get_weights(model: Any) -> list[Any]:
+            parameters = sharded(model)
+            if parameters is None:
+                return keras_internals.original(model, "get_weights")()
+            values = parameters.whole_values()
+            return [values[id(v)] if id(v) in values else v.numpy() for v in model.weights]
+
+        def set_weights(model: Any, weights: Any) -> None:
+            parameters = sharded(model)
+            if parameters is None:
+                return keras_internals.original(model, "set_weights")(weights)
+            for v, value in zip(model.weights, weights, strict=True):
+                parameters.set_whole(v, value) if parameters.is_sharded(v) else v.assign(value)
+            return None
+
+        def refuse(name: str) -> Any:
+            def save(model: Any, *args: Any, **kwargs: Any) -> Any:
+                if sharded(model) is None:
+                    return keras_internals.original(model, name)(*args, **kwargs)
+                raise NotImplementedError(
+                    f"model.{name} with shard='parameters': each worker holds 1/N of the weights; call "
+                    "strategy.export(model, path) on every worker, which gathers them and writes the file on the chief"
+                )
+
+            return save
+
+        return {"get_weights": get_weights, "set_weights": set_weights, "save": refuse("save"),
+                "save_weights": refuse("save_weights")}  # fmt: skip
+
+    @contextlib.contextmanager
+    def whole_weights(self, model: Any) -> Iterator[None]:
+        parameters = self._parameters.get(id(model))
+        if parameters is None or not parameters.sharded:
+            yield
+            return
+        with parameters.whole():
+            yield
+
     def _saved_variables(self, model: Any) -> list[Any]:
         """What a file Keras writes holds of `model`'s sharded optimizer: what :meth:`optimizer_saved_as` says,
         else its own variables (iteration, learning rate), which a save on one worker is told once."""
@@ -84,6 +168,9 @@ class ShardedState:
             del self._saving[id(model)]
 
     def whole_optimizer_state(self, model: Any) -> list[Any] | None:
+        parameters = self._parameters.get(id(model))
+        if parameters is not None and parameters.units:
+            return list(parameters.consolidated().variables)  # collective
         update = self._sharded.get(id(model))
         if update is None:
             return None
@@ -117,15 +204,29 @@ class ShardedState:
         sharded_checkpoint.load(path, model, update, weights=False)
 
     def save_checkpoint(self, model: Any, directory: Any) -> None:
+        self._refuse_checkpoints()
         barrier = lambda: self.collectives.mean([0.0])  # noqa: E731 (an allreduce of nothing)
         update = self._sharded.get(id(model))
         sharded_checkpoint.save(directory, model, update, self.engine.rank, self.num_workers, barrier)
 
     def load_checkpoint(self, model: Any, directory: Any) -> None:
+        self._refuse_checkpoints()
         sharded_checkpoint.load(directory, model, self._sharded.get(id(model)))
+
+    def _refuse_checkpoints(self) -> None:
+        if self.shard == "parameters":
+            raise NotImplementedError(
+                "sharded checkpoints with shard='parameters' are not built yet: use strategy.export(model, path), "
+                "or shard='gradients'"
+            )
 
     def state_bytes(self, model: Any) -> dict[str, int]:
         counted = super().state_bytes(model)  # type: ignore[misc]
+        parameters = self._parameters.get(id(model))
+        if parameters is not None and parameters.sharded:
+            mine = parameters.state_bytes()
+            return {"parameters": variables_bytes(parameters.variables_in(model.weights)) + mine["parameters"],
+                    "optimizer": counted["optimizer"] + mine["optimizer"]}  # fmt: skip
         update = self._sharded.get(id(model))
         return {**counted, "optimizer": counted["optimizer"] + (update.state_bytes() if update is not None else 0)}
 

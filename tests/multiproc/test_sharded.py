@@ -1,6 +1,7 @@
-"""Sharded data parallelism (rdkeras.parallel.sharded_optimizer): every shard mode trains what one process trains
--- weights and losses within 1e-5 -- with the workers bit-identical, while each worker holds 1/N of the optimizer
-state. The models run in the Keras-pattern launches (tests/multiproc/conftest.py)."""
+"""Sharded data parallelism (rdkeras.parallel.sharded_optimizer, sharded_parameters): every shard mode trains what
+one process trains -- weights and losses within 1e-5 -- with the workers bit-identical, while each worker holds 1/N
+of the optimizer state ("parameters": and of the weights). The models run in the Keras-pattern launches
+(tests/multiproc/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multiproc.conftest import SHARD_MODES
+from tests.multiproc.conftest import SHARD_MODES, side_by_side
 from tests.multiproc.test_keras_patterns import ROOT, TOLERANCE, _compare
-from tests.ranks.patterns import SHARDED
+from tests.ranks.patterns import PARAMETERS_PATTERNS, PARAMETERS_SHARDED, SHARDED
 
 NAMES = list(SHARDED)
+RUNS = [(name, mode) for mode in SHARD_MODES for name in NAMES] + [(name, "parameters") for name in PARAMETERS_SHARDED]
 pytestmark = pytest.mark.timeout(1200)
 
 
-@pytest.mark.parametrize("mode", SHARD_MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "mode"), RUNS)
 def test_a_sharded_model_trains_what_one_process_trains(pattern_runs, name, mode):
     reference = {k: v for k, v in pattern_runs["one"][0][name].items() if k != "state"}
     assert "error" not in reference, reference["error"][-3000:]
@@ -32,18 +33,43 @@ def test_a_sharded_model_trains_what_one_process_trains(pattern_runs, name, mode
     assert workers[0]["weights"] == workers[1]["weights"], "the workers' weights differ"
 
 
-@pytest.mark.parametrize("mode", SHARD_MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "mode"), RUNS)
 def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
-    # Counted from the variables: every worker holds the whole model, and at most half of the optimizer state one
-    # process holds (shards are padded to whole 64-byte lines, so one may hold a little more than the other; each
-    # has its own iteration and learning rate), and together all of it.
+    # Counted from the variables: every worker holds the whole model ("parameters": half of its trainable weights),
+    # and at most half of the optimizer state one process holds (shards are padded to whole 64-byte lines, so one
+    # may hold a little more than the other; each has its own iteration and learning rate), and together all of it.
     one = pattern_runs["one"][0][name]["state"]
     states = [worker[f"{name}@{mode}"]["state"] for worker in pattern_runs["data"]]
+    # ("parameters" pads each layer's shard: up to 64 bytes a layer and slot.)
+    padding = 2048 if mode == "parameters" else 128
     for state in states:
-        assert state["parameters"] == one["parameters"]
-        assert state["optimizer"] <= 0.5 * one["optimizer"] + 256, (states, one)
+        if mode == "parameters":
+            assert state["parameters"] <= 0.5 * one["parameters"] + padding, (states, one)
+        else:
+            assert state["parameters"] == one["parameters"]
+        assert state["optimizer"] <= 0.5 * one["optimizer"] + 2 * padding, (states, one)
     assert sum(state["optimizer"] for state in states) >= one["optimizer"], (states, one)
+    assert sum(state["parameters"] for state in states) >= one["parameters"], (states, one)
+
+
+@pytest.mark.parametrize("name", PARAMETERS_PATTERNS)
+def test_a_guides_pattern_trains_with_sharded_parameters_as_one_process(pattern_runs, name):
+    # An Embedding with Adam (its rows gathered, duplicates unsummed, as one process applies them), and fine-tuning:
+    # a frozen base, fit, unfreeze, recompile (the weights laid out anew), fit again.
+    reference = pattern_runs["one"][0][name]
+    workers = [w[f"{name}@parameters"] for w in pattern_runs["data"]]
+    for rank, got in enumerate(workers):
+        assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
+        _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, shard='parameters', worker {rank}")
+    assert workers[0]["weights"] == workers[1]["weights"], "the workers' weights differ"
+
+
+def test_sharded_parameters_refuse_what_they_cannot_run_and_a_keras_save_naming_export(pattern_runs):
+    for worker in pattern_runs["data"]:
+        refused = worker["sharded_mixed_float16@parameters"]
+        assert "shard='parameters' does not run with mixed precision" in refused.get("error", ""), refused
+        for name in PARAMETERS_SHARDED:
+            assert "strategy.export(model, path) on every worker" in worker[f"{name}@parameters"]["refused_save"]
 
 
 @pytest.mark.parametrize("mode", SHARD_MODES)
@@ -62,6 +88,7 @@ def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer
     tmp = pattern_runs["tmp"]
     paths = {(name, label): os.path.join(tmp, name, label, "model.keras")
              for name in NAMES for label in ("one", *SHARD_MODES)}  # fmt: skip
+    paths |= {(name, "parameters"): os.path.join(tmp, name, "parameters", "model.keras") for name in PARAMETERS_SHARDED}
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from tests.ranks.patterns import load_optimizer;"
         "print('@@' + json.dumps(load_optimizer(sys.argv[2:])))"
@@ -76,9 +103,31 @@ def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer
     for name in NAMES:
         want = loaded["files"][paths[(name, "one")]]
         tolerance = pattern_runs["one"][0][name].get("tolerance", TOLERANCE)
-        for mode in SHARD_MODES:
+        for mode in [m for n, m in RUNS if n == name]:
             got = loaded["files"][paths[(name, mode)]]
             assert len(got) == len(want) > 2, f"{name}, shard={mode}: {len(got)} optimizer variables, not {len(want)}"
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=tolerance,
                                            atol=tolerance, err_msg=f"{name}, shard={mode}, variable {i}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpt2_on_4_workers_trains_what_one_process_trains_in_every_shard_mode(tmp_path):
+    # The issue's bar at 4 workers: KerasHub's GPT-2 with Adam and clipnorm, within 1e-5, the workers bit-identical,
+    # each holding at most a quarter of the optimizer state ("parameters": and of the weights), padding aside.
+    name, modes = "sharded_gpt2_adam_clipnorm", (*SHARD_MODES, "parameters")
+    runs = {"one": (1, {"names": [name], "distributed": False}),
+            "four": (4, {"names": [f"{name}@{m}" for m in modes], "distributed": True})}  # fmt: skip
+    done = side_by_side(runs, str(tmp_path))
+    reference = done["one"][0][name]
+    want = {k: v for k, v in reference.items() if k != "state"}
+    assert "error" not in reference, reference["error"][-3000:]
+    for mode in modes:
+        workers = [w[f"{name}@{mode}"] for w in done["four"]]
+        for rank, got in enumerate(workers):
+            assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
+            _compare(got, want, TOLERANCE, f"{name}, shard={mode}, worker {rank} of 4")
+            assert got["state"]["optimizer"] <= 0.25 * reference["state"]["optimizer"] + 4096, (mode, got["state"])
+            if mode == "parameters":
+                assert got["state"]["parameters"] <= 0.25 * reference["state"]["parameters"] + 2048, got["state"]
+        assert all(w["weights"] == workers[0]["weights"] for w in workers), f"shard={mode}: the workers differ"

@@ -18,7 +18,7 @@ from rdkeras.parallel.options import DataParallelOptions, ParallelOptions, Pipel
         (lambda: DataParallelOptions(compression="int8"), "compression must be None, 'fp16' or 'bf16'"),
         (lambda: DataParallelOptions(overlap_bytes=-1), "overlap_bytes must be a whole number >= 0, got -1"),
         (lambda: DataParallelOptions(sparse_as_dense="yes"), "sparse_as_dense must be True or False"),
-        (lambda: DataParallelOptions(shard="params"), "shard must be one of none, optimizer, gradients"),
+        (lambda: DataParallelOptions(shard="params"), "shard must be one of none, optimizer, gradients, parameters"),
         (lambda: DataParallelOptions(mode="ps", shard="optimizer"), "shard='optimizer' needs mode='allreduce'"),
         (lambda: DataParallelOptions(shard="gradients", compression="bf16"), "shard='gradients' reduce-scatters"),
         (lambda: from_flat("hybrid", shard="optimizer", stages=2), "shard: parallelism='data' only"),

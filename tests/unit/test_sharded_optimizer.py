@@ -15,6 +15,27 @@ def test_what_is_not_sharded_yet_is_refused_by_name():
         ShardedUpdate(None, keras.optimizers.Adam(loss_scale_factor=8.0), "optimizer", None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("compiled", "named"),
+    [
+        (lambda m: m.compile(keras.optimizers.Adam(gradient_accumulation_steps=2)), "gradient_accumulation_steps"),
+        (lambda m: m.compile(keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())), "mixed precision"),
+        (lambda m: m.compile(keras.optimizers.SGD(use_ema=True)), "use_ema"),
+    ],
+)
+def test_what_sharded_parameters_do_not_run_yet_is_refused_by_name(compiled, named):
+    from rdkeras.parallel.sharded_parameters import ShardedParameters
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    compiled(model)
+    with pytest.raises(NotImplementedError, match=f"shard='parameters' does not run with {named}"):
+        ShardedParameters(None, model)  # type: ignore[arg-type]
+    constrained = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_constraint="non_neg")])
+    constrained.compile(keras.optimizers.Adam())
+    with pytest.raises(NotImplementedError, match=r"a constraint or regularizer \(sequential_\d+/dense_\d+/kernel\)"):
+        ShardedParameters(None, constrained)  # type: ignore[arg-type]
+
+
 def test_the_compiled_optimizer_builds_no_per_variable_state():
     # Not its slots, its gradient accumulators nor its moving averages: the sharded update's copy holds those.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])

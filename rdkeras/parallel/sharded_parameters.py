@@ -1,0 +1,329 @@
+"""Sharded parameters (ZeRO stage 3, arXiv 1910.02054; PyTorch's FSDP): each worker stores only its 1/N of each
+layer's trainable weights, and of their optimizer state.
+
+A *unit* is a layer that owns trainable variables; its variables lie end to end in one flat buffer, split into N
+equal shards (:meth:`Collectives.shard_elements`), worker p owning shard p. Each variable's storage becomes its
+*piece*: a 1-D TensorFlow variable holding the part of it in this worker's shard (possibly none). Then:
+
+1. each call of a unit allgathers its shards into whole values, and runs the layer's own ``call`` on them (a
+   ``keras.StatelessScope``); the gather's gradient is a reduce-scatter, so backprop leaves each piece the
+   average over the workers of its part of the gradient, layer by layer, as it goes;
+2. the compiled optimizer's ``apply`` clips those as Keras clips whole gradients (the pieces' sums of squares
+   summed over the workers) and a copy of it, built on the pieces, updates them: nothing is gathered after;
+3. whatever reads whole weights outside a step -- ``get_weights``, ``RDMAStrategy.export`` and checkpoints --
+   gathers them (collective: every worker calls it).
+
+The weights are laid out when ``fit`` starts, once every worker holds the chief's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from rdkeras import keras_internals
+from rdkeras.fitting.saving import variables_bytes
+from rdkeras.parallel.collectives import Collectives, GradientAllreduce
+from rdkeras.parallel.piece_gradients import clipping, elements, slots_by_variable, values_of
+
+
+@dataclasses.dataclass
+class _Unit:
+    """A layer's trainable variables, end to end, and the piece of each this worker stores."""
+
+    layer: Any
+    variables: list[Any]
+    sizes: list[int]
+    offsets: list[int]
+    per: int  # elements of each worker's shard
+    owned: list[tuple[int, int]]  # per variable: the [lo, hi) of it in this worker's shard (lo == hi: none)
+    pieces: list[Any]  # per variable: a Keras variable sharing its storage, shape [hi - lo]
+
+    @property
+    def dtype(self) -> str:
+        return np.dtype(self.variables[0].dtype).name
+
+
+class ShardedParameters:
+    """The sharded weights and update of one model (see the module).
+
+    Args:
+        collectives: The data-parallel workers' collectives.
+        model: The compiled model; its optimizer (not a LossScaleOptimizer) is the one whose ``apply`` this runs.
+    """
+
+    def __init__(self, collectives: Collectives, model: Any):
+        optimizer = model.optimizer
+        refused = [name for name in ("gradient_accumulation_steps", "use_ema", "loss_scale_factor")
+                   if getattr(optimizer, name, None)]  # fmt: skip
+        if keras_internals.inner_optimizer(optimizer) is not optimizer:
+            refused.append("mixed precision (a LossScaleOptimizer)")
+        for v in model.trainable_variables:
+            if v.constraint is not None or getattr(v, "regularizer", None) is not None:
+                refused.append(f"a constraint or regularizer ({v.path})")
+                break
+        if refused:
+            raise NotImplementedError(
+                f"shard='parameters' does not run with {', '.join(refused)} yet: use shard='gradients'"
+            )
+        self.collectives, self.model, self.optimizer = collectives, model, optimizer
+        self.units: list[_Unit] = []
+        self._copy: Any = None
+        self._whole = False
+        self._rows = GradientAllreduce(collectives)
+        keras_internals.build_without_slots(optimizer)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the variables hold only this worker's pieces now (not before fit lays them out, nor inside
+        :meth:`whole`)."""
+        return bool(self.units) and not self._whole
+
+    def is_sharded(self, variable: Any) -> bool:
+        return any(variable is v for unit in self.units for v in unit.variables)
+
+    # -- laying the weights out: once, when every worker holds the chief's --------------------------------
+
+    def shard(self) -> None:
+        """Each unit's variables stored as this worker's pieces from now on, its calls gathering them."""
+        if self.units:
+            return
+        import keras
+        import tensorflow as tf
+
+        trainable = {id(v) for v in self.model.trainable_variables}
+        position, decisions = self.collectives.position, []
+        with tf.init_scope():
+            for layer in keras_internals.layers_owning_variables(self.model):
+                variables = [v for v in keras_internals.own_trainable_variables(layer) if id(v) in trainable]
+                if not variables:
+                    continue
+                if len({np.dtype(v.dtype).name for v in variables}) > 1 or np.dtype(variables[0].dtype).name not in (
+                    "float32", "float64"):  # fmt: skip
+                    raise TypeError(f"shard='parameters': layer {layer.name} holds variables of several dtypes")
+                sizes = [int(np.prod(v.shape)) for v in variables]
+                offsets = [int(o) for o in np.cumsum([0, *sizes[:-1]])]
+                per = self.collectives.shard_elements(sum(sizes), variables[0].dtype)
+                start = position * per
+                owned, pieces = [], []
+                for v, at, size in zip(variables, offsets, sizes, strict=True):
+                    lo, hi = max(start, at) - at, min(start + per, at + size) - at
+                    lo, hi = (lo, hi) if lo < hi else (0, 0)
+                    storage = tf.Variable(np.reshape(v.numpy(), -1)[lo:hi], trainable=True, name=v.name)
+                    keras_internals.set_storage(v, storage)
+                    piece = keras.Variable(storage, name=v.path.replace("/", "_"))
+                    owned.append((int(lo), int(hi)))
+                    pieces.append(piece)
+                    decisions.append((piece, keras_internals.uses_weight_decay(self.optimizer, v)))
+                unit = _Unit(layer, variables, sizes, offsets, per, owned, pieces)
+                keras_internals.call_with_values(layer, variables, functools.partial(self._gather, unit))
+                self.units.append(unit)
+            config = {**self.optimizer.get_config(), "clipnorm": None, "global_clipnorm": None, "clipvalue": None}
+            self._copy = type(self.optimizer).from_config({**config, "name": f"{self.optimizer.name}_shard"})
+            keras_internals.decide_weight_decay(self._copy, decisions)
+            self._copy.build(self._pieces())
+
+    def _pieces(self) -> list[Any]:
+        return [p for unit in self.units for p in unit.pieces]
+
+    def _gather(self, unit: _Unit) -> list[Any]:
+        """The unit's whole values (tensors), gathered from every worker's shard; their gradient is reduce-scattered
+        back into the pieces' gradients."""
+        import tensorflow as tf
+
+        dtype, n = tf.as_dtype(unit.dtype), self.collectives.size
+        used = sum(hi - lo for lo, hi in unit.owned)
+
+        @tf.custom_gradient
+        def gathered(*pieces: Any) -> Any:
+            shard = tf.concat([*pieces, tf.zeros([unit.per - used], dtype)], 0)
+
+            def allgather(values: np.ndarray) -> np.ndarray:  # (copied: backprop reads the values again)
+                return np.array(self.collectives.allgather(values, purpose="parameters"))
+
+            whole = tf.numpy_function(allgather, [shard], dtype, stateful=True, name="rdkeras_gather_parameters")
+            whole.set_shape([n * unit.per])
+            values = [tf.reshape(whole[at : at + size], v.shape)
+                      for v, at, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True)]  # fmt: skip
+
+            def scatter(*upstream: Any) -> list[Any]:
+                if len(upstream) == 1 and isinstance(upstream[0], tf.IndexedSlices):  # an Embedding's lookup
+                    return self._rows_in_piece(upstream[0], *unit.owned[0])
+                flat = [tf.zeros([size], dtype) if g is None else tf.reshape(tf.convert_to_tensor(g), [-1])
+                        for g, size in zip(upstream, unit.sizes, strict=True)]  # fmt: skip
+                padded = tf.concat([*flat, tf.zeros([n * unit.per - sum(unit.sizes)], dtype)], 0)
+
+                def reduce_scatter(values: np.ndarray) -> np.ndarray:
+                    return np.array(self.collectives.reduce_scatter(values, average=True, purpose="parameter-grads"))
+
+                mine = tf.numpy_function(reduce_scatter, [padded], dtype, stateful=True, name="rdkeras_scatter_grads")
+                mine.set_shape([unit.per])
+                out, at = [], 0
+                for lo, hi in unit.owned:
+                    out.append(mine[at : at + hi - lo])
+                    at += hi - lo
+                return out
+
+            return values, scatter
+
+        return list(gathered(*[tf.convert_to_tensor(keras_internals.storage(v)) for v in unit.variables]))
+
+    def _rows_in_piece(self, rows: Any, lo: int, hi: int) -> list[Any]:
+        """An Embedding's gradient as one process's optimizer gets it: every worker's rows gathered (duplicates
+        unsummed, which Adam's moments see), as the IndexedSlices of the elements in this worker's piece."""
+        (gathered,) = self._rows([rows])
+        return [elements(gathered, lo, hi, lambda t: t)]
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def apply(self, optimizer: Any, base: Any, grads: list, variables: Any) -> None:
+        """The compiled optimizer's ``apply``: `grads` are the pieces' averaged gradients (the gathers' own)."""
+        import tensorflow as tf
+
+        variables = list(variables) if variables is not None else keras_internals.tracked_variables(optimizer)
+        if not optimizer.built:
+            optimizer.build(variables)
+        piece_of = {id(v): p for unit in self.units for v, p in zip(unit.variables, unit.pieces, strict=True)}
+        missing = [v.path for v in variables if id(v) not in piece_of]
+        if missing:
+            raise RuntimeError(f"shard='parameters': {missing[0]} is not laid out (fit lays the weights out first)")
+        if self.optimizer.global_clipnorm:  # (Keras's own clipping by the global norm makes an Embedding's dense)
+            grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        present = [g is not None for g in grads]
+        transform = clipping(self.optimizer, present, lambda: self._squared_norms(grads))
+        copy = self._copy
+        copy.iterations.assign(optimizer.iterations)
+        if keras_internals.settable_learning_rate(optimizer):
+            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
+        copy.apply([None if g is None else _transformed(g, transform[i]) for i, g in enumerate(grads)],
+                   [piece_of[id(v)] for v in variables])  # fmt: skip
+        keras_internals.iteration_counter(optimizer).assign_add(1)
+
+    def _squared_norms(self, grads: list) -> list:
+        """Each variable's gradient's sum of squares, its pieces' summed over the workers."""
+        import tensorflow as tf
+
+        partial = [tf.zeros([], tf.float64) for _ in grads]
+        for i, g in enumerate(grads):
+            if g is not None:
+                partial[i] = tf.cast(tf.reduce_sum(tf.square(values_of(g))), tf.float64)
+
+        def total(values: np.ndarray) -> np.ndarray:
+            (summed,) = self.collectives.allreduce([values], average=False, purpose="norms")
+            return np.array(summed)
+
+        summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
+        summed.set_shape([len(grads)])
+        return [None if g is None else tf.cast(summed[i], g.dtype) for i, g in enumerate(grads)]
+
+    # -- whole weights, for what reads them outside a step (collective) ---------------------------------
+
+    def whole_values(self) -> dict[int, np.ndarray]:
+        """id(variable) -> its whole value, for every sharded variable (collective)."""
+        out = {}
+        for unit in self.units:
+            shard = np.zeros(unit.per, unit.dtype)
+            at = 0
+            for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
+                shard[at : at + hi - lo] = np.reshape(keras_internals.storage(v).numpy(), -1)
+                at += hi - lo
+            whole = self.collectives.allgather(shard, purpose="whole-parameters")
+            for v, at, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
+                out[id(v)] = np.reshape(whole[at : at + size], v.shape).copy()
+        self.collectives.release("whole-parameters")
+        return out
+
+    def set_whole(self, variable: Any, value: np.ndarray) -> None:
+        """Sets a sharded variable from its whole value (each worker keeps its piece)."""
+        for unit in self.units:
+            for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
+                if v is variable:
+                    keras_internals.storage(v).assign(np.reshape(np.asarray(value, unit.dtype), -1)[lo:hi])
+                    return
+        raise KeyError(variable.path)
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """While in it, every sharded variable holds its whole value (collective): for files and checks that read
+        the variables; the pieces take back what was assigned meanwhile."""
+        import tensorflow as tf
+
+        values = self.whole_values()
+        pieces = {id(v): keras_internals.storage(v) for unit in self.units for v in unit.variables}
+        for unit in self.units:
+            for v in unit.variables:
+                keras_internals.set_storage(v, tf.Variable(values[id(v)], trainable=True, name=v.name))
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+            for unit in self.units:
+                for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
+                    whole = keras_internals.storage(v).numpy()
+                    keras_internals.set_storage(v, pieces[id(v)])
+                    pieces[id(v)].assign(np.reshape(whole, -1)[lo:hi])
+
+    def consolidated(self) -> Any:
+        """Collective: a plain optimizer of the compiled one's class and config, built on the model's trainable
+        variables, holding the whole state the workers' pieces hold between them (for ``RDMAStrategy.export``)."""
+        optimizer, variables = self.optimizer, list(self.model.trainable_variables)
+        full = type(optimizer).from_config(optimizer.get_config())
+        full.build(variables)
+        keras_internals.iteration_counter(full).assign(keras_internals.iteration_counter(optimizer))
+        if keras_internals.settable_learning_rate(optimizer):
+            full.learning_rate = np.asarray(optimizer.learning_rate)
+        position = {id(v): i for i, v in enumerate(variables)}
+        whole_slots = slots_by_variable(full, variables)
+        mine = slots_by_variable(self._copy, self._pieces())
+        first = 0
+        for unit in self.units:
+            for name in sorted({name for _, name in mine}):
+                shard, at = np.zeros(unit.per, unit.dtype), 0
+                for k, (lo, hi) in enumerate(unit.owned):
+                    shard[at : at + hi - lo] = np.reshape(mine[(first + k, name)].numpy(), -1)
+                    at += hi - lo
+                whole = self.collectives.allgather(shard, purpose="whole-parameters")
+                for v, offset, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
+                    slot = whole_slots.get((position[id(v)], name))
+                    if slot is not None:
+                        slot.assign(np.reshape(whole[offset : offset + size], v.shape))
+            first += len(unit.pieces)
+        self.collectives.release("whole-parameters")
+        return full
+
+    def unshard(self) -> None:
+        """Every sharded variable whole again, its layer calling as it did (collective: at the strategy's close)."""
+        import tensorflow as tf
+
+        if not self.units:
+            return
+        values = self.whole_values()
+        for unit in self.units:
+            keras_internals.restore_method(unit.layer, "call")
+            for v in unit.variables:
+                keras_internals.set_storage(v, tf.Variable(values[id(v)], trainable=True, name=v.name))
+        self.units = []
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker stores: its pieces (parameters) and its copy's variables (optimizer)."""
+        return {"parameters": variables_bytes(self._pieces()),
+                "optimizer": variables_bytes(self._copy.variables) if self._copy is not None else 0}  # fmt: skip
+
+    def variables_in(self, variables: Sequence[Any]) -> list[Any]:
+        """`variables` less the sharded ones (what replica checks and broadcasts may read whole)."""
+        return [v for v in variables if not self.is_sharded(v)]
+
+
+def _transformed(gradient: Any, transform: Any) -> Any:
+    """`transform` (a clipping) applied to a gradient's values: an IndexedSlices stays one."""
+    import tensorflow as tf
+
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(transform(gradient.values), gradient.indices, gradient.dense_shape)
+    return transform(gradient)
