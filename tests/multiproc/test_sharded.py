@@ -54,8 +54,9 @@ def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
 
 @pytest.mark.parametrize("name", PARAMETERS_PATTERNS)
 def test_a_guides_pattern_trains_with_sharded_parameters_as_one_process(pattern_runs, name):
-    # An Embedding with Adam (its rows gathered, duplicates unsummed, as one process applies them), and fine-tuning:
-    # a frozen base, fit, unfreeze, recompile (the weights laid out anew), fit again.
+    # An Embedding with Adam (its rows gathered, duplicates unsummed, as one process applies them); fine-tuning:
+    # a frozen base, fit, unfreeze, recompile (the weights laid out anew), fit again; and evaluate before fit,
+    # validation, a second fit, predict and set_weights on sharded weights.
     reference = pattern_runs["one"][0][name]
     workers = [w[f"{name}@parameters"] for w in pattern_runs["data"]]
     for rank, got in enumerate(workers):

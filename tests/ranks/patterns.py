@@ -34,7 +34,8 @@ def pattern(fn):
 # train with shard="parameters" (the others use what it refuses: constraints, mixed precision, accumulation, EMA).
 SHARDED: dict = {}
 PARAMETERS_SHARDED = ["sharded_gpt2_adam_clipnorm", "sharded_sgd_clipvalue_lr_callback"]
-PARAMETERS_PATTERNS = ["embedding_adam", "fine_tuning"]  # guides' patterns also trained with shard="parameters"
+# The guides' patterns also trained with shard="parameters".
+PARAMETERS_PATTERNS = ["embedding_adam", "fine_tuning", "evaluate_fit_twice_predict_set_weights"]
 
 
 def sharded(fn):
@@ -302,6 +303,28 @@ def embedding_adam(env):
                       keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]  # fmt: skip
 
     return _classify(env, layers, x, y, keras.optimizers.Adam(0.01), batch_size=16, epochs=3, shuffle=False)
+
+
+@pattern
+def evaluate_fit_twice_predict_set_weights(env):
+    """A model's life in a notebook: evaluated before training, fit with validation data, fit again, evaluated,
+    asked to predict, its weights halved by set_weights and evaluated again."""
+    import keras
+
+    x, y = _classification(seed=43)
+    with env.scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dropout(0.2), keras.layers.Dense(3)])  # fmt: skip
+        model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    before = model.evaluate(x, y, batch_size=16, verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x[:32], y[:32]))
+    again = model.fit(x, y, batch_size=16, epochs=1, verbose=0).history
+    after = model.evaluate(x, y, batch_size=16, verbose=0)
+    predicted = model.predict(x[:8], batch_size=8, verbose=0)
+    out = _result(model, history, before=before, again=again, after=after, predicted=predicted)
+    model.set_weights([w * 0.5 for w in model.get_weights()])
+    return {**out, "halved": model.evaluate(x, y, batch_size=16, verbose=0)}
 
 
 @pattern
