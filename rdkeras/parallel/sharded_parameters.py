@@ -31,6 +31,41 @@ from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
 from rdkeras.parallel.piece_gradients import clipping, elements, slots_by_variable, values_of
 
+CALL_BYTES = 4 << 20  # the most of each worker's shard one gather or reduce-scatter call moves
+
+
+def allgather_in_calls(
+    collectives: Collectives, shard: np.ndarray, purpose: str, limit: int = CALL_BYTES
+) -> np.ndarray:
+    """:meth:`Collectives.allgather` of `shard` in calls of at most `limit` bytes of it (a fresh array): the ring
+    stays N times `limit` however large a layer is."""
+    n, per = collectives.size, shard.size
+    step = max(64, limit) // shard.itemsize // 16 * 16  # (whole 64-byte lines)
+    if per <= step:
+        return np.array(collectives.allgather(shard, purpose=purpose))
+    whole = np.empty((n, per), shard.dtype)
+    for lo in range(0, per, step):
+        hi = min(per, lo + step)
+        whole[:, lo:hi] = np.reshape(collectives.allgather(shard[lo:hi], purpose=purpose), (n, hi - lo))
+    return whole.reshape(-1)
+
+
+def reduce_scatter_in_calls(
+    collectives: Collectives, flat: np.ndarray, purpose: str, limit: int = CALL_BYTES
+) -> np.ndarray:
+    """:meth:`Collectives.reduce_scatter` (the mean) of `flat` in calls of at most `limit` bytes of each shard."""
+    n = collectives.size
+    per = flat.size // n
+    step = max(64, limit) // flat.itemsize // 16 * 16
+    if per <= step:
+        return np.array(collectives.reduce_scatter(flat, average=True, purpose=purpose))
+    rows, mine = np.reshape(flat, (n, per)), np.empty(per, flat.dtype)
+    for lo in range(0, per, step):
+        hi = min(per, lo + step)
+        part = np.ascontiguousarray(rows[:, lo:hi]).reshape(-1)
+        mine[lo:hi] = collectives.reduce_scatter(part, average=True, purpose=purpose)
+    return mine
+
 
 @dataclasses.dataclass
 class _Unit:
@@ -143,8 +178,8 @@ class ShardedParameters:
         def gathered(*pieces: Any) -> Any:
             shard = tf.concat([*pieces, tf.zeros([unit.per - used], dtype)], 0)
 
-            def allgather(values: np.ndarray) -> np.ndarray:  # (copied: backprop reads the values again)
-                return np.array(self.collectives.allgather(values, purpose="parameters"))
+            def allgather(values: np.ndarray) -> np.ndarray:  # (a fresh array: backprop reads the values again)
+                return allgather_in_calls(self.collectives, values, "parameters")
 
             whole = tf.numpy_function(allgather, [shard], dtype, stateful=True, name="rdkeras_gather_parameters")
             whole.set_shape([n * unit.per])
@@ -159,7 +194,7 @@ class ShardedParameters:
                 padded = tf.concat([*flat, tf.zeros([n * unit.per - sum(unit.sizes)], dtype)], 0)
 
                 def reduce_scatter(values: np.ndarray) -> np.ndarray:
-                    return np.array(self.collectives.reduce_scatter(values, average=True, purpose="parameter-grads"))
+                    return reduce_scatter_in_calls(self.collectives, values, "parameter-grads")
 
                 mine = tf.numpy_function(reduce_scatter, [padded], dtype, stateful=True, name="rdkeras_scatter_grads")
                 mine.set_shape([unit.per])
@@ -232,7 +267,7 @@ class ShardedParameters:
             for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
                 shard[at : at + hi - lo] = np.reshape(keras_internals.storage(v).numpy(), -1)
                 at += hi - lo
-            whole = self.collectives.allgather(shard, purpose="whole-parameters")
+            whole = allgather_in_calls(self.collectives, shard, "whole-parameters")
             for v, at, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
                 out[id(v)] = np.reshape(whole[at : at + size], v.shape).copy()
         self.collectives.release("whole-parameters")
@@ -288,7 +323,7 @@ class ShardedParameters:
                 for k, (lo, hi) in enumerate(unit.owned):
                     shard[at : at + hi - lo] = np.reshape(mine[(first + k, name)].numpy(), -1)
                     at += hi - lo
-                whole = self.collectives.allgather(shard, purpose="whole-parameters")
+                whole = allgather_in_calls(self.collectives, shard, "whole-parameters")
                 for v, offset, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
                     slot = whole_slots.get((position[id(v)], name))
                     if slot is not None:

@@ -786,6 +786,25 @@ def from_owners_round_trip() -> dict:
                 "discarded": eng.counters()["pool_bytes_discarded"]}  # fmt: skip
 
 
+def shards_in_calls(per: int, limit: int) -> dict:
+    """A float32 buffer of `per` elements a member reduce-scattered and its shard allgathered, in calls of at most
+    `limit` bytes (sharded_parameters) and in one call each: both results."""
+    from rdkeras.parallel.collectives import Collectives
+    from rdkeras.parallel.sharded_parameters import allgather_in_calls, reduce_scatter_in_calls
+
+    with open_engine() as eng:
+        collectives = Collectives(eng, 4096)
+        flat = np.random.default_rng(eng.rank).standard_normal(per * eng.world_size).astype(np.float32)
+        out = {}
+        for label, bound in (("calls", limit), ("one", 1 << 30)):
+            mine = reduce_scatter_in_calls(collectives, flat, "grads", bound)
+            out[label] = {
+                "shard": mine.tolist(),
+                "gathered": allgather_in_calls(collectives, mine + eng.rank, "w", bound).tolist(),
+            }
+        return out
+
+
 def shard_round_trip(counts: list[int], transport_bucket: int = 4096, calls: int = 3) -> dict:
     """For each count: a flat float32 buffer padded to the members' shards, reduce-scattered (sums, then means),
     each member adding its rank to its shard, then allgathered; and one float64 buffer the same way."""
