@@ -143,11 +143,13 @@ def run_workers(
     verbose: bool = False,
     log_dir: str | Path | None = None,
     watch: Any = None,
+    on_exit: Callable[[int, int], None] | None = None,
 ) -> list[RankResult]:
     """Runs one process per command; returns when all ended, one failed, or the timeout passed.
 
     `watch` (an elastic job's :class:`rdkeras.elastic.ElasticAgent`) hears of every exit (``exited(rank,
     returncode)``); a worker that fails then ends the job only once `watch.error` says the others cannot go on.
+    `on_exit(rank, returncode)` hears of every exit too (a launcher that tells the job's store).
 
     With `forward`, output is written to this process's stdout as it comes, each line
     prefixed by the rank (see :class:`_Terminal`). With `log_dir`, each rank's output
@@ -195,6 +197,8 @@ def run_workers(
                 results[i].ended_at = now
                 if watch is not None:
                     watch.exited(ranks[i], p.returncode)
+                if on_exit is not None:
+                    on_exit(ranks[i], p.returncode)
 
     def start(cmd: Sequence[str], env: dict) -> None:
         procs.append(
