@@ -5,7 +5,8 @@ its own live ranks. So for a job of several nodes (not elastic), node 0's launch
 (``RDKERAS_STORE=launcher``: the store outlives rank 0) and the others connect to it as its launcher clients (the
 job token proven by HMAC, as the ranks do). A launcher reports a worker killed by a signal to the store (the others'
 waits then name it), and once its workers ended posts how each ended, its last lines and its failure report under
-``verdict/node-N``. Node 0's launcher waits for them (at most ``NODES_WAIT_S``), merges them into the job's verdict
+``verdict/node-N``. Node 0's launcher waits for them (at most ``NODES_WAIT_S``; ``GONE_S`` once no launcher
+that has not posted is connected), merges them into the job's verdict
 (:func:`rdkeras.launch_verdict.verdict`: the reports of every rank, :func:`rdkeras.reports.cause`) and posts it as
 ``verdict/final``; every launcher prints it and exits with its status. A launcher that gets no verdict from node 0's
 within ``FINAL_WAIT_S`` prints its own and says so.
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from rdkeras.launch import Job
 
 NODES_WAIT_S = 60.0  # node 0's launcher, for the other nodes' reports once its own workers ended
+GONE_S = 5.0  # ... but no longer than this for a node whose launcher is not connected (dead, or never came)
 FINAL_WAIT_S = NODES_WAIT_S + 30.0  # another node's launcher, for node 0's verdict (node 0 waits NODES_WAIT_S)
 ACK_WAIT_S = 10.0  # node 0's launcher keeps the store up this long at most for the others to read the verdict
 TAIL_LINES = 20  # of each rank's last output, what travels to node 0 (the blamed rank's is shown)
@@ -102,8 +104,10 @@ class NodeVerdict:
         server = self._server
         server.put("verdict/node-0", mine)
         others = [f"verdict/node-{n}" for n in range(1, self.job.nnodes)]
-        end = time.monotonic() + NODES_WAIT_S
-        while time.monotonic() < end and any(server.value(k) is None for k in others):
+        began = time.monotonic()
+        while time.monotonic() < began + NODES_WAIT_S and (waiting := sum(server.value(k) is None for k in others)):
+            if time.monotonic() > began + GONE_S and server.launchers() <= len(others) - waiting:
+                break  # every launcher still connected has posted: the others' are gone
             time.sleep(0.05)
         posted = [json.loads(v) for k in ["verdict/node-0", *others] if (v := server.value(k)) is not None]
         results = [_decode(r) for node in posted for r in node["results"]]
@@ -111,8 +115,8 @@ class NodeVerdict:
         silent = [n for n in range(1, self.job.nnodes) if server.value(f"verdict/node-{n}") is None]
         if silent:
             nodes = ", ".join(map(str, silent))
-            lines.append(f"node {nodes}'s launcher did not report within {NODES_WAIT_S:g} s: this verdict is from "
-                         "the other nodes' workers")  # fmt: skip
+            lines.append(f"node {nodes}'s launcher did not report (gone, or still waiting for its workers): this "
+                         "verdict is from the other nodes' workers")  # fmt: skip
             status = status or 1
         server.put("verdict/final", json.dumps({"status": status, "lines": lines}).encode())
         readers = [f"verdict/read/{node['node']}" for node in posted if node["node"] != 0]

@@ -66,3 +66,18 @@ def test_a_launcher_that_cannot_reach_node_0s_prints_its_own_verdict_and_says_so
     assert lines[0].startswith("no verdict from node 0's launcher (could not reach the job's store at 127.0.0.1:")
     assert lines[0].endswith("this is node 1's own, from its workers alone"), lines[0]
     assert lines[1].startswith("worker rank 3 failed first (signal 9)"), lines[1]
+
+
+def test_node_0s_launcher_does_not_wait_long_for_a_launcher_that_is_gone(monkeypatch):
+    monkeypatch.setattr(launch_nodes, "GONE_S", 0.5)
+    job = Job(2, 2, 0, "127.0.0.1", free_port())  # node 1's launcher never connects
+    node = launch_nodes.NodeVerdict(job, _env(job))
+    try:
+        began = time.monotonic()
+        status, lines = node.decide([_lost(0, time.monotonic()), _lost(1, time.monotonic())])
+    finally:
+        node.close()
+    assert time.monotonic() - began < 5
+    assert status == 1
+    assert lines[0].startswith("worker rank 0 failed first"), lines  # (its own ranks only: rank 3's node is silent)
+    assert lines[-1].startswith("node 1's launcher did not report (gone, or still waiting for its workers)"), lines
