@@ -66,6 +66,7 @@ class RankResult:
     tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
     report: dict | None = None  # what the worker said ended it (rdkeras.reports), if it said
     killed: bool = False  # still running when the launcher gave up on it, and killed (ended_at: then)
+    unseen: str = ""  # why nobody knows how it ended (another node's launcher did not report), if so
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -340,6 +341,8 @@ def cause_of(bad: RankResult, results: list[RankResult]) -> str:
 
 
 def _status(r: RankResult) -> str:
+    if r.unseen:
+        return r.unseen
     if r.killed and r.report is not None and not r.report.get("hung"):
         return f"killed by the launcher (it reported, then did not exit within {REPORTED_GRACE_S:.0f} s)"
     if r.killed:

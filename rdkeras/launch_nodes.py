@@ -111,8 +111,12 @@ class NodeVerdict:
             time.sleep(0.05)
         posted = [json.loads(v) for k in ["verdict/node-0", *others] if (v := server.value(k)) is not None]
         results = [_decode(r) for node in posted for r in node["results"]]
-        status, lines = verdict(sorted(results, key=lambda r: r.rank))
         silent = [n for n in range(1, self.job.nnodes) if server.value(f"verdict/node-{n}") is None]
+        per = self.job.per_node
+        for n in silent:  # (a rank the reports blame may be one of theirs)
+            unseen = f"not known: node {n}'s launcher did not report"
+            results += [RankResult(n * per + i, None, "", unseen=unseen) for i in range(per)]
+        status, lines = verdict(sorted(results, key=lambda r: r.rank))
         if silent:
             nodes = ", ".join(map(str, silent))
             lines.append(f"node {nodes}'s launcher did not report (gone, or still waiting for its workers): this "

@@ -79,5 +79,6 @@ def test_node_0s_launcher_does_not_wait_long_for_a_launcher_that_is_gone(monkeyp
         node.close()
     assert time.monotonic() - began < 5
     assert status == 1
-    assert lines[0].startswith("worker rank 0 failed first"), lines  # (its own ranks only: rank 3's node is silent)
+    assert lines[0].startswith("worker rank 3 failed first (rank 3 failed: it was killed by signal 9 "), lines
+    assert lines[4] == "rank 3: not known: node 1's launcher did not report", lines
     assert lines[-1].startswith("node 1's launcher did not report (gone, or still waiting for its workers)"), lines
