@@ -66,6 +66,7 @@ class RankResult:
     tail: deque = field(default_factory=lambda: deque(maxlen=40), repr=False)
     report: dict | None = None  # what the worker said ended it (rdkeras.reports), if it said
     killed: bool = False  # still running when the launcher gave up on it, and killed (ended_at: then)
+    unseen: str = ""  # why nobody knows how it ended (another node's launcher did not report), if so
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -143,11 +144,13 @@ def run_workers(
     verbose: bool = False,
     log_dir: str | Path | None = None,
     watch: Any = None,
+    on_exit: Callable[[int, int], None] | None = None,
 ) -> list[RankResult]:
     """Runs one process per command; returns when all ended, one failed, or the timeout passed.
 
     `watch` (an elastic job's :class:`rdkeras.elastic.ElasticAgent`) hears of every exit (``exited(rank,
     returncode)``); a worker that fails then ends the job only once `watch.error` says the others cannot go on.
+    `on_exit(rank, returncode)` hears of every exit too (a launcher that tells the job's store).
 
     With `forward`, output is written to this process's stdout as it comes, each line
     prefixed by the rank (see :class:`_Terminal`). With `log_dir`, each rank's output
@@ -195,6 +198,8 @@ def run_workers(
                 results[i].ended_at = now
                 if watch is not None:
                     watch.exited(ranks[i], p.returncode)
+                if on_exit is not None:
+                    on_exit(ranks[i], p.returncode)
 
     def start(cmd: Sequence[str], env: dict) -> None:
         procs.append(
@@ -336,6 +341,8 @@ def cause_of(bad: RankResult, results: list[RankResult]) -> str:
 
 
 def _status(r: RankResult) -> str:
+    if r.unseen:
+        return r.unseen
     if r.killed and r.report is not None and not r.report.get("hung"):
         return f"killed by the launcher (it reported, then did not exit within {REPORTED_GRACE_S:.0f} s)"
     if r.killed:

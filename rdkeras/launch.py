@@ -43,7 +43,9 @@ from rdkeras._workers import (  # noqa: F401 (the launcher's names, re-exported)
     first_failure,
     run_workers,
 )
+from rdkeras.errors import EngineError
 from rdkeras.launch_elastic import ElasticSettings, add_elastic_arguments, elastic_outcome, run_elastic
+from rdkeras.launch_nodes import NodeVerdict
 from rdkeras.launch_verdict import verdict
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -173,6 +175,7 @@ def run_local(
     verbose: bool = False,
     log_dir: str | Path | None = None,
     elastic: ElasticSettings | None = None,
+    on_exit: Callable[[int, int], None] | None = None,
 ) -> list[RankResult]:
     """The one local-launch sequence: this node's ranks of `job`, each running `command`. With `elastic`, the
     launcher hosts the store and re-forms the group when workers are lost (:mod:`rdkeras.elastic`); what
@@ -188,6 +191,7 @@ def run_local(
             forward=forward,
             verbose=verbose,
             log_dir=log_dir,
+            on_exit=on_exit,
         )
     job = dataclasses.replace(job, master_port=job.master_port or free_port())
     more = {**(env or {}), "RDKERAS_STORE": "launcher", "RDKERAS_MIN_WORKERS": str(elastic.min_workers)}
@@ -352,9 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     elif a.max_restarts:
         parser.error("--max-restarts needs --min-workers (an elastic job)")
     handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Several nodes: node 0's launcher hosts the store, and every launcher prints the job's one verdict.
+    nodes = None
     try:
-        results = run_local(cmd, job, env=extra, timeout=a.timeout, forward=True, verbose=a.verbose,
-                            log_dir=a.log_dir, elastic=elastic)  # fmt: skip
+        nodes = NodeVerdict(job, job_envs(job, extra)[1][0]) if elastic is None and job.nnodes > 1 else None
+        results = run_local(cmd, job, env={**extra, **(nodes.env if nodes else {})}, timeout=a.timeout, forward=True,
+                            verbose=a.verbose, log_dir=a.log_dir, elastic=elastic,
+                            on_exit=nodes.exited if nodes else None)  # fmt: skip
+        if elastic is not None:
+            status, lines = elastic_outcome(results, elastic)
+        else:
+            status, lines = verdict(results) if nodes is None else nodes.decide(results)
+    except EngineError as e:  # (node 0's launcher cannot host the store: the port is taken)
+        print(f"rdkeras.launch: {e}", file=sys.stderr)
+        return 1
     except _Stopped as e:
         print(f"rdkeras.launch: stopped by signal {e.signum}; workers killed", file=sys.stderr)
         return 128 + e.signum
@@ -364,12 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    if elastic is not None:
-        status, lines = elastic_outcome(results, elastic)
-        for line in lines:
-            print(f"rdkeras.launch: {line}", file=sys.stderr)
-        return status
-    status, lines = verdict(results)
+        if nodes is not None:
+            nodes.close()
     for line in lines:
         print(f"rdkeras.launch: {line}", file=sys.stderr)
     return status

@@ -21,7 +21,7 @@ class Store:
     (``RDKERAS_STORE=launcher``: a launcher hosts it and reports its workers' deaths).
 
     Args:
-        rank: This process's rank.
+        rank: This process's rank (a launcher's client: ``LAUNCHER``).
         world_size: Number of ranks in the job.
         host: Address of the store (rank 0's, or the launcher's).
         port: Its port (a hosting rank 0 may pass 0 to pick a free one).
@@ -33,7 +33,7 @@ class Store:
 
     def __init__(
         self,
-        rank: int,
+        rank: int | str,
         world_size: int,
         host: str,
         port: int,

@@ -126,6 +126,12 @@ class StoreServer:
         with self._lock:
             return {r for r, c in self._ranks.items() if c.sock.fileno() >= 0 and not c.said_bye}
 
+    def launchers(self) -> int:
+        """Launchers' clients connected now (other nodes' launchers: rdkeras.launch_nodes)."""
+        with self._lock:
+            conns = [key.data for key in self._selector.get_map().values() if isinstance(key.data, _Conn)]
+        return sum(1 for c in conns if c.who == LAUNCHER)
+
     def arrived(self) -> set[int]:
         """The ranks that ever connected."""
         with self._lock:

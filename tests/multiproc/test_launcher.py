@@ -186,6 +186,26 @@ def test_two_launchers_make_one_job_across_nodes(tmp_path):
     assert (tmp_path / "config" / "rdkeras" / "job-token").exists()
 
 
+def test_two_launchers_print_one_verdict_naming_a_rank_of_the_other_node(tmp_path):
+    """Rank 3 (node 1) kills itself: node 0's launcher, whose ranks only lost it, names it too, and both exit
+    alike (node 0's launcher merges every node's reports: rdkeras.launch_nodes)."""
+    from rdkeras.launch import free_port
+
+    env = {k: v for k, v in ENV.items() if k != "RDKERAS_JOB_TOKEN"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    launcher = [sys.executable, "-m", "rdkeras.launch", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    worker = [str(TESTS_DIR / "ranks" / "verdict_worker.py"), "3", "20", "KILL"]
+    procs = [subprocess.Popen([*launcher, "--nnodes", "2", "--node-rank", str(node), "-n", "2", *worker],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+             for node in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    firsts = [re.search(r"^rdkeras\.launch: (.*)$", out, re.M) for out in outs]
+    assert all(firsts), outs
+    assert firsts[0].group(1) == firsts[1].group(1), outs  # type: ignore[union-attr]
+    assert firsts[0].group(1).startswith("worker rank 3 failed first ("), outs  # type: ignore[union-attr]
+    assert procs[0].returncode == procs[1].returncode == 1, outs
+
+
 def test_a_module_runs_with_dash_m_as_python_has_it():
     done = _launch("-n", "2", "--timeout", "120", "-m", "tests.ranks.ring_sum", timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
