@@ -493,7 +493,7 @@ class DataParallel(ShardedState, Parallelism):
             share_variables(self.collectives, variables, [0] * len(variables))
             if restored:
                 self._restore_optimizer_shards(model)
-            self._lay_out_parameters(model)
+        self._lay_out_parameters(model)
         self.synced = True
 
     def gather_state(self, model: Any) -> None:

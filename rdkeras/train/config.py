@@ -170,6 +170,14 @@ def validate(cfg: Any) -> None:
         )
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
+    if parallel.get("shard") == "parameters":
+        saving = [name for name, spec in (cfg.get("callbacks") or {}).items()
+                  if str(spec.get("_target_", "")).endswith(("ModelCheckpoint", "BackupAndRestore"))]  # fmt: skip
+        if saving:
+            raise ConfigError(
+                f"parallel.shard=parameters: callbacks {', '.join(saving)} write Keras files, which workers holding "
+                "1/N of the weights each cannot write yet: leave them out with 'callbacks=[]'"
+            )
     trainer = cfg.trainer
     for flag in ("resume", "shuffle"):
         if not isinstance(trainer.get(flag), bool):

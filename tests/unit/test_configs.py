@@ -181,6 +181,11 @@ def test_placement_naming_a_missing_layer_is_one_clear_error():
             "got 1000000000000",
         ),
         (["recipe=null", "trainer.steps_per_epoch=null"], "synthetic data is sized by trainer.steps_per_epoch"),
+        (
+            ["parallel.shard=parameters"],
+            "parallel.shard=parameters: callbacks model_checkpoint, backup_and_restore write Keras files, which "
+            "workers holding 1/N of the weights each cannot write yet: leave them out with 'callbacks=[]'",
+        ),
         # A typo'd key: the keys meant, not Hydra's advice to add it with + (which would add a key nothing reads).
         (["trainer.epoch=1"], "unknown config key 'trainer.epoch': did you mean trainer.epochs?"),
         (["trainr.epochs=1"], "unknown config key 'trainr.epochs': did you mean trainer.epochs?"),
