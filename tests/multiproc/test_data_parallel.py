@@ -85,6 +85,7 @@ def _check_global_batch(results, configs):
         assert runs[1]["weights"] == runs[0]["weights"] and runs[1]["evaluate"] == runs[0]["evaluate"], key
 
 
+@pytest.mark.extended  # (odd worker counts: the default run's 3-member collectives and 4-worker checkpoint)
 def test_three_workers_match_too(three_workers):
     results = three_workers("three workers")
     for key in ("mlp/shm/allreduce", "mlp/shm/ps"):
