@@ -263,19 +263,25 @@ size_t RingAllreduce::shardBytes(size_t bytes, size_t item, const char* what) co
   return bytes / n;
 }
 
-uint8_t* RingAllreduce::reduceScatter(ConstSpan input, DType dtype, bool average) {
-  const CollectiveScope scope(*engine_, "reduce-scatter", name_, members_, input.bytes);
+uint8_t* RingAllreduce::reduceScatter(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const ConstSpan& part : inputs) {
+    offsets.push_back(total);
+    total += part.bytes;
+  }
+  const CollectiveScope scope(*engine_, "reduce-scatter", name_, members_, total);
   const int n = world_;
-  const size_t shard = shardBytes(input.bytes, dtypeSize(dtype), "reduce-scatter");
-  total_bytes_ = input.bytes;
-  const std::vector<ConstSpan> inputs = {input};
-  const std::vector<size_t> offsets = {0};
+  const size_t shard = shardBytes(total, dtypeSize(dtype), "reduce-scatter");
+  total_bytes_ = total;
   // Not an allreduce's signature of the same bytes: n tensors of one shard each.
   const uint64_t signature = callSignature(std::vector<ConstSpan>(n, ConstSpan{nullptr, shard}), dtype);
   uint8_t* out = block_ + nextOutput();
   uint8_t* mine = out + rank_ * shard;
   if (n == 1) {
-    if (shard) std::memcpy(mine, input.data, shard);
+    forEachSegment(inputs, offsets, 0, shard, [&](size_t i, size_t lo, size_t hi) {
+      std::memcpy(mine + lo, static_cast<const uint8_t*>(inputs[i].data) + (lo - offsets[i]), hi - lo);
+    });
     return mine;
   }
   if (right_key_ == 0) throw EngineError("reduce-scatter: called before connect()");

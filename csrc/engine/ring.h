@@ -66,8 +66,12 @@ class RingAllreduce {
 
   // The two halves of run() on their own, over one flat buffer of size() shards of equal bytes (a multiple
   // of 64), member p owning shard p -- the layout sharded optimizers keep.
-  // reduceScatter: this member's shard of the sum (mean) of every member's `input`, in the next output block.
-  uint8_t* reduceScatter(ConstSpan input, DType dtype, bool average);
+  // reduceScatter: this member's shard of the sum (mean) of every member's `input`, in the next output block;
+  // the input may come in consecutive parts (read where they lie: no copy into one buffer first).
+  uint8_t* reduceScatter(const std::vector<ConstSpan>& parts, DType dtype, bool average);
+  uint8_t* reduceScatter(ConstSpan input, DType dtype, bool average) {
+    return reduceScatter(std::vector<ConstSpan>{input}, dtype, average);
+  }
   // allgather: every member's `shard` (same bytes everywhere), in member order, in the next output block.
   // The left member writes into this one's block only once this one has entered the call (a flag each call).
   uint8_t* allgather(ConstSpan shard);

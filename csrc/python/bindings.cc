@@ -577,6 +577,21 @@ void bindRingAllreduce(py::module_& m) {
           },
           py::arg("array"), py::arg("average") = false)
       .def(
+          "reduce_scatter_parts",
+          [](py::object self, const std::vector<py::array>& parts, bool average) {
+            auto& ring = self.cast<RingAllreduce&>();
+            DType dtype = DType::kFloat32;
+            const std::vector<ConstSpan> spans = reduceInputs(*ring.engine(), parts, &dtype);
+            uint8_t* shard =
+                guardedNoGil(*ring.engine(), -1, [&] { return ring.reduceScatter(spans, dtype, average); });
+            py::ssize_t count = 0;
+            for (const py::array& part : parts) count += part.size();
+            return py::array(parts.empty() ? py::dtype::of<float>() : parts[0].dtype(), {count / ring.size()},
+                             shard, self);
+          },
+          py::arg("parts"), py::arg("average") = false,
+          "reduce_scatter of the consecutive `parts` of one buffer, read where they lie.")
+      .def(
           "allgather",
           [](py::object self, const py::array& shard) {
             auto& ring = self.cast<RingAllreduce&>();

@@ -314,12 +314,12 @@ class ShardedUpdate:
         flat = [tf.reshape(grads[i], [-1]) if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)
                 else tf.zeros([size], dtype) for i, size in zip(group.indices, group.sizes, strict=True)]  # fmt: skip
         size = self.collectives.size * group.per
-        padded = tf.concat([*flat, tf.zeros([size - sum(group.sizes)], dtype)], 0)
+        parts = [*flat, tf.zeros([size - sum(group.sizes)], dtype)]  # (the buffer's parts: no copy into one first)
 
-        def scatter(whole: np.ndarray) -> np.ndarray:
+        def scatter(*whole: np.ndarray) -> np.ndarray:
             return np.array(self.collectives.reduce_scatter(whole, average=True))
 
-        shard = tf.numpy_function(scatter, [padded], dtype, stateful=True, name="rdkeras_reduce_scatter")
+        shard = tf.numpy_function(scatter, parts, dtype, stateful=True, name="rdkeras_reduce_scatter")
         shard.set_shape([group.per])
         return shard
 

@@ -146,6 +146,9 @@ class ShardingRing(Ring, Protocol):
     def reduce_scatter(self, array: np.ndarray, average: bool = False) -> np.ndarray:
         """This member's shard of the sum (mean) of every member's `array` (float32/float64)."""
 
+    def reduce_scatter_parts(self, parts: Sequence[np.ndarray], average: bool = False) -> np.ndarray:
+        """:meth:`reduce_scatter` of the consecutive `parts` of one buffer, read where they lie."""
+
     def allgather(self, shard: np.ndarray) -> np.ndarray:
         """Every member's `shard` (any dtype, the same bytes everywhere), in member order."""
 

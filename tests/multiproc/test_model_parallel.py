@@ -105,7 +105,13 @@ RUNS = {
 
 
 # More cases of what the others check (a pipeline over tcp, GPipe's schedule): run with -m extended.
-EXTENDED = {"cnn-2-tcp", "rnn gpipe", "skip gpipe", "mlp-3stages-2micro", "mlp-2"}  # (3 stages and micro-batches: "skip")
+EXTENDED = {
+    "cnn-2-tcp",
+    "rnn gpipe",
+    "skip gpipe",
+    "mlp-3stages-2micro",
+    "mlp-2",
+}  # (3 stages and micro-batches: "skip")
 
 
 def _launch(workers: int, config):

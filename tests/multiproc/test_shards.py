@@ -64,3 +64,12 @@ def test_sharded_parameters_gather_and_scatter_in_calls_as_in_one(world):
         np.testing.assert_allclose(
             calls["gathered"], (mean + np.arange(world)[:, None]).reshape(-1), rtol=1e-5, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp")])
+def test_a_reduce_scatter_of_a_buffers_parts_is_the_reduce_scatter_of_the_buffer(world, transport):
+    # Parts of 1, 1000 and 4099 elements (and the padding), read where they lie: the same bits as the whole buffer.
+    results = run_threads("reduce_scatter_in_parts", world, transport=transport, sizes=[1, 1000, 4099])
+    for rank, result in enumerate(results):
+        assert result.value["parts"] == result.value["whole"], f"rank {rank}"
+        assert len(result.value["whole"]) * world >= 5100

@@ -5,6 +5,7 @@ Each returns a JSON-able value the test asserts on.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -784,6 +785,21 @@ def from_owners_round_trip() -> dict:
         got = collectives.from_owners([owned_value(s, d, eng.rank) for s, d, _ in OWNED], owners)
         return {"got": [[g.dtype.name, list(g.shape), g.astype(np.float64).ravel().tolist()] for g in got],
                 "discarded": eng.counters()["pool_bytes_discarded"]}  # fmt: skip
+
+
+def reduce_scatter_in_parts(sizes: list[int]) -> dict:
+    """A float32 buffer reduce-scattered whole and as its consecutive parts of `sizes` elements (then padding)."""
+    from rdkeras.parallel.collectives import Collectives
+
+    with open_engine() as eng:
+        collectives = Collectives(eng, 4096)
+        per = collectives.shard_elements(sum(sizes), np.float32)
+        flat = np.zeros(per * eng.world_size, np.float32)
+        flat[: sum(sizes)] = np.random.default_rng(eng.rank).standard_normal(sum(sizes))
+        cuts = np.cumsum([0, *sizes, flat.size - sum(sizes)])
+        parts = [flat[a:b] for a, b in itertools.pairwise(cuts)]
+        whole = np.array(collectives.reduce_scatter(flat, average=True))
+        return {"whole": whole.tolist(), "parts": np.array(collectives.reduce_scatter(parts, average=True)).tolist()}
 
 
 def shards_in_calls(per: int, limit: int) -> dict:

@@ -234,14 +234,23 @@ class Collectives:
         line = max(1, 64 // np.dtype(dtype).itemsize)
         return -(-count // (self.size * line)) * line
 
-    def reduce_scatter(self, flat: np.ndarray, average: bool = True, purpose: str = "shards") -> np.ndarray:
+    def reduce_scatter(
+        self, flat: np.ndarray | Sequence[np.ndarray], average: bool = True, purpose: str = "shards"
+    ) -> np.ndarray:
         """This member's shard (the ``position``-th of ``size`` equal ones) of the sum -- the mean with
-        `average` -- of every member's flat float32/float64 buffer of ``size * shard_elements`` elements: a view of
-        registered memory, valid until the next-but-one call for this purpose. Each member sends and receives
-        (N-1)/N of the buffer, half an allreduce's bytes."""
-        flat = np.ascontiguousarray(flat).reshape(-1)
-        self._check_shards(flat, "reduce_scatter")
-        ring = self._ring(purpose, flat.dtype.name, flat.nbytes, "ring")
+        `average` -- of every member's flat float32/float64 buffer of ``size * shard_elements`` elements, given
+        whole or as its consecutive parts (read where they lie): a view of registered memory, valid until the
+        next-but-one call for this purpose. Each member sends and receives (N-1)/N of the buffer, half an
+        allreduce's bytes."""
+        parts = [np.ascontiguousarray(p).reshape(-1) for p in ([flat] if isinstance(flat, np.ndarray) else flat)]
+        if not parts or len({p.dtype for p in parts}) > 1:
+            raise TypeError("reduce_scatter: a buffer, or its consecutive parts, all of one dtype")
+        dtype, size = parts[0].dtype, sum(p.size for p in parts)
+        self._check_shards(dtype, size, "reduce_scatter")
+        ring = self._ring(purpose, dtype.name, size * dtype.itemsize, "ring")
+        if len(parts) > 1 and hasattr(ring.end, "reduce_scatter_parts"):
+            return cast(ShardingRing, ring.end).reduce_scatter_parts(parts, average)
+        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if hasattr(ring.end, "reduce_scatter"):
             return cast(ShardingRing, ring.end).reduce_scatter(flat, average)
         shard = flat.size // self.size  # a backend without one: the allreduce's share
@@ -263,13 +272,13 @@ class Collectives:
         (total,) = ring([full], False)
         return total.astype(shard.dtype)
 
-    def _check_shards(self, flat: np.ndarray, what: str) -> None:
-        if flat.dtype.name not in _FLOAT_KINDS:
-            raise TypeError(f"{what}: float32/float64 buffers only, got {flat.dtype.name}")
-        if flat.size % self.size or (flat.nbytes // self.size) % 64:
+    def _check_shards(self, dtype: np.dtype, size: int, what: str) -> None:
+        if dtype.name not in _FLOAT_KINDS:
+            raise TypeError(f"{what}: float32/float64 buffers only, got {dtype.name}")
+        if size % self.size or (size * dtype.itemsize // self.size) % 64:
             raise ValueError(
-                f"{what}: a buffer of {flat.size} elements does not split into {self.size} shards of whole 64-byte "
-                f"lines; pad it to {self.size} x shard_elements({flat.size}) elements"
+                f"{what}: a buffer of {size} elements does not split into {self.size} shards of whole 64-byte "
+                f"lines; pad it to {self.size} x shard_elements({size}) elements"
             )
 
     def from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> list[np.ndarray]:
