@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup/memory")
 
 
-def unavailable(root: Path = ROOT) -> str | None:
-    """Why per-process caps cannot be set here, or None when they can."""
+def unavailable(root: Path | None = None) -> str | None:
+    """Why per-process caps cannot be set here (under `root`, default :data:`ROOT`), or None when they can."""
+    root = ROOT if root is None else root
     if not (root / "memory.limit_in_bytes").exists():
         return f"no cgroup v1 memory controller mounted at {root}"
     if not os.access(root, os.W_OK):
@@ -28,9 +29,10 @@ def unavailable(root: Path = ROOT) -> str | None:
     return None
 
 
-def create(name: str, limit_bytes: int, root: Path = ROOT) -> Path:
+def create(name: str, limit_bytes: int, root: Path | None = None) -> Path:
     """A new group under `root` whose processes may hold `limit_bytes` of memory; with swap counted in too where
     the kernel accounts it (``memory.memsw.limit_in_bytes``), so that swapping cannot hide an overrun."""
+    root = ROOT if root is None else root
     group = root / name
     group.mkdir()
     try:
@@ -119,7 +121,7 @@ def remove(group: Path, tries: int = 50) -> None:
 
 
 @contextlib.contextmanager
-def groups(prefix: str, count: int, limit_bytes: int, root: Path = ROOT) -> Iterator[list[Path]]:
+def groups(prefix: str, count: int, limit_bytes: int, root: Path | None = None) -> Iterator[list[Path]]:
     """`count` groups ``PREFIX-0``, ``PREFIX-1``, ... under `root`, each capped at `limit_bytes`; removed on exit,
     however the block ends."""
     made: list[Path] = []

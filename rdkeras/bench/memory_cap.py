@@ -50,6 +50,9 @@ def run(args: argparse.Namespace, kwargs: dict) -> int:
                                env=env, timeout=1800)  # fmt: skip
             counted = [cgroup.stats(g) for g in made]
         results[label] = [_row(r, c) for r, c in zip(ranks, counted, strict=True)]
+        failed = [r for r in ranks if r.returncode not in (0, -signal.SIGKILL, None)]
+        if failed:  # not the cap: show why
+            print(f"[memory] {label} failed on rank {failed[0].rank}:\n{failed[0].output[-2000:]}")
     one, sharded = results["one process"][0], results[f"{workers} workers, shard=parameters"]
     header = ("run", "rank", "exit", "oom kills", "cap hits", "peak RSS MB", "cgroup peak", "losses")
     print(f"{header[0]:>24}" + "".join(f"{h:>12}" for h in header[1:-1]) + "  " + header[-1])

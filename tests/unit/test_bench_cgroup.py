@@ -3,6 +3,7 @@ v1 memory root: what a group is given, what is read back, and that groups go awa
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -74,3 +75,14 @@ def test_a_group_that_cannot_be_made_leaves_none_behind_and_removing_twice_is_fi
         pass
     assert not (root / "rdkeras-bench-7-0").exists()
     cgroup.remove(root / "rdkeras-bench-7-0")  # gone already: nothing to do
+
+
+def test_the_capped_bench_says_why_and_passes_where_caps_cannot_be_set(tmp_path, monkeypatch, capsys):
+    from rdkeras.bench import memory, memory_cap
+
+    monkeypatch.setattr(cgroup, "ROOT", tmp_path / "not-mounted")
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    assert memory.run(parser.parse_args(["--oom-demo", "--out", str(tmp_path)])) == 0
+    assert "per-process caps skipped: no cgroup v1 memory controller" in capsys.readouterr().out
+    assert memory_cap.DEMO["cap_mb"] > 0
