@@ -1,6 +1,7 @@
 """Model state per worker: KerasHub's GPT-2 trained with every shard mode, at 1, 2 and 4 workers.
 
     python -m rdkeras.bench memory [--workers 1,2,4] [--hidden 512] [--layers 4] [--quick]
+    python -m rdkeras.bench memory --oom-demo | --cap-mb M   (each process capped: rdkeras.bench.memory_cap)
 
 A GPT-2 causal LM built from its config (no download) trains with Adam for a few steps in one process, then on N
 data-parallel workers with ``shard="none"``, ``"optimizer"``, ``"gradients"`` and ``"parameters"``, each a launch of
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="shm", help="the engine transport (shm, tcp)")
     p.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, a 4,000-token vocabulary, 1-2 workers")
     p.add_argument("--out", default="bench-results", help="folder for memory.json")
+    p.add_argument("--cap-mb", type=int, default=0, help="cap every process at this many MB (a cgroup each): one "
+                   "process, then the most workers with shard=parameters (rdkeras.bench.memory_cap)")  # fmt: skip
+    p.add_argument("--oom-demo", action="store_true", help="--cap-mb with the model size and cap that show one "
+                   "process OOM-killed and 4 workers training here")  # fmt: skip
 
 
 def _status_kb(field: str) -> int:
@@ -43,11 +48,17 @@ def _status_kb(field: str) -> int:
 
 
 def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, sequence: int, batch: int,
-                steps: int) -> dict:  # fmt: skip
+                steps: int, learnable: bool = False, learning_rate: float = 1e-4,
+                cgroup_prefix: str | None = None) -> dict:  # fmt: skip
     """Trains the GPT-2 (`mode` None: in one process, without rdkeras); this worker's state bytes, peak memory
-    above the bare imports, median step time and bytes written per step."""
+    above the bare imports, median step time and bytes written per step. Tokens are uniformly random, or with
+    `learnable` drawn from ids 1-63 only (a distribution the model learns within a few steps: the loss falls).
+    With `cgroup_prefix` the worker first joins its rank's capped group (rdkeras.bench.cgroup)."""
     import time
 
+    from rdkeras.bench import cgroup
+
+    cgroup.join_rank(cgroup_prefix)  # before TensorFlow is imported: all this process holds counts against its cap
     import keras
     import keras_hub
     import numpy as np
@@ -64,6 +75,8 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
         strategy = rdkeras.RDMAStrategy(shard=mode)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, vocabulary, (batch * steps, sequence + 1)).astype("int32")
+    if learnable:
+        tokens = tokens % 63 + 1
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((len(tokens), sequence), bool)}
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else _nothing():
@@ -72,7 +85,8 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
             intermediate_dim=4 * hidden, max_sequence_length=sequence, dropout=0.0,
         )  # fmt: skip
         lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-        lm.compile(optimizer=keras.optimizers.Adam(1e-4), loss=keras.losses.SparseCategoricalCrossentropy(True))
+        loss = keras.losses.SparseCategoricalCrossentropy(True)
+        lm.compile(optimizer=keras.optimizers.Adam(learning_rate), loss=loss)
 
     def written() -> float:
         return strategy.engine.traffic()["bytes_written"] if strategy else 0.0
@@ -106,6 +120,7 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
         **state,
         "gradients": trainable // workers if mode in ("gradients", "parameters") else trainable,
         "peak_above_bare_mb": (_status_kb("VmHWM") - bare_kb) / 1024,
+        "peak_mb": _status_kb("VmHWM") / 1024,
         "step_s": float(np.median(timer.times[2:])),
         "bytes_per_step": (timer.bytes[1] - timer.bytes[0]) / max(1, steps - 2),
         "losses": timer.losses,
@@ -126,7 +141,16 @@ def run(args: argparse.Namespace) -> int:
     counts = [int(n) for n in args.workers.split(",")]
     if args.quick:
         shape, counts = {"hidden": 128, "layers": 2, "vocabulary": 4000}, [n for n in counts if n <= 2] or [1]
+    if args.oom_demo:
+        from rdkeras.bench.memory_cap import DEMO
+
+        shape = {**shape, "hidden": DEMO["hidden"], "layers": DEMO["layers"]}
+        args.cap_mb, args.sequence, args.steps = args.cap_mb or DEMO["cap_mb"], DEMO["sequence"], DEMO["steps"]
     kwargs = {**shape, "sequence": args.sequence, "batch": args.batch, "steps": args.steps}
+    if args.cap_mb:
+        from rdkeras.bench import memory_cap
+
+        return memory_cap.run(args, kwargs)
     env = {"RDKERAS_TRANSPORT": args.transport, "TF_CPP_MIN_LOG_LEVEL": "3"}
     target = "rdkeras.bench.memory:worker_main"
     rows: list[dict] = []
