@@ -194,6 +194,7 @@ def test_buckets_give_bit_identical_weights(two_workers):
         assert r.value["threads left"] == []
 
 
+@pytest.mark.extended  # (buckets: the 2-worker runs; tcp: the transports' conformance)
 def test_three_workers_over_tcp_with_buckets_match_one_process(three_workers):
     results = three_workers("buckets over tcp")
     for key in ("mlp/allreduce/200", "mlp/ps/200"):
