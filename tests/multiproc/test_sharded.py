@@ -112,7 +112,7 @@ def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer
                                            atol=tolerance, err_msg=f"{name}, shard={mode}, variable {i}")  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpt2_on_4_workers_trains_what_one_process_trains_in_every_shard_mode(tmp_path):
     # The bar at 4 workers: KerasHub's GPT-2 with Adam and clipnorm, within 1e-5, the workers bit-identical,
     # each holding at most a quarter of the optimizer state ("parameters": and of the weights), padding aside.

@@ -43,7 +43,7 @@ def test_four_workers_checkpoint_resumes_anywhere_as_one_process_would_go_on(tmp
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{who}, weight {i}")
 
 
-@pytest.mark.slow  # (the extended run; the default one keeps the 4-to-2-and-1 resume above)
+@pytest.mark.extended  # (the default run keeps the 4-to-2-and-1 resume above)
 def test_backup_and_restore_resumes_a_sharded_optimizer_where_it_stopped(tmp_path):
     # BackupAndRestore writes each worker's shard of the optimizer state beside its backup; a new launch (at
     # another worker count) resumes from the second epoch with the state as it was, as a run that never stopped.
