@@ -99,3 +99,47 @@ def slots_by_variable(optimizer: Any, variables: Sequence[Any]) -> dict[tuple[in
             prefix = variables[index].path.replace("/", "_") + "_"
             slots[(index, slot.name[len(prefix) :])] = slot
     return slots
+
+
+# -- the optimizers a sharded update keeps beside the compiled one -------------------------------------------
+
+
+def unclipped_copy(optimizer: Any) -> Any:
+    """A new optimizer of `optimizer`'s class and config, without its clipping (the sharded update clips whole
+    gradients first), named ``NAME_shard``."""
+    config = {**optimizer.get_config(), "clipnorm": None, "global_clipnorm": None, "clipvalue": None}
+    return type(optimizer).from_config({**config, "name": f"{optimizer.name}_shard"})
+
+
+def step_copy(copy: Any, optimizer: Any, grads: list, variables: list) -> None:
+    """`copy`'s update of `variables`, at `optimizer`'s update count and learning rate (a callback's too)."""
+    import tensorflow as tf
+
+    copy.iterations.assign(optimizer.iterations)  # (the updates so far: a copy does not accumulate)
+    if keras_internals.settable_learning_rate(optimizer):  # (a value: a variable would be tracked as the copy's)
+        copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
+    copy.apply(grads, variables)
+
+
+def plain_optimizer(optimizer: Any, variables: Sequence[Any]) -> Any:
+    """An optimizer of `optimizer`'s class and config built on `variables`, at its call count and learning rate
+    (its slots initial): what a file written whole holds, once the shards fill the slots."""
+    full = type(optimizer).from_config(optimizer.get_config())
+    full.build(list(variables))
+    keras_internals.iteration_counter(full).assign(keras_internals.iteration_counter(optimizer))
+    if keras_internals.settable_learning_rate(optimizer):
+        full.learning_rate = np.asarray(optimizer.learning_rate)
+    return full
+
+
+def summed_over_workers(collectives: Any, partial: list) -> Any:
+    """The float64 scalar tensors `partial`, each summed over the workers of `collectives` (one allreduce)."""
+    import tensorflow as tf
+
+    def total(values: np.ndarray) -> np.ndarray:
+        (summed,) = collectives.allreduce([values], average=False, purpose="norms")
+        return np.array(summed)
+
+    summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
+    summed.set_shape([len(partial)])
+    return summed

@@ -29,7 +29,16 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
-from rdkeras.parallel.piece_gradients import clipping, elements, moving_average, slots_by_variable, values_of
+from rdkeras.parallel.piece_gradients import (
+    clipping,
+    elements,
+    moving_average,
+    slots_by_variable,
+    step_copy,
+    summed_over_workers,
+    unclipped_copy,
+    values_of,
+)
 
 SHARDS = ("none", "optimizer", "gradients")
 
@@ -123,8 +132,7 @@ class ShardedUpdate:
                     pieces.append(piece)
                     decisions.append((piece, keras_internals.uses_weight_decay(self.optimizer, v)))
                 groups.append(_Group(dtype, indices, [int(o) for o in offsets], sizes, per, start, owned, pieces))
-            config = {**self.optimizer.get_config(), "clipnorm": None, "global_clipnorm": None, "clipvalue": None}
-            copy = type(self.optimizer).from_config({**config, "name": f"{self.optimizer.name}_shard"})
+            copy = unclipped_copy(self.optimizer)
             keras_internals.decide_weight_decay(copy, decisions)
             pieces = [p for g in groups for p in g.pieces]
             copy.build(pieces)
@@ -260,13 +268,8 @@ class ShardedUpdate:
 
     def _step(self, optimizer: Any, piece_grads: list) -> None:
         """The copy's update of the pieces, at the compiled optimizer's iteration and learning rate."""
-        import tensorflow as tf
 
-        copy = self._copy
-        copy.iterations.assign(optimizer.iterations)  # (the updates so far: the copy does not accumulate)
-        if keras_internals.settable_learning_rate(optimizer):  # (a value: a variable would be tracked as the copy's)
-            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
-        copy.apply(piece_grads, self._pieces())
+        step_copy(self._copy, optimizer, piece_grads, self._pieces())
 
     def finalize(self) -> None:
         """Collective, at the end of ``fit`` (Keras's ``finalize_variable_values``): with ``use_ema``, every
@@ -344,7 +347,7 @@ class ShardedUpdate:
                 i for i in group.indices if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)
             }
 
-        summed = self._summed(partial)
+        summed = summed_over_workers(self.collectives, partial)
         return [tf.cast(summed[i], grads[i].dtype) if i in scattered else squares[i] for i in range(len(grads))]
 
     def _piece_squares(self, piece_grads: list, present: list[bool]) -> list:
@@ -356,20 +359,8 @@ class ShardedUpdate:
         for i, g in zip(owners, piece_grads, strict=True):
             if g is not None:
                 partial[i] = partial[i] + tf.cast(tf.reduce_sum(tf.square(g)), tf.float64)
-        summed = self._summed(partial)
+        summed = summed_over_workers(self.collectives, partial)
         return [tf.cast(summed[i], self._variables[i].dtype) if p else None for i, p in enumerate(present)]
-
-    def _summed(self, partial: list) -> Any:
-        """The float64 scalars `partial`, each summed over the workers (one allreduce)."""
-        import tensorflow as tf
-
-        def total(values: np.ndarray) -> np.ndarray:
-            (summed,) = self.collectives.allreduce([values], average=False, purpose="norms")
-            return np.array(summed)
-
-        summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
-        summed.set_shape([len(partial)])
-        return summed
 
     def _gather(self, group: _Group, variables: list, which: list[bool]) -> None:
         """Every worker's updated shard into the variables of `group` (those `which` says)."""

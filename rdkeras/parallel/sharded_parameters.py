@@ -29,7 +29,16 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
-from rdkeras.parallel.piece_gradients import clipping, elements, slots_by_variable, values_of
+from rdkeras.parallel.piece_gradients import (
+    clipping,
+    elements,
+    plain_optimizer,
+    slots_by_variable,
+    step_copy,
+    summed_over_workers,
+    unclipped_copy,
+    values_of,
+)
 
 CALL_BYTES = 4 << 20  # the most of each worker's shard one gather or reduce-scatter call moves
 
@@ -158,8 +167,7 @@ class ShardedParameters:
                 unit = _Unit(layer, variables, sizes, offsets, per, owned, pieces)
                 keras_internals.call_with_values(layer, variables, functools.partial(self._gather, unit))
                 self.units.append(unit)
-            config = {**self.optimizer.get_config(), "clipnorm": None, "global_clipnorm": None, "clipvalue": None}
-            self._copy = type(self.optimizer).from_config({**config, "name": f"{self.optimizer.name}_shard"})
+            self._copy = unclipped_copy(self.optimizer)
             keras_internals.decide_weight_decay(self._copy, decisions)
             self._copy.build(self._pieces())
 
@@ -231,12 +239,8 @@ class ShardedParameters:
             grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
         present = [g is not None for g in grads]
         transform = clipping(self.optimizer, present, lambda: self._squared_norms(grads))
-        copy = self._copy
-        copy.iterations.assign(optimizer.iterations)
-        if keras_internals.settable_learning_rate(optimizer):
-            copy.learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
-        copy.apply([None if g is None else _transformed(g, transform[i]) for i, g in enumerate(grads)],
-                   [piece_of[id(v)] for v in variables])  # fmt: skip
+        clipped = [None if g is None else _transformed(g, transform[i]) for i, g in enumerate(grads)]
+        step_copy(self._copy, optimizer, clipped, [piece_of[id(v)] for v in variables])
         keras_internals.iteration_counter(optimizer).assign_add(1)
 
     def _squared_norms(self, grads: list) -> list:
@@ -247,13 +251,7 @@ class ShardedParameters:
         for i, g in enumerate(grads):
             if g is not None:
                 partial[i] = tf.cast(tf.reduce_sum(tf.square(values_of(g))), tf.float64)
-
-        def total(values: np.ndarray) -> np.ndarray:
-            (summed,) = self.collectives.allreduce([values], average=False, purpose="norms")
-            return np.array(summed)
-
-        summed = tf.numpy_function(total, [tf.stack(partial)], tf.float64, stateful=True, name="rdkeras_norms")
-        summed.set_shape([len(grads)])
+        summed = summed_over_workers(self.collectives, partial)
         return [None if g is None else tf.cast(summed[i], g.dtype) for i, g in enumerate(grads)]
 
     # -- whole weights, for what reads them outside a step (collective) ---------------------------------
@@ -308,11 +306,7 @@ class ShardedParameters:
         """Collective: a plain optimizer of the compiled one's class and config, built on the model's trainable
         variables, holding the whole state the workers' pieces hold between them (for ``RDMAStrategy.export``)."""
         optimizer, variables = self.optimizer, list(self.model.trainable_variables)
-        full = type(optimizer).from_config(optimizer.get_config())
-        full.build(variables)
-        keras_internals.iteration_counter(full).assign(keras_internals.iteration_counter(optimizer))
-        if keras_internals.settable_learning_rate(optimizer):
-            full.learning_rate = np.asarray(optimizer.learning_rate)
+        full = plain_optimizer(optimizer, variables)
         position = {id(v): i for i, v in enumerate(variables)}
         whole_slots = slots_by_variable(full, variables)
         mine = slots_by_variable(self._copy, self._pieces())

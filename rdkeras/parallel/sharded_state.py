@@ -17,7 +17,7 @@ from rdkeras.fitting.backup import OPTIMIZER_SHARDS
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel import sharded_checkpoint
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce
-from rdkeras.parallel.piece_gradients import slots_by_variable
+from rdkeras.parallel.piece_gradients import plain_optimizer, slots_by_variable
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 from rdkeras.parallel.sharded_parameters import ShardedParameters
 
@@ -236,11 +236,7 @@ def consolidated(update: ShardedUpdate) -> Any:
     updates, holding the whole state the workers' shards hold between them -- what one process's optimizer would
     hold. For a file written whole (``RDMAStrategy.export``); every worker gets it."""
     optimizer, variables, collectives = update.optimizer, update.variables, update.collectives
-    full = type(optimizer).from_config(optimizer.get_config())
-    full.build(variables)
-    keras_internals.iteration_counter(full).assign(keras_internals.iteration_counter(optimizer))
-    if keras_internals.settable_learning_rate(optimizer):
-        full.learning_rate = np.asarray(optimizer.learning_rate)
+    full = plain_optimizer(optimizer, variables)
     if update.copy is None:
         return full  # (never stepped: the state is the initial one)
     slots = slots_by_variable(full, variables)
