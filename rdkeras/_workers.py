@@ -345,6 +345,8 @@ def _status(r: RankResult) -> str:
         return r.unseen
     if r.killed and r.report is not None and not r.report.get("hung"):
         return f"killed by the launcher (it reported, then did not exit within {REPORTED_GRACE_S:.0f} s)"
+    if r.killed and r.report is not None:
+        return "killed by the launcher once named hung (it would not end by itself; its stacks are in its output)"
     if r.killed:
         return "killed by the launcher (still running at the timeout, or after the others had failed)"
     if r.returncode is None:

@@ -190,9 +190,13 @@ class ElasticAgent:
         with self._lock:
             return {r: self._exited[workers[r]] for r in lost if workers[r] in self._exited}
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, blamed: int | None = None) -> None:
+        """Ends the job: every survivor raises `message`, and (where one worker is to blame, `blamed`) reports it to
+        the launcher, which then waits no longer for its exit than for any worker that said why it stops."""
         self.error = message
-        self.store.put(NEXT, json.dumps({"error": message}).encode())
+        self.store.put(
+            NEXT, json.dumps({"error": message, **({"blamed": blamed} if blamed is not None else {})}).encode()
+        )
         for worker in self._joiners:
             if self.lobby is not None:
                 self.lobby.put(f"{ADMIT}{worker}", json.dumps({"error": message}).encode())
@@ -238,7 +242,8 @@ class ElasticAgent:
             if failed not in lost and time.monotonic() >= stall_check and failed in connected:
                 self._fail(
                     f"worker {members[failed]} failed but is still running ({failure['reason']}): a stopped or "
-                    "hung worker cannot be replaced while it lives; the job ends"
+                    "hung worker cannot be replaced while it lives; the job ends",
+                    members[failed],
                 )
                 return
             alive = [r for r in range(world) if r not in lost and r not in finished]
@@ -246,7 +251,8 @@ class ElasticAgent:
                 time.sleep(0.1)  # the launcher's word on how they ended (a signal, an exit code) beats the store's
                 lost.update(self._how_they_ended(members, lost))
                 who = ", ".join(f"worker {members[r]} ({how})" for r, how in sorted(lost.items()))
-                self._fail(f"lost {who}: {len(alive)} left, fewer than --min-workers {self.min_workers}")
+                self._fail(f"lost {who}: {len(alive)} left, fewer than --min-workers {self.min_workers}",
+                           members[min(lost)] if lost else None)  # fmt: skip
                 return
             if finished:
                 self._fail(f"worker(s) {', '.join(str(members[r]) for r in sorted(finished))} finished while the "

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rdkeras import reports
 from rdkeras._log import logger
 from rdkeras.elastic.agent import ADMIT, FIRST_STEP, JOINERS, JOINING, NEXT, READY
 from rdkeras.engine import Engine
@@ -111,6 +112,8 @@ class ElasticGroup:
         """(an engine in the group `decided` describes, the group), or (None, that group's store) when a member
         was lost while it started (the caller waits there for the next decision)."""
         if "error" in decided:
+            if (blamed := decided.get("blamed")) is not None:  # (its launcher then waits for no teardown of ours)
+                reports.write(self.worker, int(blamed), decided["error"])
             raise ElasticError(decided["error"])
         rank = decided["members"].index(self.worker)
         world, port = len(decided["members"]), int(decided["port"])

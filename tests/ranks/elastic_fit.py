@@ -4,7 +4,8 @@
     python tests/ranks/elastic_fit.py OUT --one-process
 
 Each worker that ends writes its weights to OUT/weights-WORKER.npz (WORKER: its first rank); a worker
-named by --kill SIGKILLs itself at that batch (after the step, before the next begins).
+named by --kill SIGKILLs itself at that batch (after the step, before the next begins); one named by --hang
+hangs there alive, in one of tests/ranks/hang_workers.py's ways, for 60 s (its launcher ends it first).
 """
 
 import argparse
@@ -19,6 +20,7 @@ p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--kill", action="append", default=[], help="WORKER:EPOCH:BATCH")
 p.add_argument("--stop", default=None, help="WORKER:EPOCH:BATCH: SIGSTOP instead")
+p.add_argument("--hang", default=None, help="WORKER:EPOCH:BATCH:HOW (callback, lock, numpy_function)")
 p.add_argument("--one-process", action="store_true")
 p.add_argument("--tensorboard", action="store_true", help="TensorBoard and TrainingStats into OUT/tb")
 p.add_argument("--epochs", type=int, default=3)
@@ -62,6 +64,18 @@ def parse(spec: str) -> tuple[int, int, int]:
 callbacks = [Kill([parse(k) for k in a.kill], signal.SIGKILL)]
 if a.stop:
     callbacks.append(Kill([parse(a.stop)], signal.SIGSTOP))
+if a.hang:
+    *where, hang_how = a.hang.split(":")
+
+    class Hang(Kill):
+        def on_train_batch_end(self, batch, logs=None):
+            if (worker, self.epoch, batch) == tuple(int(v) for v in where):
+                from tests.ranks.hang_workers import HANGS
+
+                print(f"worker {worker} hangs ({hang_how}) at {time.time():.3f}", flush=True)
+                HANGS[hang_how](60.0)
+
+    callbacks.append(Hang([], 0))
 if a.one_process:
     model = build()
     model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0)
@@ -77,7 +91,11 @@ if a.tensorboard:
     from rdkeras.callbacks import TrainingStats
 
     callbacks += [keras.callbacks.TensorBoard(os.path.join(a.out, "tb")), TrainingStats(os.path.join(a.out, "tb"))]
-model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+try:
+    model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+except Exception as e:  # (the time it failed at: the hang tests' time to name)
+    print(f"worker {worker} failed at {time.time():.3f}: {type(e).__name__}: {e}", flush=True)
+    raise
 if a.tensorboard and strategy.is_chief:  # what TensorBoard shows: every epoch's loss, the membership change
     import glob
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from rdkeras.elastic import ElasticError, ElasticGroup
 from rdkeras.elastic.agent import NEXT, READY, ElasticAgent
 from rdkeras.launch import free_port
 from rdkeras.rendezvous import Store
@@ -71,7 +72,7 @@ def test_fewer_survivors_than_min_workers_end_the_job_naming_the_lost():
         agent.exited(1, -9)
         _vanish(stores[1])
         answers = _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 4, 2: 4})
-        assert answers[0] == answers[2] == {"error": agent.error}
+        assert answers[0] == answers[2] == {"error": agent.error, "blamed": 1}  # (each survivor reports it)
         assert "lost worker 1 (killed by signal 9): 2 left, fewer than --min-workers 3" in str(agent.error)
     finally:
         for s in (stores[0], stores[2]):
@@ -85,10 +86,21 @@ def test_a_failed_worker_still_connected_is_not_replaced():
         stores[0].abort(1, "rank 1 stalled: no heartbeat within 2 s")  # what a survivor's engine saw
         answers = _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 4, 2: 4})
         assert "worker 1 failed but is still running (rank 1 stalled" in answers[0]["error"]
+        assert answers[0]["blamed"] == answers[2]["blamed"] == 1
     finally:
         for s in stores:
             s.close()
         agent.close()
+
+
+def test_a_survivor_of_a_job_that_ends_reports_whom_the_launcher_blamed(tmp_path, monkeypatch):
+    """So its launcher waits no longer for its teardown than for any worker's that said why it stops."""
+    monkeypatch.setenv("RDKERAS_REPORT_DIR", str(tmp_path))
+    error = "worker 1 failed but is still running (rank 1 has not entered allreduce #19 (ring grads); ...)"
+    with pytest.raises(ElasticError, match="worker 1 failed but is still running"):
+        ElasticGroup(7, 2)._start({"error": error, "blamed": 1}, TOKEN, "127.0.0.1", {}, 0.0)
+    report = json.loads((tmp_path / "failure-7.json").read_text())
+    assert (report["rank"], report["blamed"], report["why"]) == (7, 1, error)
 
 
 def test_min_workers_must_fit_the_job():

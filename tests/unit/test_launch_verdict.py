@@ -46,6 +46,17 @@ def test_per_rank_lines_say_whose_error_and_no_negative_time():
     assert not any("-" in line.split("(")[0] for line in lines[1:])
 
 
+def test_a_rank_killed_once_named_hung_is_said_to_be():
+    why = "rank 1 has not entered allreduce #4 (ring grads); it finished #3 (allreduce ring grads) 3.0 s ago"
+    survivor = RankResult(0, 1, "", ended_at=103.5, report=_report(0, 1, why))
+    hung = RankResult(1, -9, "", ended_at=105.5, killed=True, report=_report(1, 1, why, hung=True))
+    status, lines = verdict([survivor, hung])
+    assert status == 1
+    killed = "killed by the launcher once named hung (it would not end by itself; its stacks are in its output)"
+    assert lines[0].startswith(f"worker rank 1 failed first ({why}, seen by rank 0; then {killed}); its last output:")
+    assert lines[2] == f"rank 1: {killed}"
+
+
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
