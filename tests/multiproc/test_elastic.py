@@ -92,6 +92,38 @@ def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, 
     assert re.search(r"TB elastic/workers step (\d+) value 2", done.stdout), done.stdout[-2000:]
 
 
+def _checkpoint(path: Path) -> tuple[list[np.ndarray], int]:
+    """A weights file's layers' weights (in the model's order) and its optimizer's step count."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        names: list[str] = []
+        f["layers"].visititems(lambda name, o: names.append(name) if isinstance(o, h5py.Dataset) else None)
+        return [f["layers"][n][()] for n in names], int(f["optimizer/vars/0"][()])
+
+
+def test_a_checkpoint_the_chief_dies_writing_is_written_by_the_new_chief(tmp_path):
+    # The chief SIGKILLs itself inside the second epoch's ModelCheckpoint write, its temporary file written: the
+    # survivors meet after the epoch's callbacks, re-form, and worker 1, the new chief, writes that checkpoint.
+    done = _launch(tmp_path, "--checkpoint", "--die-in-save", "0:1", "--epoch-weights")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Every epoch's checkpoint, and no temporary left.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"ckpt-{e}.weights.h5" for e in (1, 2, 3)]
+    assert re.search(r"\[1\] .*elastic: removed \S+/ckpt/\.ckpt-2\.\w+\.tmp\.weights\.h5, the lost chief's "
+                     r"interrupted save", done.stdout), done.stdout[-3000:]  # fmt: skip
+    assert "[1] rdkeras: elastic: the chief was lost in epoch 2's saves: worker 1, the new chief, saves that epoch" in (
+        done.stdout
+    )
+    # What the lost chief would have written: the state it held at that epoch end (recorded just before its save),
+    # bit for bit; the other epochs' checkpoints, written by the chief of their time, hold theirs.
+    for epoch, worker in ((0, 0), (1, 0), (1, 1), (1, 2), (2, 1)):
+        weights, steps = _checkpoint(tmp_path / "ckpt" / f"ckpt-{epoch + 1}.weights.h5")
+        assert steps == 4 * (epoch + 1)
+        for a, b in zip(weights, _weights(tmp_path / f"epoch-{worker}-{epoch}.npz"), strict=True):
+            assert np.array_equal(a, b), (epoch, worker)
+    assert re.search(r"lost worker 0 \(killed by signal 9\); 2 workers \(1, 2\) went on from step 8", done.stderr)
+
+
 @pytest.mark.extended
 def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
     done = _launch(tmp_path, "--kill", "3:0:2", "--kill", "1:1:3", workers=4)

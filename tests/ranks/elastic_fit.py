@@ -23,6 +23,15 @@ p.add_argument("--one-process", action="store_true")
 p.add_argument("--tensorboard", action="store_true", help="TensorBoard and TrainingStats into OUT/tb")
 p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--slow", type=float, default=0.0, help="seconds each step waits (a replacement has time to start)")
+p.add_argument("--checkpoint", action="store_true", help="ModelCheckpoint: OUT/ckpt/ckpt-EPOCH.weights.h5 (weights)")
+p.add_argument(
+    "--die-in-save",
+    default=None,
+    help="WORKER:EPOCH: SIGKILL inside that epoch's checkpoint write, once its temporary file is written",
+)
+p.add_argument(
+    "--epoch-weights", action="store_true", help="each worker's weights at each epoch end: OUT/epoch-WORKER-EPOCH.npz"
+)
 a = p.parse_args()
 
 import keras  # noqa: E402
@@ -59,7 +68,14 @@ def parse(spec: str) -> tuple[int, int, int]:
     return w, e, b
 
 
+class EpochWeights(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        np.savez(os.path.join(a.out, f"epoch-{worker}-{epoch}.npz"), *self.model.get_weights())
+
+
 callbacks = [Kill([parse(k) for k in a.kill], signal.SIGKILL)]
+if a.epoch_weights:
+    callbacks.append(EpochWeights())
 if a.stop:
     callbacks.append(Kill([parse(a.stop)], signal.SIGSTOP))
 if a.one_process:
@@ -70,6 +86,22 @@ if a.one_process:
 
 import rdkeras  # noqa: E402
 
+if a.die_in_save:  # the chief dies in the middle of a checkpoint: its temporary written, not yet renamed
+    from rdkeras.fitting import saving
+
+    write_atomically = saving.write_atomically
+    victim, at_epoch = (int(v) for v in a.die_in_save.split(":"))
+
+    def dying_write(path, write, expected_bytes=0):
+        def write_then_die(tmp):
+            write(tmp)
+            if worker == victim and f"ckpt-{at_epoch + 1}." in path.name:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        write_atomically(path, write_then_die, expected_bytes)
+
+    saving.write_atomically = dying_write
+
 strategy = rdkeras.RDMAStrategy()
 with strategy.scope():
     model = build()
@@ -77,6 +109,10 @@ if a.tensorboard:
     from rdkeras.callbacks import TrainingStats
 
     callbacks += [keras.callbacks.TensorBoard(os.path.join(a.out, "tb")), TrainingStats(os.path.join(a.out, "tb"))]
+if a.checkpoint:
+    callbacks.append(
+        keras.callbacks.ModelCheckpoint(os.path.join(a.out, "ckpt", "ckpt-{epoch}.weights.h5"), save_weights_only=True)
+    )
 model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
 if a.tensorboard and strategy.is_chief:  # what TensorBoard shows: every epoch's loss, the membership change
     import glob
