@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rdkeras import keras_internals
+from rdkeras import errors, keras_internals
 from rdkeras.fitting import backup, global_batch, saving
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def _fit(fit: Any, *args: Any, **kwargs: Any) -> Any:
     a["callbacks"] = [_state_callback(parallel, "gather", saves), *callbacks, _state_callback(parallel, "sync", saves)]
     parallel.fitting = True
     try:
-        with _warnings_on_the_reporter(parallel):
+        with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
             return fit(**a)
     finally:
         parallel.fitting = False
@@ -181,7 +181,7 @@ def _evaluate(evaluate: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(evaluate, args, kwargs)
     parallel.shard_evaluate(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    with _warnings_on_the_reporter(parallel):
+    with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
         return evaluate(**a)
 
 
@@ -190,7 +190,7 @@ def _predict(predict: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(predict, args, kwargs)
     rows = parallel.shard_predict(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    with _warnings_on_the_reporter(parallel):
+    with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
         out = predict(**a)
     if rows is None:
         return out
@@ -209,6 +209,20 @@ def _warnings_on_the_reporter(parallel: Parallelism) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"keras(\.|$)")
         yield
+
+
+@contextlib.contextmanager
+def _peer_errors_unwrapped(parallel: Parallelism) -> Iterator[None]:
+    """A PeerError raised inside a traced step reaches the caller as TensorFlow's error (``UnknownError``), without
+    its ``.rank``: it is raised again as rdkeras's PeerError, its rank and message restored, chained from
+    TensorFlow's."""
+    try:
+        yield
+    except Exception as e:
+        found = errors.unwrapped(e, parallel.engine.backend.failure, parallel.engine.rank)
+        if found is None:
+            raise
+        raise found from e
 
 
 def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
