@@ -139,9 +139,10 @@ def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
 
 @pytest.mark.extended
 def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path, tmp_path_factory):
-    # Each step waits 0.4 s, so the replacement (TensorFlow's import included) starts while the group trains.
+    # Each step waits 0.8 s, so the replacement (TensorFlow's import included, on a loaded machine) starts while the
+    # group trains.
     reference = _one_process(SCRIPT, tmp_path_factory.mktemp("one6"), "--epochs", "6")
-    done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.4", extra=("--max-restarts", "1"))
+    done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.8", extra=("--max-restarts", "1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     weights = _survivors(tmp_path, {0, 2, 3})  # worker 3: the replacement, taken in at an epoch end
     for other in weights[1:]:
@@ -151,6 +152,27 @@ def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path,
         np.testing.assert_allclose(mine, expected, atol=1e-5)
     assert "[3] worker 3 ended as rank 2 of 3" in done.stdout
     assert re.search(r"worker 3 joined as a replacement; 3 workers \(0, 2, 3\) went on from step \d+", done.stderr)
+
+
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.extended)])
+def test_a_replacement_that_never_joins_is_reported_and_the_job_goes_on(tmp_path, how):
+    # Worker 1 dies; its replacement, worker 3, exits (or hangs) before it reaches the launcher's lobby.
+    done = _launch(tmp_path, "--kill", "1:0:1", "--slow", "0.5", "--replacement", how,
+                   extra=("--max-restarts", "1", "--join-timeout", "2"))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _survivors(tmp_path, {0, 2})
+    told = {
+        "exit": r"it exited before joining \(exit code 3\); the group went on without it; its process: exit code 3",
+        "hang": r"it did not reach the lobby within 2 s of its start \(--join-timeout\); it was told not to join; "
+        r"the group went on without it; its process: killed by the launcher .*",
+    }[how]
+    which = r"rdkeras.launch: elastic: replacement worker 3 \(started for lost worker 1\) never joined the group"
+    assert re.search(rf"{which}: {told}; its last output:\n.*replacement 3: cannot start \({how}\)", done.stderr), (
+        done.stderr[-3000:]
+    )
+    # The launcher said so when it happened too, as the group trained on (before its summary at the end).
+    said = re.search(rf"{which}: it (exited|did not reach).*; 2 workers go on\n", done.stderr)
+    assert said and said.start() < done.stderr.index("rdkeras.launch: elastic: lost worker 1"), done.stderr[-3000:]
 
 
 def test_losing_more_than_min_workers_allow_ends_the_job_naming_them(tmp_path):

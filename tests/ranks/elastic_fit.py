@@ -32,7 +32,13 @@ p.add_argument(
 p.add_argument(
     "--epoch-weights", action="store_true", help="each worker's weights at each epoch end: OUT/epoch-WORKER-EPOCH.npz"
 )
+p.add_argument("--replacement", choices=("exit", "hang"), default=None, help="a replacement exits (or hangs) first")
 a = p.parse_args()
+if a.replacement and "RDKERAS_JOIN" in os.environ:  # before it reaches the launcher's lobby
+    print(f"replacement {os.environ['RDKERAS_JOIN']}: cannot start ({a.replacement})", flush=True)
+    if a.replacement == "exit":
+        sys.exit(3)
+    time.sleep(3600)
 
 import keras  # noqa: E402
 
