@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--min-workers must be in 1..{job.world_size} (the workers started), got {a.min_workers}")
         if a.max_restarts < 0:
             parser.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
-        elastic = ElasticSettings(a.min_workers, max_restarts=a.max_restarts)
+        elastic = ElasticSettings(a.min_workers, max_restarts=a.max_restarts, join_timeout=a.join_timeout)
     elif a.max_restarts:
         parser.error("--max-restarts needs --min-workers (an elastic job)")
     handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,21 @@ def add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="elastic: start up to this many replacements in all, each joining the group at its next epoch end",
     )
+    parser.add_argument(
+        "--join-timeout",
+        type=_seconds,
+        default=120.0,
+        help="elastic: seconds a replacement has, from its start, to reach the launcher (else it is reported and "
+        "the group goes on without it)",
+    )
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (an argparse type)."""
+    value = float(text)
+    if not value > 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text}")
+    return value
 
 
 def run_elastic(
@@ -59,13 +75,14 @@ def run_elastic(
     token = jobtoken.resolve(job.world_size, cluster.job_key(envs[0]), options.from_env(envs[0]))
     agent = ElasticAgent("" if job.master_addr in ("0.0.0.0", "") else job.master_addr, int(job.master_port or 0),
                          token, job.world_size, elastic.min_workers, elastic.reform_timeout,
-                         max_restarts=elastic.max_restarts)  # fmt: skip
+                         max_restarts=elastic.max_restarts, join_timeout=elastic.join_timeout,
+                         say=lambda line: print(f"rdkeras.launch: {line}", file=sys.stderr, flush=True))  # fmt: skip
     try:
         return run_workers(commands, envs, ranks=ranks, timeout=timeout, forward=forward,
                            verbose=verbose, log_dir=log_dir, watch=agent)  # fmt: skip
     finally:
         agent.close()
-        elastic.changes, elastic.error = list(agent.changes), agent.error
+        elastic.changes, elastic.error, elastic.unjoined = list(agent.changes), agent.error, dict(agent.unjoined)
 
 
 class _Follower:
@@ -91,9 +108,11 @@ class ElasticSettings:
     min_workers: int
     reform_timeout: float = 30.0
     max_restarts: int = 0  # replacements to start in all, each after a loss
+    join_timeout: float = 120.0  # seconds a replacement has to reach the lobby
     follower: bool = False  # set by the launch: this node is not node 0, whose launcher decides the outcome
     changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
     error: str | None = None
+    unjoined: dict[int, str] = dataclasses.field(default_factory=dict)  # replacements that never joined: why
 
     def lost(self) -> set[int]:
         """The workers (ids: their first ranks) the job went on without."""
@@ -112,6 +131,7 @@ def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tupl
             return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad)]
         return 0, lines
     lines = [f"elastic: {change.line()}" for change in elastic.changes]
+    lines += [_unjoined_line(worker, why, results) for worker, why in sorted(elastic.unjoined.items())]
     final = elastic.changes[-1].members if elastic.changes else [r.rank for r in results]
     kept = [r for r in results if r.rank in final]  # (lost workers, and replacements the job ended without)
     if elastic.error is not None:
@@ -120,3 +140,13 @@ def elastic_outcome(results: list[RankResult], elastic: ElasticSettings) -> tupl
     if bad is not None:
         return (bad.returncode if bad.returncode and bad.returncode > 0 else 1), [*lines, _failure_message(bad, kept)]
     return 0, lines
+
+
+def _unjoined_line(worker: int, why: str, results: list[RankResult]) -> str:
+    """A replacement that never joined: which, why, how its process ended and its last output."""
+    r = next((r for r in results if r.rank == worker), None)
+    if r is None:
+        return f"elastic: replacement worker {worker} {why}"
+    tail = "".join(list(r.tail)[-5:]).rstrip() or "(nothing)"
+    return (f"elastic: replacement worker {worker} {why}; the group went on without it; its process: {_status(r)}; "
+            f"its last output:\n{tail}")  # fmt: skip

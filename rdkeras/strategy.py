@@ -162,7 +162,7 @@ class RDMAStrategy(CustomLoops, ModelState):
 
             elastic = ElasticGroup(c.rank, settings.min_workers)
             if settings.join is not None:  # a replacement: alone until the group takes it in (at fit)
-                elastic.joining = (c.master_addr, c.master_port, c.world_size)
+                elastic.joining, elastic.chief = (c.master_addr, c.master_port, c.world_size), None
                 c = dataclasses.replace(c, rank=0, world_size=1, master_port=0)
                 settings = dataclasses.replace(settings, store="rank0")
         engine = Engine(

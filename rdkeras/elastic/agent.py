@@ -22,7 +22,10 @@ every id a rank there, the same token to prove) until the group reaches an epoch
 agent sets ``elastic/joiners`` in the current store, the group's rank 0 sees it there and the
 group agrees to re-form (every member says it is ready, as after a loss); the next generation
 is the members followed by the joiners, published in the old store and as ``admit/ID`` in the
-lobby. The group then hands the joiner where training stands and its state.
+lobby. The group then hands the joiner where training stands and its state. A replacement that never joins
+-- it exits first, it does not reach the lobby within ``join_timeout`` (it is then told not to join), or the job
+finishes while it waits -- is reported (:attr:`ElasticAgent.unjoined`) and the group goes on without it; it
+counts among the K.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rdkeras._log import logger
@@ -88,6 +92,8 @@ class ElasticAgent:
         reform_timeout: Seconds the survivors of a loss get to say they are ready.
         arrival_timeout: Generation 0's rendezvous timeout (see :class:`StoreServer`).
         max_restarts: Replacements to start in all (each after a loss).
+        join_timeout: Seconds a replacement has, from its start, to reach the lobby.
+        say: Prints a line for the launcher's user at once (a replacement that will not join).
     """
 
     host: str
@@ -98,8 +104,12 @@ class ElasticAgent:
     reform_timeout: float = 30.0
     arrival_timeout: float = 120.0
     max_restarts: int = 0
+    join_timeout: float = 120.0
+    say: Callable[[str], None] | None = None
     changes: list[Change] = field(default_factory=list)
     error: str | None = None
+    # Replacements that never joined: worker id -> which worker it replaced, what happened, what it was told.
+    unjoined: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.world_size:
@@ -116,6 +126,8 @@ class ElasticAgent:
                       if self.max_restarts > 0 else None)  # fmt: skip
         self._next_id = self.world_size
         self._spawns: list[int] = []
+        self._replacing: dict[int, int] = {}  # replacement id -> the lost worker it replaces
+        self._started: dict[int, float] = {}  # replacement id -> when the launcher was told to start it
         self._joiners: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rdkeras-elastic", daemon=True)
@@ -131,6 +143,8 @@ class ElasticAgent:
                 return
             how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
             self._exited[worker] = how
+            if worker in self._started and not self._joined(worker):
+                self._not_joining(worker, f"it exited before joining ({how})")
             rank = self.members.index(worker) if worker in self.members else None
             store = self.store
         if rank is not None:
@@ -141,6 +155,7 @@ class ElasticAgent:
         worker's `base_env`): the lobby as its rendezvous, its id as its rank there, ``RDKERAS_JOIN``."""
         with self._lock:
             spawns, self._spawns = self._spawns, []
+            self._started.update(dict.fromkeys(spawns, time.monotonic()))
         assert self.lobby is not None or not spawns
         return [(worker, {**base_env, "RDKERAS_RANK": str(worker), "LOCAL_RANK": str(worker),
                           "RDKERAS_WORLD_SIZE": str(self.world_size + self.max_restarts),
@@ -161,8 +176,44 @@ class ElasticAgent:
         for worker in self._joiners:  # the job ended before they could join
             if self.lobby is not None:
                 self.lobby.put(f"{ADMIT}{worker}", json.dumps({"finished": True}).encode())
+        with self._lock:
+            for worker in sorted(self._started):
+                if not self._joined(worker) and worker not in self.unjoined:
+                    after = time.monotonic() - self._started[worker]
+                    where = ("while it waited in the lobby for an epoch end" if worker in self._joiners
+                             else f"before it reached the lobby ({after:.1f} s after its start)")  # fmt: skip
+                    self._not_joining(worker, f"the job finished {where}")
         for store in [*self._old, self.store, *([self.lobby] if self.lobby else [])]:
             store.close(arrivals=False)  # (the workers ended: nobody is on the way)
+
+    def _joined(self, worker: int) -> bool:
+        return worker in self.members or any(worker in change.joined for change in self.changes)
+
+    def _not_joining(self, worker: int, why: str) -> None:
+        """Reports replacement `worker`, which will not join (called with the lock held)."""
+        if worker in self._joiners:
+            self._joiners.remove(worker)
+        replaced = f"(started for lost worker {self._replacing[worker]}) " if worker in self._replacing else ""
+        self.unjoined[worker] = f"{replaced}never joined the group: {why}"
+        line = f"elastic: replacement worker {worker} {self.unjoined[worker]}; {len(self.members)} workers go on"
+        logger.warning(line)
+        if self.say is not None:
+            self.say(line)
+
+    def _late_joiners(self) -> None:
+        """Replacements that did not reach the lobby within the bound are told not to join, and reported."""
+        now = time.monotonic()
+        with self._lock:
+            late = [w for w, at in self._started.items() if now - at > self.join_timeout and w not in self.unjoined
+                    and not self._joined(w) and w not in self._joiners and w not in self._exited]  # fmt: skip
+            for worker in late:
+                if self.lobby is not None and self.lobby.value(f"{JOINING}{worker}") is not None:
+                    continue  # it just arrived: taken in at the next epoch end
+                why = f"it did not reach the lobby within {self.join_timeout:g} s of its start (--join-timeout)"
+                if self.lobby is not None:
+                    told = {"error": f"worker {worker} {why[3:]}: the group went on without it"}
+                    self.lobby.put(f"{ADMIT}{worker}", json.dumps(told).encode())
+                self._not_joining(worker, f"{why}; it was told not to join")
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -175,6 +226,7 @@ class ElasticAgent:
                 except Exception as e:  # never leave the survivors waiting without an answer
                     self._fail(f"re-forming the group failed: {type(e).__name__}: {e}")
             elif self.error is None and self.lobby is not None:
+                self._late_joiners()
                 self._admit_joiners()
             change = self.changes[-1] if self.changes else None
             if change is not None and not change.first_step_at:
@@ -209,16 +261,18 @@ class ElasticAgent:
         with self._lock:
             waiting = [w for w in range(self.world_size, self._next_id)
                        if w not in self._joiners and w not in self._exited and w not in self.members
-                       and self.lobby.value(f"{JOINING}{w}") is not None]  # fmt: skip
+                       and w not in self.unjoined and self.lobby.value(f"{JOINING}{w}") is not None]  # fmt: skip
             self._joiners += waiting
             joiners = [w for w in self._joiners if w not in self._exited]
             self._joiners = joiners
-        if not joiners:
-            return
-        if self.store.value(JOINERS) is None:
-            self.store.put(JOINERS, json.dumps(joiners).encode())
         world = len(self.members)
+        announced = self.store.value(JOINERS) is not None
+        if not joiners and not announced:
+            return
+        if not announced:
+            self.store.put(JOINERS, json.dumps(joiners).encode())
         if all(self.store.value(f"{READY}{r}") is not None for r in range(world)):
+            # (every joiner announced may have gone since: the group then re-forms as it was)
             self._publish(list(range(world)), {}, time.time(), joiners)
 
     def _reform(self, failure: dict) -> None:
@@ -271,9 +325,10 @@ class ElasticAgent:
             time.sleep(0.005)
         self._publish(alive, lost, failed_at, [])
         with self._lock:
-            for _ in lost:
+            for r in sorted(lost):
                 if self._next_id < self.world_size + self.max_restarts:
                     self._spawns.append(self._next_id)
+                    self._replacing[self._next_id] = members[r]
                     self._next_id += 1
 
     def _publish(self, alive: list[int], lost: dict[int, str], failed_at: float, joiners: list[int]) -> None:
@@ -287,7 +342,7 @@ class ElasticAgent:
         change = Change(
             self.generation + 1,
             [members[r] for r in sorted(lost)],
-            "; ".join(sorted(set(lost.values()))) or "joined",
+            "; ".join(sorted(set(lost.values()))) or ("joined" if joiners else "the replacements announced left"),
             new_members,
             failed_at,
             step=int(steps[source]),
@@ -299,7 +354,8 @@ class ElasticAgent:
             self.store = nxt
             self._old.append(store)
             self._joiners = [w for w in self._joiners if w not in joiners]
-        self.changes.append(change)
+        if lost or joiners:  # (not a re-forming whose joiners all left before it: nothing changed)
+            self.changes.append(change)
         decided = json.dumps(
             {
                 "generation": self.generation,

@@ -56,6 +56,10 @@ class ElasticGroup:
         # A replacement: (the lobby's address, port, world) until the group takes it in (rdkeras.elastic.agent).
         self.joining: tuple[str, int, int] | None = None
         self._first_step_pending = False
+        # The group's chief (its rank 0's worker id; generation 0's is worker 0, a replacement learns it when it
+        # joins), and how many chiefs this worker has seen lost: a new chief finishes what the lost one was saving.
+        self.chief: int | None = 0
+        self.chiefs_lost = 0
 
     def reform(self, engine: Engine, steps: int) -> tuple[Engine, NewGroup]:
         """Leaves `engine`'s group (after a failure, or to take replacements in) and returns an engine for the
@@ -129,6 +133,9 @@ class ElasticGroup:
             return None, nxt
         self.generation = int(decided["generation"])
         self._first_step_pending = rank == 0
+        if self.chief is not None and decided["members"][0] != self.chief:
+            self.chiefs_lost += 1
+        self.chief = int(decided["members"][0])
         return new, NewGroup(
             self.generation,
             list(decided["members"]),

@@ -33,6 +33,10 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
         return
 
     def save(cb: Any) -> None:
+        # In an elastic job a worker lost in the middle makes the group re-form and save again.
+        parallel.elastic_retry(cb.model, lambda: save_once(cb))
+
+    def save_once(cb: Any) -> None:
         parallel.gather_state(cb.model)  # collective: every worker saves at the same batches
         folder = keras_internals.backup_paths(cb)[0].parent
         shards = parallel.save_optimizer_shards(cb.model, folder)  # collective; before the weights commit them

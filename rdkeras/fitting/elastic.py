@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rdkeras._log import logger
+
 if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
 
@@ -23,7 +25,7 @@ class ElasticTrainFunction:
     """``model.train_function`` under an elastic job (see the module docstring); with `training` False,
     ``model.test_function`` (fit's validation, evaluate): a step lost there runs again on the new group."""
 
-    def __init__(self, model: Any, parallel: Parallelism, training: bool = True):
+    def __init__(self, model: Any, parallel: Parallelism, training: bool = True, saves: EpochEndSaves | None = None):
         import tensorflow as tf
 
         if model.steps_per_execution != 1:
@@ -31,7 +33,7 @@ class ElasticTrainFunction:
                 f"steps_per_execution={model.steps_per_execution}: an elastic job repeats the step a lost worker "
                 "interrupted, one step at a time; compile with steps_per_execution=1"
             )
-        self.model, self.parallel, self.training = model, parallel, training
+        self.model, self.parallel, self.training, self.saves = model, parallel, training, saves
 
         def step(data: Any) -> Any:
             return model.train_step(data) if training else model.test_step(data)
@@ -54,7 +56,10 @@ class ElasticTrainFunction:
                 # An update that does not wait for the gradients (the optimizer's step count) may have run.
                 for v, value in zip(counters, committed, strict=True):
                     v.assign(value)
-                if self.parallel.recover(self.model) and self.training:  # the survivor it now mirrors applied it
+                done = self.parallel.recover(self.model)
+                if self.saves is not None:
+                    self.saves.tidy()
+                if done and self.training:  # the survivor it now mirrors applied it
                     return self.model.get_metrics_result()
                 continue
             self.parallel.stepped()
@@ -72,3 +77,62 @@ class ElasticTrainFunction:
             if optimizer.built:
                 found += [v for v in optimizer.variables if len(v.shape) == 0 and all(v is not f for f in found)]
         return found
+
+
+class EpochEndSaves:
+    """What an elastic job's chief saves at an epoch end survives the chief's loss.
+
+    Only the chief runs the chief-only callbacks (ModelCheckpoint, TensorBoard, CSVLogger); the others hold
+    them gated (``ReporterGate`` in :mod:`rdkeras.fitting.model`), noting the epoch end they did not run. After
+    every callback's ``on_epoch_end``, the workers meet (:meth:`ended`, one allreduce of a scalar): a chief lost
+    while it saved makes that meeting fail, the group re-forms, and the new chief runs the epoch end it missed
+    -- with the state every survivor holds (gathered before the callbacks: the lost chief's own) and the epoch's
+    logs -- and BackupAndRestore saves again on every worker. The new chief first removes the temporary files
+    the lost chief's interrupted write left (:meth:`tidy`, also after a loss in the middle of an epoch).
+    """
+
+    def __init__(self, model: Any, parallel: Parallelism, callbacks: list[Any], folders: set[str]):
+        self.model, self.parallel, self.callbacks, self.folders = model, parallel, callbacks, folders
+        self.chiefs = self.tidied = parallel.elastic.chiefs_lost
+
+    def began(self) -> None:
+        """Where the epoch end's saving callbacks begin (the state gathered)."""
+        self.chiefs = self.parallel.elastic.chiefs_lost
+
+    def ended(self, epoch: int, logs: Any) -> None:
+        """After every callback's ``on_epoch_end`` (collective): see the class."""
+        import keras
+
+        from rdkeras.fitting.model import reporter_gate_class
+
+        parallel, elastic = self.parallel, self.parallel.elastic
+        while True:
+            parallel.elastic_retry(self.model, lambda: parallel.collectives.mean([0.0]))
+            self.tidy()
+            if elastic.chiefs_lost == self.chiefs:
+                return
+            self.chiefs = elastic.chiefs_lost  # (lost again while the new chief saves: it runs again)
+            if parallel.is_reporter:
+                logger.warning(f"elastic: the chief was lost in epoch {epoch + 1}'s saves: worker {elastic.worker}, "
+                               "the new chief, saves that epoch")  # fmt: skip
+            gate = reporter_gate_class()
+            for c in self.callbacks:
+                if isinstance(c, gate):
+                    c.catch_up()  # type: ignore[attr-defined]
+                elif isinstance(c, keras.callbacks.BackupAndRestore):  # collective: every worker runs it
+                    c.on_epoch_end(epoch, logs)
+
+    def tidy(self) -> None:
+        """After a re-forming: if this worker became the chief, removes the temporary files the lost chief's
+        interrupted save left in the saving callbacks' folders (it is gone: no save of its is running)."""
+        lost = self.parallel.elastic.chiefs_lost
+        if lost == self.tidied:
+            return
+        self.tidied = lost
+        if not self.parallel.is_reporter:
+            return
+        from rdkeras.fitting import saving
+
+        for folder in sorted(self.folders):
+            for path in saving.remove_stale_temporaries(folder):
+                logger.info(f"elastic: removed {path}, the lost chief's interrupted save")

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rdkeras import keras_internals
+from rdkeras import errors, keras_internals
 from rdkeras.fitting import backup, global_batch, saving
 
 if TYPE_CHECKING:
@@ -138,21 +138,24 @@ def _fit(fit: Any, *args: Any, **kwargs: Any) -> Any:
     parallel = _parallel(model)
     a = bind(fit, args, kwargs)
     parallel.check_callbacks(list(a["callbacks"] or []))
+    folders = _save_folders(a["callbacks"])
     if parallel.is_reporter:  # the worker that saves: what a killed save of an earlier run left behind goes
-        for folder in _save_folders(a["callbacks"]):
+        for folder in folders:
             saving.remove_stale_temporaries(folder)
     parallel.prepare_fit(model)
     parallel.shard_fit(a)
     callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    a["callbacks"] = [_state_callback(parallel, "gather"), *callbacks, _state_callback(parallel, "sync")]
+    saves = None
     if parallel.elastic is not None:  # the step takes its global batch itself, and repeats after a loss
-        from rdkeras.fitting.elastic import ElasticTrainFunction
+        from rdkeras.fitting.elastic import ElasticTrainFunction, EpochEndSaves
 
-        model.train_function = ElasticTrainFunction(model, parallel)
-        model.test_function = ElasticTrainFunction(model, parallel, training=False)
+        saves = EpochEndSaves(model, parallel, callbacks, folders)  # (a chief lost in a save: the next one saves)
+        model.train_function = ElasticTrainFunction(model, parallel, saves=saves)
+        model.test_function = ElasticTrainFunction(model, parallel, training=False, saves=saves)
+    a["callbacks"] = [_state_callback(parallel, "gather", saves), *callbacks, _state_callback(parallel, "sync", saves)]
     parallel.fitting = True
     try:
-        with _warnings_on_the_reporter(parallel):
+        with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
             return fit(**a)
     finally:
         parallel.fitting = False
@@ -178,7 +181,7 @@ def _evaluate(evaluate: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(evaluate, args, kwargs)
     parallel.shard_evaluate(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    with _warnings_on_the_reporter(parallel):
+    with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
         return evaluate(**a)
 
 
@@ -187,7 +190,7 @@ def _predict(predict: Any, *args: Any, **kwargs: Any) -> Any:
     a = bind(predict, args, kwargs)
     rows = parallel.shard_predict(a)
     a["callbacks"], a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
-    with _warnings_on_the_reporter(parallel):
+    with _warnings_on_the_reporter(parallel), _peer_errors_unwrapped(parallel):
         out = predict(**a)
     if rows is None:
         return out
@@ -206,6 +209,20 @@ def _warnings_on_the_reporter(parallel: Parallelism) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"keras(\.|$)")
         yield
+
+
+@contextlib.contextmanager
+def _peer_errors_unwrapped(parallel: Parallelism) -> Iterator[None]:
+    """A PeerError raised inside a traced step reaches the caller as TensorFlow's error (``UnknownError``), without
+    its ``.rank``: it is raised again as rdkeras's PeerError, its rank and message restored, chained from
+    TensorFlow's."""
+    try:
+        yield
+    except Exception as e:
+        found = errors.unwrapped(e, parallel.engine.backend.failure, parallel.engine.rank)
+        if found is None:
+            raise
+        raise found from e
 
 
 def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
@@ -252,24 +269,26 @@ def worker_callbacks(parallel: Parallelism, callbacks: Any, verbose: Any) -> tup
             backup.adapt(c, parallel)
         elif isinstance(c, chief_only_callback_types()) and not parallel.is_reporter:
             if parallel.elastic is not None:  # this worker may become the chief when the chief is lost
-                kept.append(_reporter_gate_class()(c, parallel))
+                kept.append(reporter_gate_class()(c, parallel))
             continue
         kept.append(c)
     return kept, (verbose if parallel.is_reporter else 0)
 
 
 @functools.cache
-def _reporter_gate_class() -> type:
+def reporter_gate_class() -> type:
     import keras
 
     class ReporterGate(keras.callbacks.Callback):
         """A chief-only callback on another worker of an elastic job: silent until this worker becomes the chief
         (the chief was lost), then started where training stands (``on_train_begin``, ``on_epoch_begin``) and
-        given every call from there on -- checkpoints and TensorBoard go on in the same folders."""
+        given every call from there on -- checkpoints and TensorBoard go on in the same folders. An epoch end it
+        held back is run by :meth:`catch_up` when the chief was lost during that epoch end's saves."""
 
         def __init__(self, inner: Any, parallel: Parallelism):
             super().__init__()
             self.inner, self.parallel, self.started, self.epoch = inner, parallel, False, 0
+            self.pending: tuple[int, dict] | None = None  # (epoch, logs) of the epoch end not run here
 
         def _live(self) -> bool:
             """Whether to forward calls: once this worker is the chief (started first, where training stands;
@@ -283,9 +302,21 @@ def _reporter_gate_class() -> type:
             return self.started
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self.epoch, started = epoch, self.started
+            self.epoch, started, self.pending = epoch, self.started, None
             if self._live() and started:
                 self.inner.on_epoch_begin(epoch, logs)
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if self._live():
+                self.inner.on_epoch_end(epoch, logs)
+            else:
+                self.pending = (epoch, dict(logs or {}))
+
+        def catch_up(self) -> None:
+            """The chief was lost during this epoch end's saves: on its successor, the epoch end it held back."""
+            pending, self.pending = self.pending, None
+            if pending is not None and self._live():
+                self.inner.on_epoch_end(*pending)
 
     def forward(name: str) -> Any:
         def hook(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -294,18 +325,19 @@ def _reporter_gate_class() -> type:
 
         return hook
 
-    for name in ("on_epoch_end", "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+    for name in ("on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
                  "on_test_batch_begin", "on_test_batch_end", "on_train_end"):  # fmt: skip
         setattr(ReporterGate, name, forward(name))
     return ReporterGate
 
 
-def _state_callback(parallel: Parallelism, role: str) -> Any:
+def _state_callback(parallel: Parallelism, role: str, saves: Any = None) -> Any:
     """Shares the training state across workers: "sync" at the start of fit (the reporter's
     restored backup, else the parallelism's initial sharing), "gather" at every epoch end and at
-    the end of fit (each variable from its owner to everyone, so any worker can save the model)."""
+    the end of fit (each variable from its owner to everyone, so any worker can save the model).
+    In an elastic job, the epoch end's saves lie between the two (`saves`: rdkeras.fitting.elastic's)."""
     callback = _state_callback_class()()
-    callback.parallel, callback.role = parallel, role
+    callback.parallel, callback.role, callback.saves = parallel, role, saves
     return callback
 
 
@@ -316,6 +348,7 @@ def _state_callback_class() -> type:
     class StateCallback(keras.callbacks.Callback):
         parallel: Parallelism
         role: str
+        saves: Any
 
         def on_train_begin(self, logs: Any = None) -> None:
             if self.role == "sync":
@@ -329,8 +362,14 @@ def _state_callback_class() -> type:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self.role == "gather":
                 self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
-                if epoch + 1 < self.params.get("epochs", 0):  # replacements join where an epoch begins
-                    self.parallel.elastic_retry(self.model, lambda: self.parallel.admit(self.model, epoch + 1))
+                if self.saves is not None:
+                    self.saves.began()
+                return
+            if self.saves is not None:  # "sync", after every callback's epoch end
+                self.saves.ended(epoch, logs)
+            if epoch + 1 < self.params.get("epochs", 0):  # replacements join where an epoch begins (the callbacks
+                # done: a replacement starts at the next epoch, and takes what they changed, a learning rate)
+                self.parallel.elastic_retry(self.model, lambda: self.parallel.admit(self.model, epoch + 1))
 
         def on_train_end(self, logs: Any = None) -> None:
             if self.role == "gather":

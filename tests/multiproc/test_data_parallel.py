@@ -200,3 +200,16 @@ def test_three_workers_over_tcp_with_buckets_match_one_process(three_workers):
     for key in ("mlp/allreduce/200", "mlp/ps/200"):
         assert results[0].value[key]["weights"] == results[1].value[key]["weights"] == results[2].value[key]["weights"]
         _close(results[2].value[key], results[0].value["mlp/reference"], key)
+
+
+def test_a_peer_lost_inside_fit_raises_rdkeras_peer_error_naming_it():
+    # The survivors' exchange fails inside the traced step: TensorFlow wraps the engine's PeerError (an
+    # UnknownError from the numpy_function), and fit raises rdkeras's PeerError again, with its rank and message.
+    results = run_ranks("fit_until_a_peer_dies", 3, module=TARGET, check=False, timeout=120, victim=1)
+    assert results[1].returncode == -9
+    for r in (results[0], results[2]):
+        assert r.returncode == 0, r.output[-2000:]
+        kind, message, rank, cause = r.value["error"]
+        assert (kind, rank, cause) == ("PeerError", 1, "UnknownError"), r.value
+        assert message.startswith("rank 1 "), message
+        assert "Traceback" not in message and "[[" not in message, message  # the engine's words, not TensorFlow's

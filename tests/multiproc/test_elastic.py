@@ -92,6 +92,38 @@ def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, 
     assert re.search(r"TB elastic/workers step (\d+) value 2", done.stdout), done.stdout[-2000:]
 
 
+def _checkpoint(path: Path) -> tuple[list[np.ndarray], int]:
+    """A weights file's layers' weights (in the model's order) and its optimizer's step count."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        names: list[str] = []
+        f["layers"].visititems(lambda name, o: names.append(name) if isinstance(o, h5py.Dataset) else None)
+        return [f["layers"][n][()] for n in names], int(f["optimizer/vars/0"][()])
+
+
+def test_a_checkpoint_the_chief_dies_writing_is_written_by_the_new_chief(tmp_path):
+    # The chief SIGKILLs itself inside the second epoch's ModelCheckpoint write, its temporary file written: the
+    # survivors meet after the epoch's callbacks, re-form, and worker 1, the new chief, writes that checkpoint.
+    done = _launch(tmp_path, "--checkpoint", "--die-in-save", "0:1", "--epoch-weights")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Every epoch's checkpoint, and no temporary left.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"ckpt-{e}.weights.h5" for e in (1, 2, 3)]
+    assert re.search(r"\[1\] .*elastic: removed \S+/ckpt/\.ckpt-2\.\w+\.tmp\.weights\.h5, the lost chief's "
+                     r"interrupted save", done.stdout), done.stdout[-3000:]  # fmt: skip
+    assert "[1] rdkeras: elastic: the chief was lost in epoch 2's saves: worker 1, the new chief, saves that epoch" in (
+        done.stdout
+    )
+    # What the lost chief would have written: the state it held at that epoch end (recorded just before its save),
+    # bit for bit; the other epochs' checkpoints, written by the chief of their time, hold theirs.
+    for epoch, worker in ((0, 0), (1, 0), (1, 1), (1, 2), (2, 1)):
+        weights, steps = _checkpoint(tmp_path / "ckpt" / f"ckpt-{epoch + 1}.weights.h5")
+        assert steps == 4 * (epoch + 1)
+        for a, b in zip(weights, _weights(tmp_path / f"epoch-{worker}-{epoch}.npz"), strict=True):
+            assert np.array_equal(a, b), (epoch, worker)
+    assert re.search(r"lost worker 0 \(killed by signal 9\); 2 workers \(1, 2\) went on from step 8", done.stderr)
+
+
 @pytest.mark.extended
 def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
     done = _launch(tmp_path, "--kill", "3:0:2", "--kill", "1:1:3", workers=4)
@@ -107,9 +139,10 @@ def test_two_losses_in_a_row_leave_a_group_of_two(tmp_path, one_process):
 
 @pytest.mark.extended
 def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path, tmp_path_factory):
-    # Each step waits 0.4 s, so the replacement (TensorFlow's import included) starts while the group trains.
+    # Each step waits 0.8 s, so the replacement (TensorFlow's import included, on a loaded machine) starts while the
+    # group trains.
     reference = _one_process(SCRIPT, tmp_path_factory.mktemp("one6"), "--epochs", "6")
-    done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.4", extra=("--max-restarts", "1"))
+    done = _launch(tmp_path, "--kill", "1:0:1", "--epochs", "6", "--slow", "0.8", extra=("--max-restarts", "1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     weights = _survivors(tmp_path, {0, 2, 3})  # worker 3: the replacement, taken in at an epoch end
     for other in weights[1:]:
@@ -119,6 +152,27 @@ def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path,
         np.testing.assert_allclose(mine, expected, atol=1e-5)
     assert "[3] worker 3 ended as rank 2 of 3" in done.stdout
     assert re.search(r"worker 3 joined as a replacement; 3 workers \(0, 2, 3\) went on from step \d+", done.stderr)
+
+
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.extended)])
+def test_a_replacement_that_never_joins_is_reported_and_the_job_goes_on(tmp_path, how):
+    # Worker 1 dies; its replacement, worker 3, exits (or hangs) before it reaches the launcher's lobby.
+    done = _launch(tmp_path, "--kill", "1:0:1", "--slow", "0.5", "--replacement", how,
+                   extra=("--max-restarts", "1", "--join-timeout", "2"))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _survivors(tmp_path, {0, 2})
+    told = {
+        "exit": r"it exited before joining \(exit code 3\); the group went on without it; its process: exit code 3",
+        "hang": r"it did not reach the lobby within 2 s of its start \(--join-timeout\); it was told not to join; "
+        r"the group went on without it; its process: killed by the launcher .*",
+    }[how]
+    which = r"rdkeras.launch: elastic: replacement worker 3 \(started for lost worker 1\) never joined the group"
+    assert re.search(rf"{which}: {told}; its last output:\n.*replacement 3: cannot start \({how}\)", done.stderr), (
+        done.stderr[-3000:]
+    )
+    # The launcher said so when it happened too, as the group trained on (before its summary at the end).
+    said = re.search(rf"{which}: it (exited|did not reach).*; 2 workers go on\n", done.stderr)
+    assert said and said.start() < done.stderr.index("rdkeras.launch: elastic: lost worker 1"), done.stderr[-3000:]
 
 
 def test_losing_more_than_min_workers_allow_ends_the_job_naming_them(tmp_path):

@@ -25,7 +25,22 @@ p.add_argument("--one-process", action="store_true")
 p.add_argument("--tensorboard", action="store_true", help="TensorBoard and TrainingStats into OUT/tb")
 p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--slow", type=float, default=0.0, help="seconds each step waits (a replacement has time to start)")
+p.add_argument("--checkpoint", action="store_true", help="ModelCheckpoint: OUT/ckpt/ckpt-EPOCH.weights.h5 (weights)")
+p.add_argument(
+    "--die-in-save",
+    default=None,
+    help="WORKER:EPOCH: SIGKILL inside that epoch's checkpoint write, once its temporary file is written",
+)
+p.add_argument(
+    "--epoch-weights", action="store_true", help="each worker's weights at each epoch end: OUT/epoch-WORKER-EPOCH.npz"
+)
+p.add_argument("--replacement", choices=("exit", "hang"), default=None, help="a replacement exits (or hangs) first")
 a = p.parse_args()
+if a.replacement and "RDKERAS_JOIN" in os.environ:  # before it reaches the launcher's lobby
+    print(f"replacement {os.environ['RDKERAS_JOIN']}: cannot start ({a.replacement})", flush=True)
+    if a.replacement == "exit":
+        sys.exit(3)
+    time.sleep(3600)
 
 import keras  # noqa: E402
 
@@ -61,7 +76,14 @@ def parse(spec: str) -> tuple[int, int, int]:
     return w, e, b
 
 
+class EpochWeights(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        np.savez(os.path.join(a.out, f"epoch-{worker}-{epoch}.npz"), *self.model.get_weights())
+
+
 callbacks = [Kill([parse(k) for k in a.kill], signal.SIGKILL)]
+if a.epoch_weights:
+    callbacks.append(EpochWeights())
 if a.stop:
     callbacks.append(Kill([parse(a.stop)], signal.SIGSTOP))
 if a.hang:
@@ -84,6 +106,22 @@ if a.one_process:
 
 import rdkeras  # noqa: E402
 
+if a.die_in_save:  # the chief dies in the middle of a checkpoint: its temporary written, not yet renamed
+    from rdkeras.fitting import saving
+
+    write_atomically = saving.write_atomically
+    victim, at_epoch = (int(v) for v in a.die_in_save.split(":"))
+
+    def dying_write(path, write, expected_bytes=0):
+        def write_then_die(tmp):
+            write(tmp)
+            if worker == victim and f"ckpt-{at_epoch + 1}." in path.name:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        write_atomically(path, write_then_die, expected_bytes)
+
+    saving.write_atomically = dying_write
+
 strategy = rdkeras.RDMAStrategy()
 with strategy.scope():
     model = build()
@@ -91,6 +129,10 @@ if a.tensorboard:
     from rdkeras.callbacks import TrainingStats
 
     callbacks += [keras.callbacks.TensorBoard(os.path.join(a.out, "tb")), TrainingStats(os.path.join(a.out, "tb"))]
+if a.checkpoint:
+    callbacks.append(
+        keras.callbacks.ModelCheckpoint(os.path.join(a.out, "ckpt", "ckpt-{epoch}.weights.h5"), save_weights_only=True)
+    )
 try:
     model.fit(x, y, batch_size=12, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
 except Exception as e:  # (the time it failed at: the hang tests' time to name)

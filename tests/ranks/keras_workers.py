@@ -199,3 +199,32 @@ def fit_with_stats(log_dir: str) -> dict:
     traffic = strategy.engine.traffic()
     strategy.close()
     return {"traffic": traffic}
+
+
+def fit_until_a_peer_dies(victim: int) -> dict:
+    """``model.fit`` under RDMAStrategy; `victim` SIGKILLs itself after its third step, so the others' next
+    gradient exchange (inside the traced step) fails. Returns what the others caught as ``rdkeras.PeerError``:
+    (class, message, ``.rank``, the class of the error it was chained from)."""
+    import signal
+
+    import keras
+
+    import rdkeras
+
+    strategy = rdkeras.RDMAStrategy()
+    rank = strategy.worker_index
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            if rank == victim and batch == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    x, y = _data("mlp")
+    with strategy.scope():
+        model = _model("mlp", seed=1)
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Die()])
+    except rdkeras.PeerError as e:
+        return {"error": [type(e).__name__, str(e), e.rank, type(e.__cause__).__name__]}
+    return {"error": None}

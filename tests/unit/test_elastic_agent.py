@@ -14,6 +14,7 @@ from rdkeras.launch import free_port
 from rdkeras.rendezvous import Store
 
 TOKEN = secrets.token_bytes(16)
+HEX = secrets.token_hex(16).encode()  # (a replacement is handed the token in its environment)
 
 
 def _job(world: int, min_workers: int) -> tuple[ElasticAgent, list[Store]]:
@@ -119,4 +120,69 @@ def test_only_the_job_token_opens_the_lobby():
         joiner = Store(2, 3, "127.0.0.1", agent.lobby.port, TOKEN, 5.0, serve=False)  # the job's own replacement
         joiner.close()
     finally:
+        agent.close()
+
+
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.02)
+
+
+def _lose_worker_one(agent: ElasticAgent, stores: list[Store]) -> dict:
+    agent.exited(1, -9)
+    _vanish(stores[1])
+    return _ready_and_wait({0: stores[0], 2: stores[2]}, {0: 4, 2: 4})[0]
+
+
+def test_an_announced_replacement_that_dies_is_reported_and_the_waiting_group_re_forms_as_it_was():
+    agent = ElasticAgent("127.0.0.1", free_port(), HEX, 3, 2, reform_timeout=5.0, max_restarts=1)
+    stores = [Store(r, 3, "127.0.0.1", agent.store.port, HEX, 10.0, serve=False) for r in range(3)]
+    nxt: list[Store] = []
+    lobby = None
+    try:
+        decided = _lose_worker_one(agent, stores)
+        assert [w for w, _ in agent.take_spawns({})] == [3]
+        lobby = Store(3, 4, "127.0.0.1", agent.lobby.port, HEX, 10.0, serve=False)
+        lobby.set("joining/3", b"1")  # worker 3 reached the lobby: the agent announces it to the group
+        nxt = [Store(r, 2, "127.0.0.1", decided["port"], HEX, 10.0, serve=False) for r in range(2)]
+        _wait_for(lambda: agent.store.value("elastic/joiners") is not None)
+        agent.exited(3, 1)  # ... and dies before the group's epoch end
+        assert agent.unjoined == {
+            3: "(started for lost worker 1) never joined the group: it exited before joining (exit code 1)"
+        }
+        again = _ready_and_wait(dict(enumerate(nxt)), {0: 8, 1: 8})  # the group, at its epoch end
+        assert again[0] == again[1] and again[0]["members"] == [0, 2] and again[0]["joined"] == []
+        assert len(agent.changes) == 1 and agent.error is None  # (not a change: nobody came or went)
+    finally:
+        for s in [stores[0], stores[2], *nxt, *([lobby] if lobby else [])]:
+            s.close()
+        agent.close()
+
+
+def test_a_replacement_that_misses_the_join_timeout_is_told_not_to_join_and_reported():
+    agent = ElasticAgent("127.0.0.1", free_port(), HEX, 3, 2, reform_timeout=5.0, max_restarts=1, join_timeout=0.3)
+    stores = [Store(r, 3, "127.0.0.1", agent.store.port, HEX, 10.0, serve=False) for r in range(3)]
+    lobby = None
+    said: list[str] = []
+    agent.say = said.append
+    try:
+        _lose_worker_one(agent, stores)
+        assert [w for w, _ in agent.take_spawns({})] == [3]
+        _wait_for(lambda: 3 in agent.unjoined)
+        assert agent.unjoined[3] == ("(started for lost worker 1) never joined the group: it did not reach the lobby "
+                                     "within 0.3 s of its start (--join-timeout); it was told not to join")  # fmt: skip
+        assert said == [f"elastic: replacement worker 3 {agent.unjoined[3]}; 2 workers go on"]
+        # Arriving late, it is told so at once.
+        lobby = Store(3, 4, "127.0.0.1", agent.lobby.port, HEX, 10.0, serve=False)
+        lobby.set("joining/3", b"1")
+        (raw,) = lobby.get(["admit/3"], timeout=5, despite_failure=True)
+        assert json.loads(raw) == {"error": "worker 3 did not reach the lobby within 0.3 s of its start "
+                                            "(--join-timeout): the group went on without it"}  # fmt: skip
+    finally:
+        for s in [stores[0], stores[2], *([lobby] if lobby else [])]:
+            s.close()
         agent.close()
