@@ -39,8 +39,8 @@ def test_from_owners_gives_every_member_each_owners_array_exactly_in_chunks(monk
     from rdkeras.parallel.collectives import core
     from tests.ranks.workers import OWNED, owned_value
 
-    monkeypatch.setattr(core, "_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(core, "_KEPT_BYTES", 1024)
+    monkeypatch.setattr(core, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(core, "KEPT_BYTES", 1024)
     results = run_threads("from_owners_round_trip", world)
     for result in results:
         assert result.value["discarded"] >= 2 << 20, "the released ring kept its pages"

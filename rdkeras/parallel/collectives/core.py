@@ -24,8 +24,9 @@ from rdkeras.transports.base import ShardingRing
 
 _FLOAT_KINDS = ("float32", "float64")
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
-_KEPT_BYTES = 1 << 20  # from_owners above this runs on a ring released after it
-_CHUNK_BYTES = 32 << 20  # the most a from_owners call moves at once
+KEPT_BYTES = 1 << 20  # from_owners above this runs on a ring released after it
+CHUNK_BYTES = 32 << 20  # the most a from_owners call moves at once
+LARGE_PURPOSE = "broadcast"  # the ring of such calls
 
 
 def _chunks(arrays: Sequence[np.ndarray], limit: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -281,19 +282,22 @@ class Collectives:
                 f"lines; pad it to {self.size} x shard_elements({size}) elements"
             )
 
-    def from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> list[np.ndarray]:
+    def from_owners(
+        self, arrays: Sequence[np.ndarray], owners: Sequence[int], purpose: str | None = None
+    ) -> list[np.ndarray]:
         """Every member gets each array from its owner (a rank): an exact sum in which only the owner
-        contributes (the others add zeros). Any dtype; returns fresh arrays."""
+        contributes (the others add zeros). Any dtype; returns fresh arrays. A caller that moves a large state
+        in several calls names their `purpose` (:data:`LARGE_PURPOSE`) and releases it after the last."""
         me = self.engine.rank
         if self.size == 1 or not arrays:
             return [np.array(a, copy=True) for a in arrays]
         arrays = [np.asarray(a) for a in arrays]
         out = [np.empty(a.shape, a.dtype) for a in arrays]
         # A large one (the weights at the start) on a ring of its own, released after, and in calls of at most
-        # _CHUNK_BYTES: its registered memory and its copies stay that size, however large the model.
-        large = sum(a.size * wire_dtype(a.dtype).itemsize for a in arrays) > _KEPT_BYTES
-        purpose = "broadcast" if large else "sync"
-        for chunk in _chunks(arrays, _CHUNK_BYTES):
+        # CHUNK_BYTES: its registered memory and its copies stay that size, however large the model.
+        large = purpose is None and sum(a.size * wire_dtype(a.dtype).itemsize for a in arrays) > KEPT_BYTES
+        purpose = purpose or (LARGE_PURPOSE if large else "sync")
+        for chunk in _chunks(arrays, CHUNK_BYTES):
             wire = [
                 arrays[i].reshape(-1)[lo:hi].astype(wire_dtype(arrays[i].dtype))
                 if owners[i] == me

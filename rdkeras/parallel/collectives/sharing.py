@@ -8,16 +8,29 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras.parallel.collectives.core import Collectives
+from rdkeras.parallel.collectives.core import CHUNK_BYTES, KEPT_BYTES, LARGE_PURPOSE, Collectives
 
 
 def share_variables(collectives: Collectives, variables: Sequence[Any], owners: Sequence[int]) -> None:
     """Assigns each Keras variable its owner's value on every member (collective)."""
     if collectives.size == 1 or not variables:
         return
-    values = collectives.from_owners([np.asarray(v.numpy()) for v in variables], owners)
-    for v, value in zip(variables, values, strict=True):
-        v.assign(value)
+    # Variables in groups of at most a chunk, each assigned before the next is read: the copies in flight stay
+    # that size, not the whole model's twice over (the groups depend on shapes only: alike on every member).
+    sizes = [int(np.prod(v.shape)) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize for v in variables]
+    groups: list[list[int]] = [[]]
+    for i, size in enumerate(sizes):
+        if groups[-1] and sum(sizes[j] for j in groups[-1]) + size > CHUNK_BYTES:
+            groups.append([])
+        groups[-1].append(i)
+    large = sum(sizes) > KEPT_BYTES
+    for group in groups:
+        values = collectives.from_owners([np.asarray(variables[j].numpy()) for j in group],
+                                         [owners[j] for j in group], LARGE_PURPOSE if large else None)  # fmt: skip
+        for j, value in zip(group, values, strict=True):
+            variables[j].assign(value)
+    if large:
+        collectives.release(LARGE_PURPOSE)
 
 
 def share_new_variables(collectives: Collectives, variables: Sequence[Any], where: str) -> None:
