@@ -1,6 +1,6 @@
 """Model state per worker: KerasHub's GPT-2 trained with every shard mode, at 1, 2 and 4 workers.
 
-    python -m rdkeras.bench memory [--workers 1,2,4] [--hidden 512] [--layers 4] [--quick]
+    python -m rdkeras.bench memory [--workers 1,2,4] [--modes none,parameters] [--hidden 512] [--layers 4] [--quick]
     python -m rdkeras.bench memory --oom-demo | --cap-mb M   (each process capped: rdkeras.bench.memory_cap)
 
 A GPT-2 causal LM built from its config (no download) trains with Adam for a few steps in one process, then on N
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=6, help="training steps (the first 2 untimed)")
     p.add_argument("--transport", default="shm", help="the engine transport (shm, tcp)")
+    p.add_argument("--modes", default=",".join(MODES), help="shard modes at N > 1, comma-separated")
     p.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, a 4,000-token vocabulary, 1-2 workers")
     p.add_argument("--out", default="bench-results", help="folder for memory.json")
     p.add_argument("--cap-mb", type=int, default=0, help="cap every process at this many MB (a cgroup each): one "
@@ -139,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
 
     shape = {"hidden": args.hidden, "layers": args.layers, "vocabulary": args.vocabulary}
     counts = [int(n) for n in args.workers.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown shard mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if args.quick:
         shape, counts = {"hidden": 128, "layers": 2, "vocabulary": 4000}, [n for n in counts if n <= 2] or [1]
     if args.oom_demo:
@@ -155,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     target = "rdkeras.bench.memory:worker_main"
     rows: list[dict] = []
     for n in counts:
-        for mode in MODES if n > 1 else [None]:
+        for mode in modes if n > 1 else [None]:
             ranks = run_ranks("memory", f"{n} worker(s), shard={mode}", target, n, {**kwargs, "mode": mode}, env=env,
                               timeout=1800)  # fmt: skip
             if ranks is None:
@@ -169,14 +174,15 @@ def run(args: argparse.Namespace) -> int:
     one = rows[0] if rows[0]["mode"] == "one process" else None
     for row in rows:
         state = row["parameters"] + row["gradients"] + row["optimizer"]
-        none = next((r for r in rows if r["workers"] == row["workers"] and r["mode"] == "none"), row)
+        none = next((r for r in rows if r["workers"] == row["workers"] and r["mode"] in ("none", "one process")), None)
         base = one or row
         row["state_vs_one"] = state / (base["parameters"] + base["gradients"] + base["optimizer"])
         row["peak_vs_one"] = row["peak_above_bare_mb"] / base["peak_above_bare_mb"]
-        row["step_vs_none"] = row["step_s"] / none["step_s"]
+        row["step_vs_none"] = row["step_s"] / none["step_s"] if none else None  # (shard="none" not run at N)
+        vs_none = "-" if none is None else f"{row['step_vs_none']:.2f}x"
         cells = (row["workers"], row["mode"], f"{row['parameters'] / 1e6:.1f}", f"{row['gradients'] / 1e6:.1f}",
                  f"{row['optimizer'] / 1e6:.1f}", f"{row['state_vs_one']:.2f}x", f"{row['peak_above_bare_mb']:.0f}",
-                 f"{row['peak_vs_one']:.2f}x", f"{row['step_s'] * 1e3:.0f} ms", f"{row['step_vs_none']:.2f}x",
+                 f"{row['peak_vs_one']:.2f}x", f"{row['step_s'] * 1e3:.0f} ms", vs_none,
                  f"{row['bytes_per_step'] / 1e6:.1f} MB")  # fmt: skip
         print("".join(f"{c:>12}" for c in cells))
     out = Path(args.out)
