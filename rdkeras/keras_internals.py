@@ -348,17 +348,38 @@ def set_storage(variable: Any, value: Any) -> None:
     variable._value = value
 
 
-def call_with_values(layer: Any, variables: Sequence[Any], values: Callable[[], list[Any]]) -> None:
-    """Each call of `layer` reads `variables` as the tensors ``values()`` gives then (a ``keras.StatelessScope``,
-    inside those of outer calls); what the call assigns to other variables (a seed, a moving mean) is assigned to
-    them after. Undone by :func:`restore`."""
+def only_own_trainable_state(layer: Any) -> bool:
+    """Whether `layer`'s call can read and write no variable but its own trainable ones: no sublayer's, no
+    moving statistic, no seed (a recomputation of the call then changes nothing)."""
+    import keras
+
+    own = own_trainable_variables(layer)
+    return bool(own) and len(layer.variables) == len(own) and not isinstance(layer, keras.layers.Embedding)
+
+
+def call_with_values(
+    layer: Any, variables: Sequence[Any], values: Callable[[list[Any]], list[Any]], recompute: bool = False
+) -> None:
+    """Each call of `layer` reads `variables` as the tensors ``values(inputs)`` gives then (a
+    ``keras.StatelessScope``, inside those of outer calls; `inputs` are the call's tensors, which the values may
+    wait for); what the call assigns to other variables (a seed, a moving mean) is assigned to them after. With
+    `recompute` (for a layer of :func:`only_own_trainable_state`), nothing of the call is kept for backprop but
+    its inputs: the backward pass asks for the values again and reruns the call (:func:`remat`). Undone by
+    :func:`restore`."""
+    import tensorflow as tf
     from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
 
     call = original(layer, "call")
 
     def call_on_values(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if recompute:
+            return remat(functools.partial(call_in_scope, self))(*args, **kwargs)
+        return call_in_scope(self, *args, **kwargs)
+
+    def call_in_scope(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = get_stateless_scope()
-        scope = StatelessScope(list(zip(variables, values(), strict=True)), collect_losses=True)
+        inputs = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)]
+        scope = StatelessScope(list(zip(variables, values(inputs), strict=True)), collect_losses=True)
         if outer is not None:
             scope.state_mapping = {**outer.state_mapping, **scope.state_mapping}
         entry = dict(scope.state_mapping)

@@ -120,6 +120,7 @@ class ShardedParameters:
         self._copy: Any = None
         self._whole = False
         self._rows = GradientAllreduce(collectives)
+        self._ticket: list[Any] = []  # the last gather's or scatter's ticket (:meth:`_in_line`)
         keras_internals.build_without_slots(optimizer)
 
     @property
@@ -158,14 +159,18 @@ class ShardedParameters:
                 for v, at, size in zip(variables, offsets, sizes, strict=True):
                     lo, hi = max(start, at) - at, min(start + per, at + size) - at
                     lo, hi = (lo, hi) if lo < hi else (0, 0)
-                    storage = tf.Variable(np.reshape(v.numpy(), -1)[lo:hi], trainable=True, name=v.name)
+                    storage = tf.Variable(_part(v.numpy(), lo, hi), trainable=True, name=v.name)
                     keras_internals.set_storage(v, storage)
                     piece = keras.Variable(storage, name=v.path.replace("/", "_"))
                     owned.append((int(lo), int(hi)))
                     pieces.append(piece)
                     decisions.append((piece, keras_internals.uses_weight_decay(self.optimizer, v)))
                 unit = _Unit(layer, variables, sizes, offsets, per, owned, pieces)
-                keras_internals.call_with_values(layer, variables, functools.partial(self._gather, unit))
+                # A gathered unit kept for its backward would hold the whole model by the end of the forward
+                # pass: where a rerun changes nothing, the backward pass gathers it again (FSDP's reshard).
+                gather = functools.partial(self._gather, unit)
+                recompute = keras_internals.only_own_trainable_state(layer)
+                keras_internals.call_with_values(layer, variables, gather, recompute=recompute)
                 self.units.append(unit)
             self._copy = unclipped_copy(self.optimizer)
             keras_internals.decide_weight_decay(self._copy, decisions)
@@ -174,9 +179,9 @@ class ShardedParameters:
     def _pieces(self) -> list[Any]:
         return [p for unit in self.units for p in unit.pieces]
 
-    def _gather(self, unit: _Unit) -> list[Any]:
-        """The unit's whole values (tensors), gathered from every worker's shard; their gradient is reduce-scattered
-        back into the pieces' gradients."""
+    def _gather(self, unit: _Unit, inputs: list[Any]) -> list[Any]:
+        """The unit's whole values (tensors), gathered from every worker's shard once its call's `inputs` are
+        computed; their gradient is reduce-scattered back into the pieces' gradients."""
         import tensorflow as tf
 
         dtype, n = tf.as_dtype(unit.dtype), self.collectives.size
@@ -189,7 +194,9 @@ class ShardedParameters:
             def allgather(values: np.ndarray) -> np.ndarray:  # (a fresh array: backprop reads the values again)
                 return allgather_in_calls(self.collectives, values, "parameters")
 
-            whole = tf.numpy_function(allgather, [shard], dtype, stateful=True, name="rdkeras_gather_parameters")
+            # Not before the call's inputs: a gather needs only the pieces, so a traced step would otherwise run
+            # every unit's at its start and hold the whole model until each unit computes.
+            whole = self._in_line(allgather, shard, "rdkeras_gather_parameters", after=inputs)
             whole.set_shape([n * unit.per])
             values = [tf.reshape(whole[at : at + size], v.shape)
                       for v, at, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True)]  # fmt: skip
@@ -204,7 +211,7 @@ class ShardedParameters:
                 def reduce_scatter(values: np.ndarray) -> np.ndarray:
                     return reduce_scatter_in_calls(self.collectives, values, "parameter-grads")
 
-                mine = tf.numpy_function(reduce_scatter, [padded], dtype, stateful=True, name="rdkeras_scatter_grads")
+                mine = self._in_line(reduce_scatter, padded, "rdkeras_scatter_grads")
                 mine.set_shape([unit.per])
                 out, at = [], 0
                 for lo, hi in unit.owned:
@@ -219,8 +226,37 @@ class ShardedParameters:
     def _rows_in_piece(self, rows: Any, lo: int, hi: int) -> list[Any]:
         """An Embedding's gradient as one process's optimizer gets it: every worker's rows gathered (duplicates
         unsummed, which Adam's moments see), as the IndexedSlices of the elements in this worker's piece."""
-        (gathered,) = self._rows([rows])
+        import tensorflow as tf
+
+        with tf.control_dependencies(self._previous_ticket()):
+            (gathered,) = self._rows([rows])
         return [elements(gathered, lo, hi, lambda t: t)]
+
+    def _in_line(self, collective: Any, values: Any, name: str, after: Sequence[Any] = ()) -> Any:
+        """``collective(values)`` (a gather or a scatter) as a TensorFlow op run after the previous one made in this
+        graph, and after the tensors `after`: every worker runs them in the order they were made. The order is a
+        data dependency (a ticket output, the next one's input): Grappler's dependency optimizer rewired
+        control dependencies around a unit recomputed in backprop until workers ran different collectives."""
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            return tf.numpy_function(collective, [values], values.dtype, stateful=True, name=name)
+
+        def run(values: np.ndarray, *_ticket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return collective(values), np.zeros([], np.int32)
+
+        graph = values.graph
+        with tf.control_dependencies([t for t in after if getattr(t, "graph", None) is graph]):
+            out, ticket = tf.numpy_function(run, [values, *self._previous_ticket()], [values.dtype, tf.int32],
+                                            stateful=True, name=name)  # fmt: skip
+        self._ticket[:] = [ticket]
+        return out
+
+    def _previous_ticket(self) -> list[Any]:
+        """The last :meth:`_in_line` op's ticket, if it was made in the current graph."""
+        import tensorflow as tf
+
+        return [t for t in self._ticket if t.graph is tf.compat.v1.get_default_graph()]
 
     # -- a step -----------------------------------------------------------------------------------
 
@@ -276,7 +312,7 @@ class ShardedParameters:
         for unit in self.units:
             for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
                 if v is variable:
-                    keras_internals.storage(v).assign(np.reshape(np.asarray(value, unit.dtype), -1)[lo:hi])
+                    keras_internals.storage(v).assign(_part(np.asarray(value, unit.dtype), lo, hi))
                     return
         raise KeyError(variable.path)
 
@@ -300,7 +336,7 @@ class ShardedParameters:
                 for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
                     whole = keras_internals.storage(v).numpy()
                     keras_internals.set_storage(v, pieces[id(v)])
-                    pieces[id(v)].assign(np.reshape(whole, -1)[lo:hi])
+                    pieces[id(v)].assign(_part(whole, lo, hi))
 
     def consolidated(self) -> Any:
         """Collective: a plain optimizer of the compiled one's class and config, built on the model's trainable
@@ -347,6 +383,12 @@ class ShardedParameters:
     def variables_in(self, variables: Sequence[Any]) -> list[Any]:
         """`variables` less the sharded ones (what replica checks and broadcasts may read whole)."""
         return [v for v in variables if not self.is_sharded(v)]
+
+
+def _part(value: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of `value` flattened, in an array of their own: TensorFlow adopts an aligned array it is
+    given as a tensor's buffer, and a view would keep the whole variable's alive beside its piece."""
+    return np.array(np.reshape(value, -1)[lo:hi])
 
 
 def _transformed(gradient: Any, transform: Any) -> Any:

@@ -49,3 +49,39 @@ def test_the_compiled_optimizer_builds_no_per_variable_state():
     fresh = keras.optimizers.Adam(**settings)
     fresh.build(model.trainable_variables)
     assert len(fresh.variables) == 2 + 4 * len(model.trainable_variables)  # (what it would have built)
+
+
+def test_a_layer_is_recomputed_in_backprop_only_where_a_rerun_changes_nothing():
+    # Sharded parameters gather such a layer again for its backward pass instead of keeping it whole.
+    class Outer(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],))
+            self.inner = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.inner(x * self.w)
+
+    outer = Outer()
+    outer(keras.ops.ones((1, 3)))
+    for layer in (keras.layers.Dense(2), keras.layers.LayerNormalization()):
+        layer.build((None, 3))
+        assert keras_internals.only_own_trainable_state(layer), layer
+    assert not keras_internals.only_own_trainable_state(outer)  # (its sublayer's variables)
+    batch_norm = keras.layers.BatchNormalization()
+    batch_norm.build((None, 3))
+    assert not keras_internals.only_own_trainable_state(batch_norm)  # (moving statistics)
+    embedding = keras.layers.Embedding(10, 2)
+    embedding.build((None,))
+    assert not keras_internals.only_own_trainable_state(embedding)  # (its gradient is rows, its weights not read)
+
+    class Noisy(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],))
+            self.seed = keras.random.SeedGenerator(1)
+
+        def call(self, x):
+            return x * self.w + keras.random.normal(keras.ops.shape(x), seed=self.seed)
+
+    noisy = Noisy()
+    noisy.build((None, 3))
+    assert not keras_internals.only_own_trainable_state(noisy)  # (a seed: a rerun would draw again)
