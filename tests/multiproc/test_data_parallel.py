@@ -202,6 +202,7 @@ def test_three_workers_over_tcp_with_buckets_match_one_process(three_workers):
         _close(results[2].value[key], results[0].value["mlp/reference"], key)
 
 
+@pytest.mark.extended  # (17 s; the default run is at its 10-minute budget)
 def test_a_peer_lost_inside_fit_raises_rdkeras_peer_error_naming_it():
     # The survivors' exchange fails inside the traced step: TensorFlow wraps the engine's PeerError (an
     # UnknownError from the numpy_function), and fit raises rdkeras's PeerError again, with its rank and message.

@@ -102,6 +102,7 @@ def _checkpoint(path: Path) -> tuple[list[np.ndarray], int]:
         return [f["layers"][n][()] for n in names], int(f["optimizer/vars/0"][()])
 
 
+@pytest.mark.extended  # (19 s; the default run is at its 10-minute budget)
 def test_a_checkpoint_the_chief_dies_writing_is_written_by_the_new_chief(tmp_path):
     # The chief SIGKILLs itself inside the second epoch's ModelCheckpoint write, its temporary file written: the
     # survivors meet after the epoch's callbacks, re-form, and worker 1, the new chief, writes that checkpoint.
@@ -154,7 +155,8 @@ def test_a_replacement_joins_and_the_job_ends_with_three_equal_workers(tmp_path,
     assert re.search(r"worker 3 joined as a replacement; 3 workers \(0, 2, 3\) went on from step \d+", done.stderr)
 
 
-@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.extended)])
+@pytest.mark.extended  # (25 s; the default run is at its 10-minute budget)
+@pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_replacement_that_never_joins_is_reported_and_the_job_goes_on(tmp_path, how):
     # Worker 1 dies; its replacement, worker 3, exits (or hangs) before it reaches the launcher's lobby.
     done = _launch(tmp_path, "--kill", "1:0:1", "--slow", "0.5", "--replacement", how,
