@@ -937,11 +937,14 @@ def remat(f: Callable[..., Any]) -> Callable[..., Any]:
     which is where ``fit`` runs, so Keras's own fails for every mode but "activations" --; the recompute draws
     the random seeds the forward pass drew (Dropout's mask is the forward's, so the gradient is the forward's
     function's), and runs under the forward's :func:`global_batch_step` (a pipeline's micro-batch: its rows of
-    the global batch's draws), wherever the backward pass is traced."""
+    the global batch's draws) and autocast scope (mixed precision's compute dtype), wherever the backward pass is
+    traced."""
     import tensorflow as tf
+    from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:
+        autocast = get_autocast_scope()
         flat = tf.nest.flatten((args, kwargs))
         moving = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.dtype.is_floating]
         if not moving:  # nothing to differentiate by: no activation to keep either
@@ -961,7 +964,10 @@ def remat(f: Callable[..., Any]) -> Callable[..., Any]:
             frames = _remat_frames()
             frames.append(frame)
             try:
-                with global_batch_step(batch) if again else contextlib.nullcontext():
+                with (
+                    global_batch_step(batch) if again else contextlib.nullcontext(),
+                    AutocastScope(autocast.dtype) if autocast is not None else contextlib.nullcontext(),
+                ):
                     return f(*a, **kw)
             finally:
                 frames.remove(frame)

@@ -87,10 +87,7 @@ class _Unit:
     per: int  # elements of each worker's shard
     owned: list[tuple[int, int]]  # per variable: the [lo, hi) of it in this worker's shard (lo == hi: none)
     pieces: list[Any]  # per variable: a Keras variable sharing its storage, shape [hi - lo]
-
-    @property
-    def dtype(self) -> str:
-        return np.dtype(self.variables[0].dtype).name
+    dtype: str  # the variables' (read once: a Keras variable's dtype is the compute dtype under autocast)
 
 
 class ShardedParameters:
@@ -98,15 +95,14 @@ class ShardedParameters:
 
     Args:
         collectives: The data-parallel workers' collectives.
-        model: The compiled model; its optimizer (not a LossScaleOptimizer) is the one whose ``apply`` this runs.
+        model: The compiled model; its optimizer (a LossScaleOptimizer's inner one) is the one whose ``apply`` this
+            runs.
     """
 
     def __init__(self, collectives: Collectives, model: Any):
-        optimizer = model.optimizer
+        optimizer = keras_internals.inner_optimizer(model.optimizer)  # (a LossScaleOptimizer checks, then calls it)
         refused = [name for name in ("gradient_accumulation_steps", "use_ema", "loss_scale_factor")
                    if getattr(optimizer, name, None)]  # fmt: skip
-        if keras_internals.inner_optimizer(optimizer) is not optimizer:
-            refused.append("mixed precision (a LossScaleOptimizer)")
         for v in model.trainable_variables:
             if v.constraint is not None or getattr(v, "regularizer", None) is not None:
                 refused.append(f"a constraint or regularizer ({v.path})")
@@ -165,7 +161,7 @@ class ShardedParameters:
                     owned.append((int(lo), int(hi)))
                     pieces.append(piece)
                     decisions.append((piece, keras_internals.uses_weight_decay(self.optimizer, v)))
-                unit = _Unit(layer, variables, sizes, offsets, per, owned, pieces)
+                unit = _Unit(layer, variables, sizes, offsets, per, owned, pieces, np.dtype(variables[0].dtype).name)
                 # A gathered unit kept for its backward would hold the whole model by the end of the forward
                 # pass: where a rerun changes nothing, the backward pass gathers it again (FSDP's reshard).
                 gather = functools.partial(self._gather, unit)

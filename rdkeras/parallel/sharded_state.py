@@ -75,7 +75,9 @@ class ShardedState:
             previous.unshard()
         self._parameters[id(model)] = parameters
         keras_internals.saves_own_variables(model.optimizer, lambda: self._saved_variables(model))
-        fitting.distribute_optimizer(model.optimizer, parameters.apply)
+        fitting.distribute_optimizer(parameters.optimizer, parameters.apply)
+        if parameters.optimizer is not model.optimizer:  # (each worker checks its pieces: all take one branch)
+            fitting.agree_on_finite_gradients(model.optimizer, self._all_finite)
 
     def _lay_out_parameters(self, model: Any) -> None:
         """Once every worker holds the chief's weights (as the first fit starts, its step not traced yet): each
@@ -168,13 +170,13 @@ class ShardedState:
             del self._saving[id(model)]
 
     def whole_optimizer_state(self, model: Any) -> list[Any] | None:
-        parameters = self._parameters.get(id(model))
+        parameters, update = self._parameters.get(id(model)), self._sharded.get(id(model))
         if parameters is not None and parameters.units:
-            return list(parameters.consolidated().variables)  # collective
-        update = self._sharded.get(id(model))
-        if update is None:
+            full = parameters.consolidated()  # collective
+        elif update is not None:
+            full = consolidated(update)  # collective
+        else:
             return None
-        full = consolidated(update)  # collective
         optimizer = model.optimizer
         if keras_internals.inner_optimizer(optimizer) is optimizer:
             return list(full.variables)

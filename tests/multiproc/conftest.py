@@ -27,9 +27,8 @@ def pattern_runs(tmp_path_factory):
     """Every pattern and sharded model in one process; on 2 workers every pattern, and every sharded model once
     per shard mode (``name@mode``)."""
     tmp = str(tmp_path_factory.mktemp("patterns"))
-    # (and a model stage 3 refuses: mixed precision)
     sharded = [f"{name}@{mode}" for mode in SHARD_MODES for name in SHARDED] + [
-        f"{name}@parameters" for name in [*PARAMETERS_SHARDED, *PARAMETERS_PATTERNS, "sharded_mixed_float16"]
+        f"{name}@parameters" for name in [*PARAMETERS_SHARDED, *PARAMETERS_PATTERNS]
     ]
     done = side_by_side({"one": (1, {"names": [*PATTERNS, *SHARDED], "distributed": False}),
                          "data": (2, {"names": [*PATTERNS, *sharded], "distributed": True})}, tmp)  # fmt: skip

@@ -33,7 +33,7 @@ def pattern(fn):
 # Models that train sharded (tests/multiproc/test_sharded.py), apart from the guides' patterns; those that also
 # train with shard="parameters" (the others use what it refuses: constraints, mixed precision, accumulation, EMA).
 SHARDED: dict = {}
-PARAMETERS_SHARDED = ["sharded_gpt2_adam_clipnorm", "sharded_sgd_clipvalue_lr_callback"]
+PARAMETERS_SHARDED = ["sharded_gpt2_adam_clipnorm", "sharded_sgd_clipvalue_lr_callback", "sharded_mixed_float16"]
 # The guides' patterns also trained with shard="parameters".
 PARAMETERS_PATTERNS = ["embedding_adam", "fine_tuning", "evaluate_fit_twice_predict_set_weights"]
 

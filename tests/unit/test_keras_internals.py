@@ -3,6 +3,7 @@ clear errors, atomic saves, callbacks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -229,3 +230,30 @@ def test_rematerialization_runs_in_a_traced_step_and_recomputes_the_forward_pass
     finally:
         keras_internals.release_remat()
     assert core.remat is keras_own and keras_internals.active_patches() == []
+
+
+def test_a_rematerialized_layer_recomputes_in_the_forward_passes_compute_dtype():
+    # Under mixed_float16 the backward pass reran a RematScope layer outside its autocast scope, in float32, and
+    # TensorFlow refused float16 gradients against float32 activations; now it trains as without remat.
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 8)).astype("float32"), rng.integers(0, 3, 16)
+
+    def trained(remat: bool) -> list[np.ndarray]:
+        keras.utils.set_random_seed(1)
+        with keras.RematScope(mode="full") if remat else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(3, dtype="float32")])  # fmt: skip
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        return model.get_weights()
+
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras_internals.hold_remat()
+    try:
+        got, want = trained(remat=True), trained(remat=False)
+    finally:
+        keras_internals.release_remat()
+        keras.mixed_precision.set_global_policy(previous)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
