@@ -9,7 +9,8 @@ waits then name it), and once its workers ended posts how each ended, its last l
 that has not posted is connected), merges them into the job's verdict
 (:func:`rdkeras.launch_verdict.verdict`: the reports of every rank, :func:`rdkeras.reports.cause`) and posts it as
 ``verdict/final``; every launcher prints it and exits with its status. A launcher that gets no verdict from node 0's
-within ``FINAL_WAIT_S`` prints its own and says so.
+within ``FINAL_WAIT_S`` prints its own and says so. An elastic job (:mod:`rdkeras.launch_elastic`) shares its
+verdict the same way, through generation 0's store of node 0's agent, judged by the agent's outcome.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from rdkeras import cluster, jobtoken, options
@@ -34,16 +35,19 @@ GONE_S = 5.0  # ... but no longer than this for a node whose launcher is not con
 FINAL_WAIT_S = NODES_WAIT_S + 30.0  # another node's launcher, for node 0's verdict (node 0 waits NODES_WAIT_S)
 ACK_WAIT_S = 10.0  # node 0's launcher keeps the store up this long at most for the others to read the verdict
 TAIL_LINES = 20  # of each rank's last output, what travels to node 0 (the blamed rank's is shown)
+Judge = Callable[[list[RankResult]], tuple[int, list[str]]]  # every node's results -> (exit status, lines)
 
 
 class NodeVerdict:
     """This node's part in the job's verdict. `worker_env` is one of the job's worker environments (the job's key
-    and token settings); node 0's launcher starts the store here, another's connects to it in the background."""
+    and token settings); node 0's launcher starts the store here (or uses `server`, an elastic job's agent's),
+    another's connects to it in the background."""
 
     env: ClassVar[dict[str, str]] = {"RDKERAS_STORE": "launcher"}  # what the workers need: the store is the launcher's
 
-    def __init__(self, job: Job, worker_env: Mapping[str, str]):
+    def __init__(self, job: Job, worker_env: Mapping[str, str], server: StoreServer | None = None):
         self.job = job
+        self._borrowed = server is not None  # (closed by its owner)
         settings = options.from_env(worker_env)
         self._token = jobtoken.resolve(job.world_size, cluster.job_key(worker_env), settings)
         self._server: StoreServer | None = None
@@ -51,7 +55,9 @@ class NodeVerdict:
         self._connecting: threading.Thread | None = None
         self._why_not = ""  # why there is no connection to node 0's launcher
         host = "" if job.master_addr in ("0.0.0.0", "") else job.master_addr
-        if job.node_rank == 0:  # (before the workers start: they connect to it)
+        if server is not None:
+            self._server = server
+        elif job.node_rank == 0:  # (before the workers start: they connect to it)
             self._server = StoreServer(host, int(job.master_port or 0), self._token, job.world_size,
                                        settings.rendezvous_timeout)  # fmt: skip
         else:
@@ -77,11 +83,17 @@ class NodeVerdict:
         elif self._client is not None:
             self._client.abort(rank, reason)
 
-    def decide(self, results: list[RankResult]) -> tuple[int, list[str]]:
-        """The job's exit status and the lines every launcher prints (without the "rdkeras.launch: " prefix)."""
+    @property
+    def client(self) -> Store | None:
+        """This launcher's connection to node 0's (None on node 0, or while not connected)."""
+        return self._client
+
+    def decide(self, results: list[RankResult], judge: Judge = verdict) -> tuple[int, list[str]]:
+        """The job's exit status and the lines every launcher prints (without the "rdkeras.launch: " prefix):
+        node 0's launcher `judge`s every node's results."""
         mine = json.dumps({"node": self.job.node_rank, "results": [_encode(r) for r in results]}).encode()
         if self._server is not None:
-            return self._decide(mine)
+            return self._decide(mine, judge)
         assert self._connecting is not None
         self._connecting.join(timeout=ACK_WAIT_S)  # (the workers reached the store long before, or never did)
         if self._client is None:
@@ -95,11 +107,11 @@ class NodeVerdict:
                 return int(found["status"]), list(found["lines"])
             except (EngineError, OSError, ValueError, KeyError) as e:
                 why = str(e)
-        status, lines = verdict(results)
+        status, lines = judge(results)
         return status, [f"no verdict from node 0's launcher ({why}); this is node {self.job.node_rank}'s own, from "
                         "its workers alone", *lines]  # fmt: skip
 
-    def _decide(self, mine: bytes) -> tuple[int, list[str]]:
+    def _decide(self, mine: bytes, judge: Judge) -> tuple[int, list[str]]:
         assert self._server is not None
         server = self._server
         server.put("verdict/node-0", mine)
@@ -116,7 +128,7 @@ class NodeVerdict:
         for n in silent:  # (a rank the reports blame may be one of theirs)
             unseen = f"not known: node {n}'s launcher did not report"
             results += [RankResult(n * per + i, None, "", unseen=unseen) for i in range(per)]
-        status, lines = verdict(sorted(results, key=lambda r: r.rank))
+        status, lines = judge(sorted(results, key=lambda r: r.rank))
         if silent:
             nodes = ", ".join(map(str, silent))
             lines.append(f"node {nodes}'s launcher did not report (gone, or still waiting for its workers): this "
@@ -130,7 +142,7 @@ class NodeVerdict:
         return status, lines
 
     def close(self) -> None:
-        if self._server is not None:
+        if self._server is not None and not self._borrowed:
             self._server.close(arrivals=False)
         if self._client is not None:
             self._client.close()

@@ -45,6 +45,8 @@ JOINERS = "elastic/joiners"  # set by the agent in the current store while repla
 JOINING = "joining/"  # lobby: a replacement is there (its id)
 ADMIT = "admit/"  # lobby: the group it joins (the NEXT of that re-forming), or an error
 FIRST_STEP = "elastic/first-step"  # set by the new group's rank 0 after its first step (wall-clock time)
+EXITED = "elastic/exited/"  # generation 0's store: another node's launcher saw worker ID exit (its return code)
+ENDED = "elastic/ended"  # generation 0's store: the job ends (the error), for the other nodes' launchers
 # A failed member still connected this long after the failure is not dead: it stalled (or hung).
 STALL_GRACE_S = 1.0
 
@@ -120,6 +122,7 @@ class ElasticAgent:
         self._exited: dict[int, str] = {}  # worker id -> how it ended (the launcher's process watch)
         self._finished: set[int] = set()  # worker ids that exited 0
         self.store = StoreServer(self.host, self.port, self.token, self.world_size, self.arrival_timeout)
+        self.home = self.store  # generation 0's, on the job's port: the other nodes' launchers connect to it
         self._old: list[StoreServer] = []
         # Replacements: the lobby where they wait (ids N..N+K-1 as its ranks), those to start, those waiting.
         self.lobby = (StoreServer(self.host, 0, self.token, self.world_size + self.max_restarts)
@@ -170,7 +173,10 @@ class ElasticAgent:
         with self._lock:
             return all(w in self._finished for w in self.members)
 
-    def close(self) -> None:
+    def settle(self) -> None:
+        """Stops re-forming (the workers ended) and reports the replacements that never joined."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=10)
         for worker in self._joiners:  # the job ended before they could join
@@ -183,6 +189,9 @@ class ElasticAgent:
                     where = ("while it waited in the lobby for an epoch end" if worker in self._joiners
                              else f"before it reached the lobby ({after:.1f} s after its start)")  # fmt: skip
                     self._not_joining(worker, f"the job finished {where}")
+
+    def close(self) -> None:
+        self.settle()
         for store in [*self._old, self.store, *([self.lobby] if self.lobby else [])]:
             store.close(arrivals=False)  # (the workers ended: nobody is on the way)
 
@@ -219,6 +228,7 @@ class ElasticAgent:
 
     def _loop(self) -> None:
         while not self._stop.wait(0.01):
+            self._remote_exits()
             failure = self.store.failure
             if failure is not None and self.error is None:
                 try:
@@ -237,8 +247,17 @@ class ElasticAgent:
                         change.reason = "; ".join(sorted(set(how.values())))
                     logger.info(f"elastic: {change.line()}")
 
+    def _remote_exits(self) -> None:
+        """Bad exits another node's launcher saw (it posts them in generation 0's store) count as seen here."""
+        with self._lock:
+            unseen = [w for w in range(self.world_size) if w not in self._exited]
+        for worker in unseen:
+            if (code := self.home.value(f"{EXITED}{worker}")) is not None:
+                self.exited(worker, int(code))
+
     def _how_they_ended(self, workers: list[int], lost: dict[int, str]) -> dict[int, str]:
-        """Of `lost` (positions in `workers`), those whose exit the launcher saw, with how they ended."""
+        """Of `lost` (positions in `workers`), those whose exit a launcher saw, with how they ended."""
+        self._remote_exits()
         with self._lock:
             return {r: self._exited[workers[r]] for r in lost if workers[r] in self._exited}
 
@@ -246,6 +265,7 @@ class ElasticAgent:
         """Ends the job: every survivor raises `message`, and (where one worker is to blame, `blamed`) reports it to
         the launcher, which then waits no longer for its exit than for any worker that said why it stops."""
         self.error = message
+        self.home.put(ENDED, message.encode())
         self.store.put(
             NEXT, json.dumps({"error": message, **({"blamed": blamed} if blamed is not None else {})}).encode()
         )
@@ -282,6 +302,7 @@ class ElasticAgent:
         stall_check = time.monotonic() + STALL_GRACE_S
         lost: dict[int, str] = {}
         while True:
+            self._remote_exits()
             connected = store.connected()
             ready = {r for r in range(world) if store.value(f"{READY}{r}") is not None}
             with self._lock:
@@ -302,8 +323,10 @@ class ElasticAgent:
                 return
             alive = [r for r in range(world) if r not in lost and r not in finished]
             if len(alive) < self.min_workers:
-                time.sleep(0.1)  # the launcher's word on how they ended (a signal, an exit code) beats the store's
-                lost.update(self._how_they_ended(members, lost))
+                until = time.monotonic() + 1.0  # a launcher's word on how they ended (a signal, an exit code) beats
+                while len(how := self._how_they_ended(members, lost)) < len(lost) and time.monotonic() < until:
+                    time.sleep(0.02)  # the store's (another node's launcher posts it in generation 0's)
+                lost.update(how)
                 who = ", ".join(f"worker {members[r]} ({how})" for r, how in sorted(lost.items()))
                 self._fail(f"lost {who}: {len(alive)} left, fewer than --min-workers {self.min_workers}",
                            members[min(lost)] if lost else None)  # fmt: skip

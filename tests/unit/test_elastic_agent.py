@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from rdkeras.elastic import ElasticError, ElasticGroup
-from rdkeras.elastic.agent import NEXT, READY, ElasticAgent
+from rdkeras.elastic.agent import ENDED, EXITED, NEXT, READY, ElasticAgent
 from rdkeras.launch import free_port
-from rdkeras.rendezvous import Store
+from rdkeras.rendezvous import LAUNCHER, Store
 
 TOKEN = secrets.token_bytes(16)
 HEX = secrets.token_hex(16).encode()  # (a replacement is handed the token in its environment)
@@ -77,6 +77,24 @@ def test_fewer_survivors_than_min_workers_end_the_job_naming_the_lost():
         assert "lost worker 1 (killed by signal 9): 2 left, fewer than --min-workers 3" in str(agent.error)
     finally:
         for s in (stores[0], stores[2]):
+            s.close()
+        agent.close()
+
+
+def test_another_nodes_launcher_posts_how_its_worker_ended_and_learns_that_the_job_ended():
+    """What launch_elastic's follower does: the agent names the cause it posted, not the dropped connection."""
+    agent, stores = _job(3, 3)
+    other = Store(LAUNCHER, 3, "127.0.0.1", agent.store.port, TOKEN, 10.0, serve=False)
+    try:
+        assert other.peek(ENDED) is None
+        _vanish(stores[2])
+        other.set(f"{EXITED}2", b"-9")
+        answers = _ready_and_wait({0: stores[0], 1: stores[1]}, {0: 4, 1: 4})
+        assert answers[0]["blamed"] == 2
+        assert "lost worker 2 (killed by signal 9): 2 left, fewer than --min-workers 3" in str(agent.error)
+        assert other.peek(ENDED) == str(agent.error).encode()
+    finally:
+        for s in (other, stores[0], stores[1]):
             s.close()
         agent.close()
 
