@@ -69,7 +69,8 @@ def test_a_sender_keeps_its_channel_until_the_last_release_landed(transport):
         assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"
 
 
-@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.extended)])
+@pytest.mark.extended  # (11 s; the default run is at its 10-minute budget)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_ring_keeps_its_block_until_the_last_ack_landed(transport):
     for r in run_ranks("ring_then_teardown", 3, transport=transport, rings=150):
         assert r.value["errors"] == [], f"rank {r.rank}: {r.value['errors'][:3]}"

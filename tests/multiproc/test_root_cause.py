@@ -126,7 +126,7 @@ def _verdict_problems(err: str, stalled: int, seconds: float) -> list[str]:
 @pytest.mark.parametrize(
     ("command", "stalled"),
     [
-        pytest.param(SLOW_EXIT, 0, id="ring-0-slow-exit"),
+        pytest.param(SLOW_EXIT, 0, id="ring-0-slow-exit", marks=pytest.mark.extended),  # (test_hang_launches: default)
         pytest.param(KERAS_FIT, 1, id="keras-1", marks=pytest.mark.extended),
         pytest.param(RING, 2, id="ring-2", marks=pytest.mark.slow),
     ],

@@ -23,6 +23,7 @@ def _launch(runs: dict) -> dict:
         return {key: [r.value for r in future.result()] for key, future in futures.items()}
 
 
+@pytest.mark.extended  # (24 s; the default run is at its 10-minute budget)
 def test_four_workers_checkpoint_resumes_anywhere_as_one_process_would_go_on(tmp_path):
     folder = str(tmp_path / "checkpoint")
     first = _launch({"reference": (1, {"directory": folder, "epochs": 2, "shard": None}),
