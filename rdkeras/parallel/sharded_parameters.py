@@ -116,7 +116,7 @@ class ShardedParameters:
         self._copy: Any = None
         self._whole = False
         self._rows = GradientAllreduce(collectives)
-        self._ticket: list[Any] = []  # the last gather's or scatter's ticket (:meth:`_in_line`)
+        self._ticket: Any = None  # the last gather's or scatter's ticket (:meth:`_in_line`)
         keras_internals.build_without_slots(optimizer)
 
     @property
@@ -245,14 +245,15 @@ class ShardedParameters:
         with tf.control_dependencies([t for t in after if getattr(t, "graph", None) is graph]):
             out, ticket = tf.numpy_function(run, [values, *self._previous_ticket()], [values.dtype, tf.int32],
                                             stateful=True, name=name)  # fmt: skip
-        self._ticket[:] = [ticket]
+        self._ticket = ticket
         return out
 
     def _previous_ticket(self) -> list[Any]:
         """The last :meth:`_in_line` op's ticket, if it was made in the current graph."""
         import tensorflow as tf
 
-        return [t for t in self._ticket if t.graph is tf.compat.v1.get_default_graph()]
+        here = self._ticket is not None and self._ticket.graph is tf.compat.v1.get_default_graph()
+        return [self._ticket] if here else []
 
     # -- a step -----------------------------------------------------------------------------------
 

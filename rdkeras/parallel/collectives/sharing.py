@@ -19,10 +19,13 @@ def share_variables(collectives: Collectives, variables: Sequence[Any], owners: 
     # that size, not the whole model's twice over (the groups depend on shapes only: alike on every member).
     sizes = [int(np.prod(v.shape)) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize for v in variables]
     groups: list[list[int]] = [[]]
+    held = 0
     for i, size in enumerate(sizes):
-        if groups[-1] and sum(sizes[j] for j in groups[-1]) + size > CHUNK_BYTES:
+        if groups[-1] and held + size > CHUNK_BYTES:
             groups.append([])
+            held = 0
         groups[-1].append(i)
+        held += size
     large = sum(sizes) > KEPT_BYTES
     for group in groups:
         values = collectives.from_owners([np.asarray(variables[j].numpy()) for j in group],
