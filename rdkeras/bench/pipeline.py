@@ -94,7 +94,7 @@ def _compute(model: Any, rows: int, micro: int, repeats: int = 7) -> float:
     import keras
     import tensorflow as tf
 
-    from rdkeras.graph import costs
+    from rdkeras.pipeline.cut import timing
 
     feed = tf.constant(np.random.default_rng(1).random((rows, *model.inputs[0].shape[1:]), dtype=np.float32))
 
@@ -108,7 +108,7 @@ def _compute(model: Any, rows: int, micro: int, repeats: int = 7) -> float:
             total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
         return total
 
-    return costs.median_seconds(passes, [feed], repeats)
+    return timing.median_seconds(passes, [feed], repeats)
 
 
 def alone_rank(model: str, batch: int, steps: int, warmup: int, micro_batches: list[int]) -> dict:
@@ -158,7 +158,8 @@ def stage_rank(
     timed = timed_fit(m, x, y, batch, warmup, strategy.engine)
     plan = strategy.plan
     assert plan is not None
-    from rdkeras.graph import build_stage, costs
+    from rdkeras.pipeline import build_stage
+    from rdkeras.pipeline.cut import timing
 
     # This worker's layers as a model (the same layers, not copies); where layers alternate, each micro-batch
     # plan's, run for as many micro-batches as follow it.
@@ -170,7 +171,7 @@ def stage_rank(
             for p in {id(p): p for p in uses}.values():
                 stage = build_stage(graph, p, rank)
                 if stage.model is not None:
-                    passes, deferred = costs.stage_compute(stage, batch // micro, sum(q is p for q in uses))
+                    passes, deferred = timing.stage_compute(stage, batch // micro, sum(q is p for q in uses))
                     compute, tail = compute + passes + deferred, tail + deferred
         strategy.engine.barrier(f"compute {turn}")
     strategy.close()

@@ -1,10 +1,10 @@
 """Model (pipeline) parallelism, and hybrid: R replicas of a K-stage pipeline.
 
 Every worker builds the user's whole model (cheap) but trains only its stage:
-the layers the placement gives it (:mod:`rdkeras.graph`), one
-:class:`~rdkeras.parallel.pipeline.Pipeline` (stage and channels) per plan; the
-schedule is :mod:`rdkeras.parallel.schedule`, the per-step data
-:mod:`rdkeras.parallel.feeds`.
+the layers the placement gives it (:mod:`rdkeras.pipeline`), one
+:class:`~rdkeras.pipeline.stages.Pipeline` (stage and channels) per plan; the
+schedule is :mod:`rdkeras.pipeline.schedule`, the per-step data
+:mod:`rdkeras.pipeline.feeds`.
 The reader (stage 0 of each replica) uses the data and sends each other stage
 the model inputs it consumes and the loss worker the labels, directly. Loss,
 metrics and the progress bar live on the loss worker; epoch logs are shared
@@ -27,14 +27,13 @@ import numpy as np
 from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
-from rdkeras.graph import Plan, analyze, assign_layers, deferrable
-from rdkeras.parallel import schedule
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
-from rdkeras.parallel.feeds import data_specs
-from rdkeras.parallel.partition import ALTERNATION_GAIN, Partition, balanced_cut
-from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
+from rdkeras.pipeline import Plan, analyze, assign_layers, deferrable, schedule
+from rdkeras.pipeline.cut.partition import ALTERNATION_GAIN, Partition, balanced_cut
+from rdkeras.pipeline.feeds import data_specs
+from rdkeras.pipeline.stages import Pipeline
 
 
 class ModelParallel(Parallelism):
@@ -44,16 +43,16 @@ class ModelParallel(Parallelism):
         engine: The job's engine.
         placement: layer-name glob -> stage index (0..stages-1); None: cut the model into `stages` stages
             balanced by its layers' costs, measured on a dry run when it is attached
-            (:mod:`rdkeras.parallel.partition`).
+            (:mod:`rdkeras.pipeline.cut.partition`).
         stages: workers per pipeline (K); the job runs world_size / K replicas (default: all workers).
         micro_batches: M; each batch is split into M equal micro-batches.
         schedule: "1f1b" or "gpipe": the order of each stage's forward and backward passes
-            (:mod:`rdkeras.parallel.schedule`).
+            (:mod:`rdkeras.pipeline.schedule`).
         defer_weight_gradients: with micro-batches, plain Dense and convolution layers' weight gradients are
-            computed once a step over the whole batch (:func:`rdkeras.graph.deferrable`).
+            computed once a step over the whole batch (:func:`rdkeras.pipeline.deferrable`).
         alternate_layers: the automatic cut may let a layer alternate between two stages by micro-batch.
         split_layers: the automatic cut may split a layer between two stages by the rows of each micro-batch
-            (:mod:`rdkeras.graph.split`).
+            (:mod:`rdkeras.pipeline.cut.split`).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -143,7 +142,8 @@ class ModelParallel(Parallelism):
         between stages (with `split_layers`, be split by rows), the cut is then timed stage by stage as whole
         sub-models, and so is the best cut sharing a layer that the layers' times (scaled to their stages')
         predict: the faster by ``ALTERNATION_GAIN`` is kept."""
-        from rdkeras.graph import costs, split
+        from rdkeras.pipeline.cut import split
+        from rdkeras.pipeline.cut import timing as costs
 
         rows = rows or costs.DRY_RUN_ROWS
         self._cut_rows = rows
@@ -187,7 +187,7 @@ class ModelParallel(Parallelism):
         """Per stage of `cut`: its whole sub-model's forward and backward per micro-batch, measured (with an
         alternating layer, each plan's for half the micro-batches; with a layer split by rows, the split
         model's); rank 0's."""
-        from rdkeras.graph import costs
+        from rdkeras.pipeline.cut import timing as costs
 
         half = max(1, self.micro_batches // 2)
         graph, plans = model, [cut.stage_of()]
@@ -204,8 +204,8 @@ class ModelParallel(Parallelism):
         return self._rank0_seconds(model, "the stages", self.stages, measure)
 
     def _split_model(self, model: Any, cut: Partition) -> Any:
-        """`model` with the layers `cut` splits by rows split (:func:`rdkeras.graph.split.split_model`)."""
-        from rdkeras.graph.split import split_model
+        """`model` with the layers `cut` splits by rows split (:func:`rdkeras.pipeline.cut.split.split_model`)."""
+        from rdkeras.pipeline.cut.split import split_model
 
         key = tuple(sorted(cut.split_layers.items()))
         if key not in self._split_models:

@@ -14,7 +14,7 @@ from typing import Any
 
 PARALLELISMS = ("data", "model", "hybrid")  # (and "pipeline", another name for "model")
 MODES = ("allreduce", "ps")  # the data-parallel gradient exchange
-SCHEDULES = ("1f1b", "gpipe")  # the pipeline's order of forward and backward passes (rdkeras.parallel.schedule)
+SCHEDULES = ("1f1b", "gpipe")  # the pipeline's order of forward and backward passes (rdkeras.pipeline.schedule)
 ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")  # the allreduce (rdkeras.parallel.collectives)
 COMPRESSIONS = (None, "fp16", "bf16")
 SHARDS = (

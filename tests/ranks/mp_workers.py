@@ -123,16 +123,16 @@ def _fixed_times(layer_ms: dict) -> None:
     (a loaded machine's measurements once tipped a cut the test is not about)."""
     import dataclasses
 
-    from rdkeras.graph import costs
     from rdkeras.parallel import model_parallel
+    from rdkeras.pipeline.cut import timing
 
-    measure = costs.measure
+    measure = timing.measure
 
-    def given(model, rows=costs.DRY_RUN_ROWS, repeats=5):
+    def given(model, rows=timing.DRY_RUN_ROWS, repeats=5):
         found = measure(model, rows, repeats=1)
         return dataclasses.replace(found, seconds=[layer_ms[name] * 1e-3 for name in found.names])
 
-    costs.measure = given
+    timing.measure = given
     model_parallel.ModelParallel._stage_seconds = lambda self, model, cut, rows: list(cut.compute)
 
 

@@ -18,7 +18,7 @@ MAX_LONG_FILES = 4
 LONG_FILES = {
     "rdkeras/keras_internals.py": "the seam: every private Keras name in one module, by the house rule",
     "rdkeras/parallel/data_parallel.py": "to split: elastic membership moves to one collaborator (issue 47)",
-    "rdkeras/graph/analyzer.py": "to split: the pipeline planner moves to rdkeras/pipeline/ (issue 47)",
+    "rdkeras/pipeline/planner.py": "to split: the plan apart from the planner, frozen (issue 47)",
     "rdkeras/parallel/model_parallel.py": "to split: orchestration only, the plan to rdkeras/pipeline/ (issue 47)",
 }
 CHANGELOG_WIDTH = 160

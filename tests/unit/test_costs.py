@@ -6,7 +6,8 @@ import keras
 import pytest
 
 from rdkeras import keras_internals
-from rdkeras.graph import analyze, build_stage, costs, deferrable
+from rdkeras.pipeline import analyze, build_stage, deferrable
+from rdkeras.pipeline.cut import timing
 
 
 def _convnet():
@@ -38,9 +39,9 @@ def test_a_stage_is_timed_as_its_passes_and_its_tail(whole_batch_gradients):
     plan = analyze(model, placement, 2, batch_size=16, micro_batches=4)
     plan.deferred, plan.deferred_bytes = deferrable(model, plan)
     assert plan.deferred == {0: ["conv1"], 1: ["conv2", "out"]}
-    passes, tail = costs.stage_compute(build_stage(model, plan, 1), rows=4, micro_batches=4, repeats=1)
+    passes, tail = timing.stage_compute(build_stage(model, plan, 1), rows=4, micro_batches=4, repeats=1)
     assert passes > 0 and tail > 0
     assert sorted(set(whole_batch_gradients)) == [("conv2", 16), ("out", 16)]  # once, over the 4 micro-batches
     plan.deferred = {}
-    passes, tail = costs.stage_compute(build_stage(model, plan, 1), rows=4, micro_batches=4, repeats=1)
+    passes, tail = timing.stage_compute(build_stage(model, plan, 1), rows=4, micro_batches=4, repeats=1)
     assert passes > 0 and tail == 0.0

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from rdkeras import keras_internals
-from rdkeras.graph import analyze, build_stage, deferrable
+from rdkeras.pipeline import analyze, build_stage, deferrable
 
 
 def _model():
@@ -73,7 +73,7 @@ def test_the_tapped_stage_names_each_deferred_layers_input_and_output_once():
 
 
 def test_a_layer_split_by_rows_defers_on_both_stages_over_its_rows_there():
-    from rdkeras.graph.split import split_model
+    from rdkeras.pipeline.cut.split import split_model
 
     x = keras.Input((12,), name="x")
     h = keras.layers.Dense(16, name="widen")(x)

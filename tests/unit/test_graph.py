@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from rdkeras.graph import analyze, assign_layers, build_stage
+from rdkeras.pipeline import analyze, assign_layers, build_stage
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_subclassed_models_cannot_be_cut():
 
 
 def test_a_layer_split_by_rows_computes_what_the_model_does():
-    from rdkeras.graph.split import split_model, splittable
+    from rdkeras.pipeline.cut.split import split_model, splittable
 
     x = keras.Input((8, 8, 3), name="image")
     h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(x)

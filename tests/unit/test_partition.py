@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rdkeras.parallel import check_settings
-from rdkeras.parallel.partition import balanced_cut, evaluate_cut
+from rdkeras.pipeline.cut.partition import balanced_cut, evaluate_cut
 
 NAMES = ["a", "b", "c", "d", "e", "f"]
 

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from rdkeras.parallel import check_settings
-from rdkeras.parallel.feeds import full_batch_rows
-from rdkeras.parallel.schedule import most_stashed, passes_in_order
+from rdkeras.pipeline.feeds import full_batch_rows
+from rdkeras.pipeline.schedule import most_stashed, passes_in_order
 
 
 @pytest.mark.parametrize("group", [1, 2])

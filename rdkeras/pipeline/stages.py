@@ -1,10 +1,10 @@
 """One pipeline plan made real on this worker: its stage of the model and its channels.
 
-A plan (:mod:`rdkeras.graph`) depends on the batch's rows, the micro-batches and
+A plan (:mod:`rdkeras.pipeline`) depends on the batch's rows, the micro-batches and
 the labels' shapes, so model parallelism keeps one :class:`Pipeline` per plan and
 makes one current for each of train, eval and predict; the schedule
-(:mod:`rdkeras.parallel.schedule`) runs a step of it. Where the automatic cut
-alternates a layer between two stages (:mod:`rdkeras.parallel.partition`), the
+(:mod:`rdkeras.pipeline.schedule`) runs a step of it. Where the automatic cut
+alternates a layer between two stages (:mod:`rdkeras.pipeline.cut.partition`), the
 micro-batches follow two (or more) plans, and a Pipeline holds this worker's
 stage of each: they share the layers, so they share the weights.
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 from rdkeras.channels import DynamicChannel, StaticChannel
 from rdkeras.engine import Engine
-from rdkeras.graph import Plan, Stage, build_stage
 from rdkeras.keras_internals import functional_of
+from rdkeras.pipeline import Plan, Stage, build_stage
 
 
 class Pipeline:
@@ -27,7 +27,7 @@ class Pipeline:
     Args:
         engine: The job's engine.
         model: The user's whole model (every worker builds it; this one trains `stage`), or the split model over
-            its layers (:mod:`rdkeras.graph.split`) that `plan` places.
+            its layers (:mod:`rdkeras.pipeline.cut.split`) that `plan` places.
         plan: The plan (batch rows, micro-batches, cut edges).
         stage: This worker's stage index.
         replica: This worker's pipeline replica (hybrid parallelism; 0 for one pipeline).

@@ -1,6 +1,6 @@
 """Row splits: one layer's rows of every micro-batch shared between two pipeline stages.
 
-Cuts between layers balance only as finely as the layers are (:mod:`rdkeras.parallel.partition`). A layer
+Cuts between layers balance only as finely as the layers are (:mod:`rdkeras.pipeline.cut.partition`). A layer
 that computes each row of its batch on its own (a convolution, a Dense layer) splits finer: of each
 micro-batch's n rows, the stage before the cut runs it for the first n - k, the stage after for the last k.
 The *split model* puts three layers of rdkeras's around the layer L:
@@ -34,12 +34,12 @@ def kept_rows(rows: int, moved: int, of: int) -> int:
 
 def splittable(model: Any, names: list[str]) -> list[bool]:
     """Per layer of `names`: whether its rows may be split between two stages. It must be able to alternate
-    (:func:`rdkeras.graph.costs.alternable`: called once, no state beside its trainable weights, no model output)
-    and its output row i must depend on its input row i alone: a convolution or Dense layer (a layer of another
+    (:func:`rdkeras.pipeline.cut.timing.alternable`: called once, no state beside its trainable weights, no model
+    output) and its output row i must depend on its input row i alone: a convolution or Dense layer (a layer of another
     kind may mix rows, as a normalisation over the batch does) with one input and one output."""
     import keras
 
-    from rdkeras.graph.costs import alternable
+    from rdkeras.pipeline.cut.timing import alternable
 
     kinds = (
         keras.layers.Conv1D,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdkeras.graph.analyzer import READER, Edge, Plan
-from rdkeras.graph.split import part_rows, rows_of_part, weights_layer
 from rdkeras.keras_internals import defers_weight_gradients, functional_of, nodes_in_order, producer_of
+from rdkeras.pipeline.cut.split import part_rows, rows_of_part, weights_layer
+from rdkeras.pipeline.planner import READER, Edge, Plan
 
 
 @dataclass

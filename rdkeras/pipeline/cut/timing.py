@@ -26,7 +26,7 @@ UNKNOWN_DIM = 16  # a dimension only known at run time (a sequence length), for 
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """The inputs of :func:`rdkeras.parallel.partition.balanced_cut` for one model."""
+    """The inputs of :func:`rdkeras.pipeline.cut.partition.balanced_cut` for one model."""
 
     names: list[str]  # layers in a topological order (each once, at its first call)
     seconds: list[float]  # per layer: median forward+backward seconds
@@ -96,7 +96,7 @@ def _order(model: Any, rows: int) -> tuple[list[str], list[int | None], Any]:
 
 def alternable(model: Any, names: list[str]) -> list[int | None]:
     """Per layer of `names`: the bytes of its trainable weights where it may alternate between two pipeline
-    stages by micro-batch (:mod:`rdkeras.parallel.partition`), else None. It may where running it on either
+    stages by micro-batch (:mod:`rdkeras.pipeline.cut.partition`), else None. It may where running it on either
     stage changes nothing but where it runs: it is called once, keeps no state beside its trainable weights
     (no moving statistics, no random seed: two copies would drift apart) and computes no model output (the loss
     stage owns those)."""
@@ -143,8 +143,8 @@ def stage_seconds(
     that may compute their weight gradients once a step do). Layers timed alone miss what a stage's sequence of
     them costs on a CPU (caches, the small ops between them): this is what the automatic cut scales their times
     to."""
-    from rdkeras.graph.analyzer import analyze
-    from rdkeras.graph.rewriter import build_stage, deferrable
+    from rdkeras.pipeline.planner import analyze
+    from rdkeras.pipeline.rewriter import build_stage, deferrable
 
     plan = analyze(model, placement, stages, rows * micro_batches, micro_batches)
     if defer and micro_batches > 1:
@@ -162,13 +162,13 @@ def stage_seconds(
 
 
 def stage_compute(stage: Any, rows: int, micro_batches: int, repeats: int = 5) -> tuple[float, float]:
-    """Seconds of a :class:`~rdkeras.graph.Stage`'s compute in a training step, alone, as the step runs it
-    (:mod:`rdkeras.graph.passes`), medians of `repeats`: (its `micro_batches` forward and backward passes of
+    """Seconds of a :class:`~rdkeras.pipeline.Stage`'s compute in a training step, alone, as the step runs it
+    (:mod:`rdkeras.pipeline.passes`), medians of `repeats`: (its `micro_batches` forward and backward passes of
     `rows` rows, gradients of what it receives included; the deferred layers' weight gradients once over every
     micro-batch's rows, 0.0 where none waits)."""
     import tensorflow as tf
 
-    from rdkeras.graph import passes
+    from rdkeras.pipeline import passes
 
     rng = np.random.default_rng(0)
     feed = []

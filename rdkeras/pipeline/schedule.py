@@ -16,7 +16,7 @@ after it, itself included -- the same gradients, summed in another order.
 Every transfer of a step is issued here (the reader's data, activations, gradients,
 predictions), each chained after the previous one by control dependencies, in an
 order each worker derives from the same plan, so the blocking receives cannot deadlock.
-The step's state comes in as arguments: the :class:`~rdkeras.parallel.pipeline.Pipeline`
+The step's state comes in as arguments: the :class:`~rdkeras.pipeline.stages.Pipeline`
 made current for this data, never looked up through the model.
 """
 
@@ -27,13 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rdkeras import keras_internals
-from rdkeras.graph import Stage
-from rdkeras.graph.passes import deferred_weight_gradients, pass_gradients, run_stage_model
 from rdkeras.ops import rdma_recv, rdma_recv_all, rdma_send, rdma_send_all
 from rdkeras.parallel import SCHEDULES
-from rdkeras.parallel.feeds import Feeds
-from rdkeras.parallel.pipeline import Pipeline
 from rdkeras.parallel.sharding import unpack
+from rdkeras.pipeline import Stage
+from rdkeras.pipeline.feeds import Feeds
+from rdkeras.pipeline.passes import deferred_weight_gradients, pass_gradients, run_stage_model
+from rdkeras.pipeline.stages import Pipeline
 
 
 def passes_in_order(

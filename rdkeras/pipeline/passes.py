@@ -1,6 +1,6 @@
 """A pipeline stage's compute, without its transfers: one micro-batch's forward and backward pass, and the
-weight gradients of the layers that wait for the step's end. :mod:`rdkeras.parallel.schedule` runs them between
-its sends and receives; :mod:`rdkeras.graph.costs` times them as the step runs them."""
+weight gradients of the layers that wait for the step's end. :mod:`rdkeras.pipeline.schedule` runs them between
+its sends and receives; :mod:`rdkeras.pipeline.cut.timing` times them as the step runs them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rdkeras import keras_internals
-from rdkeras.graph.rewriter import Stage
+from rdkeras.pipeline.rewriter import Stage
 
 
 def run_stage_model(stage: Stage, inputs: list[Any], training: bool) -> tuple[list[Any], list[Any]]:

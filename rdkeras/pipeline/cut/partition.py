@@ -7,7 +7,7 @@ consumed after it, skip connections included; ``None`` where no cut may go, e.g.
 inside a layer used twice). A stage's time is its compute plus the transfers at
 its two cuts; the cut minimising the slowest stage is found by a dynamic
 programme over the order, as PipeDream's planner does for a chain -- O(S * L^2).
-:mod:`rdkeras.graph.costs` measures the inputs for a Keras model.
+:mod:`rdkeras.pipeline.cut.timing` measures the inputs for a Keras model.
 
 Cuts between layers balance only as finely as the layers are: one expensive layer at
 the balance point leaves a stage up to half its cost slower than the other. Where the
@@ -16,7 +16,7 @@ the layer just before a cut may **alternate**: the stage after the cut runs it f
 odd micro-batches (:meth:`Partition.moved`), the stage before for the even ones (both
 hold its weights; their partial gradients are summed between them at the step's end,
 so both apply the same update), and each stage is charged half of it. Half, because
-1F1B then runs in pairs of micro-batches (:func:`rdkeras.parallel.schedule.passes_in_order`):
+1F1B then runs in pairs of micro-batches (:func:`rdkeras.pipeline.schedule.passes_in_order`):
 each pair holds one turn of the layer on each stage, so neither waits on the other's
 turn -- alternating one micro-batch at a time, the two stages would pay the layer by
 turns and gain nothing. After the programme, each cut in turn tries every position
@@ -25,7 +25,7 @@ search for more); :func:`balanced_cut` keeps the alternation only where it makes
 slowest stage ``ALTERNATION_GAIN`` faster than the best cut between layers.
 
 A layer that computes each row on its own may instead be **split by rows**
-(:mod:`rdkeras.graph.split`): the stage after the cut runs it for k of every n rows of each
+(:mod:`rdkeras.pipeline.cut.split`): the stage after the cut runs it for k of every n rows of each
 micro-batch, the stage before for the rest, so every micro-batch is balanced and 1F1B needs
 no pairs. The same search prices it, k among 0..n-1 of the micro-batch's n rows.
 """
@@ -58,7 +58,7 @@ class Partition:
     shares: tuple[int, ...] = ()
     micro_batches: int = 1
     # Per cut (S - 1; empty: none is split): of each micro-batch's `rows`, how many the stage after it runs the
-    # layer just before it for (:mod:`rdkeras.graph.split`; 0: none).
+    # layer just before it for (:mod:`rdkeras.pipeline.cut.split`; 0: none).
     splits: tuple[int, ...] = ()
     trial: str = ""  # how a cut sharing a layer measured against this one's, where one was tried
 
@@ -109,9 +109,9 @@ class Partition:
         return {self.names[self.cuts[c] - 1]: (k, self.rows) for c, k in enumerate(self.splits) if k}
 
     def split_placement(self) -> dict[str, int]:
-        """The placement of the split model (:func:`rdkeras.graph.split.split_model` of :attr:`split_layers`):
+        """The placement of the split model (:func:`rdkeras.pipeline.cut.split.split_model` of :attr:`split_layers`):
         a split layer and its rows' layer on the stage before its cut, its twin and join on the one after."""
-        from rdkeras.graph.split import JOIN, ROWS, TWIN
+        from rdkeras.pipeline.cut.split import JOIN, ROWS, TWIN
 
         placement = self.stage_of()
         for name, (first, second) in self.alternates.items():
@@ -189,7 +189,7 @@ def balanced_cut(
         micro_batches: M, the micro-batches an alternating layer's are shared out of (odd: none alternates).
         alternation_gain: how much faster (a share) alternating must make the slowest stage to be chosen.
         split_rows: where >= 2, the `alternable` layer at a cut is split by the rows of each micro-batch (these
-            many: :mod:`rdkeras.graph.split`) instead of alternating by micro-batch.
+            many: :mod:`rdkeras.pipeline.cut.split`) instead of alternating by micro-batch.
     """
     n = len(names)
     _check(names, costs, cut_bytes, stages, seconds_per_byte)

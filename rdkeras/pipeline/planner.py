@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras.graph.split import part_rows, rows_of_part
 from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
+from rdkeras.pipeline.cut.split import part_rows, rows_of_part
 
 READER = 0
 
@@ -90,7 +90,7 @@ class Plan:
     batch_size: int | None
     micro_batches: int = 1
     replicas: int = 1  # hybrid: copies of this pipeline, data-parallel among them
-    partition: Any = None  # the automatic cut (rdkeras.parallel.partition.Partition) that made layer_stage
+    partition: Any = None  # the automatic cut (rdkeras.pipeline.cut.partition.Partition) that made layer_stage
     # Per stage: bytes of the activations one micro-batch's forward pass produces (what its backward needs
     # kept: the layers' outputs), when the batch is known.
     activation_bytes: dict[int, int] = field(default_factory=dict)
@@ -103,7 +103,7 @@ class Plan:
     # Where the automatic cut alternates layers between stages: each micro-batch's plan (this one, or one that
     # differs in those layers' stages and the edges around them); empty: this plan for every micro-batch.
     micro_plans: list[Plan] = field(default_factory=list, repr=False, compare=False)
-    # The model this plan places: the user's, or a split model over its layers (rdkeras.graph.split).
+    # The model this plan places: the user's, or a split model over its layers (rdkeras.pipeline.cut.split).
     model: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -345,7 +345,7 @@ def analyze(
     loss_stage = max((s for s in output_stages if s is not None), key=order.index, default=READER)
 
     edges: list[Edge] = []
-    parts = part_rows(model)  # (a split model's: rdkeras.graph.split)
+    parts = part_rows(model)  # (a split model's: rdkeras.pipeline.cut.split)
 
     def add(
         name: str,

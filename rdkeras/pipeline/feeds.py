@@ -1,6 +1,6 @@
 """What one pipeline step feeds each stage: the reader's slices, the labels, the loss and metrics.
 
-Data only: the schedule (:mod:`rdkeras.parallel.schedule`) issues every transfer.
+Data only: the schedule (:mod:`rdkeras.pipeline.schedule`) issues every transfer.
 
 The reader (stage 0 of a replica) uses the batch Keras hands it: model inputs
 consumed elsewhere go straight to their consumers, labels and sample weights
