@@ -202,15 +202,10 @@ class RDMAStrategy(CustomLoops, ModelState):
                 assert pipeline is not None  # (as data above)
                 self._parallel = ModelParallel(
                     engine,
-                    pipeline.layout,  # None: ModelParallel measures the layers and cuts them when the model arrives
+                    pipeline,  # no placement: ModelParallel measures the layers and cuts them when the model arrives
                     pipeline.stages if parallelism == "model" else options.stages,
-                    pipeline.micro_batches,
                     options.bucket_bytes,
                     options.global_batch,
-                    schedule=pipeline.schedule,
-                    defer_weight_gradients=pipeline.defer_weight_gradients,
-                    alternate_layers=pipeline.alternate_layers,
-                    split_layers=pipeline.split_layers,
                 )
         except BaseException:
             engine.close()

@@ -5,6 +5,7 @@ the layers the placement gives it (:mod:`rdkeras.pipeline`), one
 :class:`~rdkeras.pipeline.stages.Pipeline` (stage and channels) per plan; the
 schedule is :mod:`rdkeras.pipeline.schedule`, the per-step data
 :mod:`rdkeras.pipeline.feeds`.
+This module orchestrates: the plans, their stages and the schedule are :mod:`rdkeras.pipeline`'s.
 The reader (stage 0 of each replica) uses the data and sends each other stage
 the model inputs it consumes and the loss worker the labels, directly. Loss,
 metrics and the progress bar live on the loss worker; epoch logs are shared
@@ -17,7 +18,6 @@ data-parallel way and average each stage's gradients over its replicas.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +29,13 @@ from rdkeras._log import logger
 from rdkeras.engine import Engine
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
+from rdkeras.parallel.options import PipelineOptions
 from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, unpack
-from rdkeras.pipeline import Plan, analyze, assign_layers, deferrable, schedule
-from rdkeras.pipeline.cut.partition import ALTERNATION_GAIN, Partition, balanced_cut
+from rdkeras.pipeline import PipelinePlan, analyze, assign_layers, make_plan, schedule
+from rdkeras.pipeline.cut.automatic import AutoCut
+from rdkeras.pipeline.cut.partition import Partition
 from rdkeras.pipeline.feeds import data_specs
+from rdkeras.pipeline.planner import micro_rows
 from rdkeras.pipeline.stages import Pipeline
 
 
@@ -41,18 +44,12 @@ class ModelParallel(Parallelism):
 
     Args:
         engine: The job's engine.
-        placement: layer-name glob -> stage index (0..stages-1); None: cut the model into `stages` stages
-            balanced by its layers' costs, measured on a dry run when it is attached
-            (:mod:`rdkeras.pipeline.cut.partition`).
+        options: The pipeline's (frozen, checked) options: its placement (layer-name glob -> stage index; None or
+            "auto": cut the model into `stages` stages balanced by its layers' costs, measured on a dry run when
+            it is attached, :mod:`rdkeras.pipeline.cut`), micro-batches, schedule
+            (:mod:`rdkeras.pipeline.schedule`), deferred weight gradients (:mod:`rdkeras.pipeline.deferred`) and
+            layers shared at a cut, alternating or split by rows (:mod:`rdkeras.pipeline.cut.split`).
         stages: workers per pipeline (K); the job runs world_size / K replicas (default: all workers).
-        micro_batches: M; each batch is split into M equal micro-batches.
-        schedule: "1f1b" or "gpipe": the order of each stage's forward and backward passes
-            (:mod:`rdkeras.pipeline.schedule`).
-        defer_weight_gradients: with micro-batches, plain Dense and convolution layers' weight gradients are
-            computed once a step over the whole batch (:func:`rdkeras.pipeline.deferrable`).
-        alternate_layers: the automatic cut may let a layer alternate between two stages by micro-batch.
-        split_layers: the automatic cut may split a layer between two stages by the rows of each micro-batch
-            (:mod:`rdkeras.pipeline.cut.split`).
         bucket_bytes: Bytes the ring moves per pass.
         global_batch: Whether ``batch_size`` is the global batch (split over replicas; default) or
             per replica.
@@ -61,34 +58,24 @@ class ModelParallel(Parallelism):
     def __init__(
         self,
         engine: Engine,
-        placement: dict[str, int] | None,
+        options: PipelineOptions,
         stages: int | None = None,
-        micro_batches: int = 1,
         bucket_bytes: int = 64 << 20,
         global_batch: bool = True,
-        schedule: str = "1f1b",
-        defer_weight_gradients: bool = True,
-        alternate_layers: bool = False,
-        split_layers: bool = False,
     ):
         n = engine.world_size
         k = stages or n
         if k < 1 or n % k:  # (RDMAStrategy checked the placement itself: rdkeras.parallel.check_settings)
             raise ValueError(f"{n} workers cannot run replicas of a {k}-stage pipeline: world size must be a multiple")
-        if alternate_layers and split_layers:
+        if options.alternate_layers and options.split_layers:
             raise ValueError(
                 "alternate_layers and split_layers both share the layer at a cut between two stages: choose one"
             )
-        self.engine, self.stages = engine, k
-        self.placement: dict[str, int] = dict(placement or {})
+        self.engine, self.stages, self.options = engine, k, options
+        self.placement: dict[str, int] = options.layout or {}
         self.partition: Partition | None = None  # the automatic cut, when there was no placement
+        self.auto_cut = AutoCut(options, k, engine.capabilities.costs[1], self._rank0_seconds)
         self._pair_sums: dict[int, GradientAllreduce] = {}  # cut -> the sum between the stages that share a layer
-        self._cut_rows = 0  # the batch its layers were timed on
-        self.micro_batches = int(micro_batches)
-        self.schedule = schedule
-        self.defer_weight_gradients = defer_weight_gradients
-        self.alternate_layers, self.split_layers = alternate_layers, split_layers
-        self._split_models: dict[tuple, Any] = {}  # split_layers -> the split model
         self._replicas, self.replica, self.stage = n // k, engine.rank // k, engine.rank % k
         self.collectives = Collectives(engine, bucket_bytes)  # all workers: weights and logs
         group = [r * k + self.stage for r in range(self.replicas)]
@@ -126,91 +113,13 @@ class ModelParallel(Parallelism):
         if self._model is not None:
             raise ValueError("a model-parallel RDMAStrategy distributes one model; create another strategy")
         if not self.placement:
-            self._place(self._balanced_cut(model))
+            self._place(self.auto_cut.cut(model))
         self._layer_stage = assign_layers(model, self.placement, self.stages)
         # Cycles and the like are found now, with no data yet.
         self.loss_stage = analyze(model, self.placement, self.stages).loss_stage
         self._model = model
         fitting.distribute_model(model, self)
         return model
-
-    def _balanced_cut(self, model: Any, rows: int | None = None) -> Partition:
-        """The cost-balanced cut of `model`, its layers timed on batches of `rows` (default: the dry run's).
-        Every worker times the layers (the same dry run everywhere, so nothing it creates differs between
-        workers) and all take rank 0's times, so they choose the same cut; a transfer is priced at the
-        transport's cost per byte. With `alternate_layers` and micro-batches, where a layer could alternate
-        between stages (with `split_layers`, be split by rows), the cut is then timed stage by stage as whole
-        sub-models, and so is the best cut sharing a layer that the layers' times (scaled to their stages')
-        predict: the faster by ``ALTERNATION_GAIN`` is kept."""
-        from rdkeras.pipeline.cut import split
-        from rdkeras.pipeline.cut import timing as costs
-
-        rows = rows or costs.DRY_RUN_ROWS
-        self._cut_rows = rows
-        names, cut_bytes, _ = costs.layer_order(model, rows)
-        seconds = self._rank0_seconds(model, "the layers", len(names), lambda: costs.measure(model, rows).seconds)
-        per_byte = self.engine.capabilities.costs[1]
-        micro = self.micro_batches
-        try:
-            cut = balanced_cut(names, seconds, cut_bytes, self.stages, per_byte)
-            alternable = costs.alternable(model, names)
-            if self.split_layers:
-                splittable = split.splittable(model, names)  # (alternable ones only)
-                alternable = [a if ok else None for a, ok in zip(alternable, splittable, strict=True)]
-            elif not self.alternate_layers or micro % 2:
-                alternable = [None] * len(names)
-            if self.stages == 1 or all(a is None for a in alternable):
-                return dataclasses.replace(cut, rows=rows)
-            whole = self._stage_seconds(model, cut, rows)
-            scale = [w / c if c > 0 else 1.0 for w, c in zip(whole, cut.compute, strict=True)]
-            stage = [s for s in range(self.stages) for _ in range(cut.bounds[s], cut.bounds[s + 1])]
-            scaled = [t * scale[stage[i]] for i, t in enumerate(seconds)]
-            split_rows = rows if self.split_layers else 0
-            mixed = balanced_cut(names, scaled, cut_bytes, self.stages, per_byte, alternable, micro, 0.0, split_rows)
-            if not mixed.alternates:
-                return dataclasses.replace(cut, compute=tuple(whole), rows=rows)
-            measured = self._stage_seconds(model, mixed, rows)
-            slowest = max(w + t for w, t in zip(whole, cut.transfer, strict=True))
-            sharing = max(m + t for m, t in zip(measured, mixed.transfer, strict=True))
-            how = "split by rows" if mixed.splits else "alternating"
-            trial = (
-                f"{', '.join(mixed.alternates)} {how} measured {' | '.join(f'{m * 1e3:.3f}' for m in measured)} ms "
-                f"against {' | '.join(f'{w * 1e3:.3f}' for w in whole)} ms between layers"
-            )
-            if sharing < slowest * (1 - ALTERNATION_GAIN):
-                return dataclasses.replace(mixed, compute=tuple(measured), rows=rows, trial=trial + ": kept")
-            return dataclasses.replace(cut, compute=tuple(whole), rows=rows, trial=trial + ": not 5% faster")
-        except ValueError as e:
-            raise ValueError(f"model {model.name!r}: {e}") from None
-
-    def _stage_seconds(self, model: Any, cut: Partition, rows: int) -> list[float]:
-        """Per stage of `cut`: its whole sub-model's forward and backward per micro-batch, measured (with an
-        alternating layer, each plan's for half the micro-batches; with a layer split by rows, the split
-        model's); rank 0's."""
-        from rdkeras.pipeline.cut import timing as costs
-
-        half = max(1, self.micro_batches // 2)
-        graph, plans = model, [cut.stage_of()]
-        if cut.shares:
-            plans.append(cut.stage_of(cut.moved(1)))
-        elif cut.splits:
-            graph, plans = self._split_model(model, cut), [cut.split_placement()]
-
-        def measure() -> list[float]:
-            defer = self.defer_weight_gradients
-            times = [costs.stage_seconds(graph, p, self.stages, rows, half, defer=defer) for p in plans]
-            return [sum(t[s] for t in times) / (half * len(plans)) for s in range(self.stages)]
-
-        return self._rank0_seconds(model, "the stages", self.stages, measure)
-
-    def _split_model(self, model: Any, cut: Partition) -> Any:
-        """`model` with the layers `cut` splits by rows split (:func:`rdkeras.pipeline.cut.split.split_model`)."""
-        from rdkeras.pipeline.cut.split import split_model
-
-        key = tuple(sorted(cut.split_layers.items()))
-        if key not in self._split_models:
-            self._split_models[key] = split_model(model, cut.split_layers)
-        return self._split_models[key]
 
     def _rank0_seconds(self, model: Any, what: str, count: int, measure: Any) -> list[float]:
         """`measure()` (`count` seconds) on every worker, rank 0's taken by all (collective)."""
@@ -232,9 +141,9 @@ class ModelParallel(Parallelism):
     def _recut(self, model: Any, rows: int) -> None:
         """The automatic cut again, its layers timed at the micro-batches' rows (the first training data tell
         them; collective), before any pipeline is built on the cut made at compile time."""
-        if rows == self._cut_rows:
+        if rows == self.auto_cut.rows:
             return
-        self._place(self._balanced_cut(model, rows))
+        self._place(self.auto_cut.cut(model, rows))
         self._layer_stage = assign_layers(model, self.placement, self.stages)
 
     def _place(self, partition: Partition) -> None:
@@ -261,12 +170,8 @@ class ModelParallel(Parallelism):
         rows, label_specs, weight_specs = data_specs(x, y, sample_weight, batch_size)
         if purpose == "predict":  # predictions need no labels (a dataset may still yield them)
             label_specs = weight_specs = None
-        micro = self.micro_batches if purpose != "predict" else 1
-        if rows is not None and rows % micro:
-            raise ValueError(
-                f"batch size {rows} does not split into {micro} equal micro-batches: "
-                "choose a batch size divisible by micro_batches"
-            )
+        micro = self.options.micro_batches if purpose != "predict" else 1
+        micro_rows(rows, micro)  # (before a new cut is timed)
         # Arrays with a partial last batch: the batches before it run a static plan of their own (the step
         # chooses by the batch's rows), the last one the dynamic plan.
         full, *full_specs = data_specs(x, y, sample_weight, batch_size, full_batches=True)
@@ -290,37 +195,23 @@ class ModelParallel(Parallelism):
         pipeline = self._pipelines.get(key)
         if pipeline is not None:
             return pipeline
-        cut = self.partition
-        # A layer split by rows: where every micro-batch has rows to split, the split model runs.
-        graph, placement = model, self.placement
-        if cut is not None and cut.splits and rows is not None and rows // micro >= 2:
-            graph, placement = self._split_model(model, cut), cut.split_placement()
-        plan = analyze(graph, placement, self.stages, rows, micro, label_specs, weight_specs)
-        if cut is not None and cut.shares and micro == cut.micro_batches:
-            # Layers alternate: each micro-batch follows the plan of the cuts it moves them at.
-            variants: dict[tuple[int, ...], Plan] = {(): plan}
-            for m in range(micro):
-                moved = cut.moved(m)
-                if moved not in variants:
-                    variants[moved] = analyze(
-                        model, cut.stage_of(moved), self.stages, rows, micro, label_specs, weight_specs
-                    )
-                plan.micro_plans.append(variants[moved])
-        plan.replicas = self.replicas
-        plan.partition = self.partition
-        plan.schedule = self.schedule
-        plan.stashed = {
-            s: schedule.most_stashed(schedule.passes_in_order(self.schedule, p, plan.stages, micro, plan.group))
-            for p, s in enumerate(plan.stage_order)
-        }
-        if self.defer_weight_gradients and micro > 1:
-            # A layer shared by two stages defers on each over its rows there (split by rows) or the micro-batches
-            # it runs there (alternating: each micro-batch's plan says where); then the two sum their parts.
-            for variant in {id(p): p for p in [plan, *plan.micro_plans]}.values():
-                variant.deferred, variant.deferred_bytes = deferrable(graph, variant)
+        plan = make_plan(
+            model,
+            self.placement,
+            self.stages,
+            rows,
+            micro,
+            label_specs,
+            weight_specs,
+            partition=self.partition,
+            split_model=lambda cut: self.auto_cut.split_model(model, cut),
+            replicas=self.replicas,
+            schedule=self.options.schedule,
+            defer_weight_gradients=self.options.defer_weight_gradients,
+        )
         self._serial += 1
         pipeline = Pipeline(
-            self.engine, graph, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
+            self.engine, plan.model, plan, self.stage, self.replica, self.rank_of, self._serial, self._pair_sum
         )
         self._pipelines[key] = pipeline
         if not self._printed and self.engine.rank == 0:
@@ -357,7 +248,7 @@ class ModelParallel(Parallelism):
         return self._current[purpose][0]
 
     @property
-    def plan(self) -> Plan | None:
+    def plan(self) -> PipelinePlan | None:
         """The current training plan (else the latest evaluation/prediction plan; None before any)."""
         runs = self._current.get("train") or next(iter(self._current.values()), None)
         return runs[0].plan if runs else None
@@ -386,7 +277,8 @@ class ModelParallel(Parallelism):
         average = self.average_over_replicas if self.replicas > 1 else None
 
         def train_step(model: Any, data: Any) -> Any:
-            return self._step("train", data, lambda run, d: schedule.train_step(model, run, d, average, self.schedule))
+            how = self.options.schedule
+            return self._step("train", data, lambda run, d: schedule.train_step(model, run, d, average, how))
 
         def test_step(model: Any, data: Any) -> Any:
             return self._step("eval", data, lambda run, d: schedule.test_step(model, run, d))

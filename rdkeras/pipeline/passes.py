@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rdkeras import keras_internals
+from rdkeras.pipeline import deferred
 from rdkeras.pipeline.rewriter import Stage
 
 
@@ -56,7 +56,7 @@ def pass_gradients(
     output_grads_of_deferred = grads[len(direct) + len(back) :]
     for layer, x, y, dy in zip(stage.deferred, taps[0::2], layer_outputs, output_grads_of_deferred, strict=True):
         dy = tf.zeros_like(y) if dy is None else dy
-        later.append((x, keras_internals.pre_activation_gradient(layer, y, dy)))
+        later.append((x, deferred.pre_activation_gradient(layer, y, dy)))
     return weight_grads, input_grads, tuple(later)
 
 
@@ -77,6 +77,6 @@ def deferred_weight_gradients(kept: list[tuple[Stage, tuple]], variables: list, 
     for layer, xs, dzs in rows.values():
         x = xs[0] if len(xs) == 1 else tf.concat(xs, axis=0)
         dz = dzs[0] if len(dzs) == 1 else tf.concat(dzs, axis=0)
-        grads = keras_internals.weight_gradients(layer, x, dz)
+        grads = deferred.weight_gradients(layer, x, dz)
         for v, g in zip(layer.trainable_variables, grads, strict=True):
             summed[index[id(v)]] = g

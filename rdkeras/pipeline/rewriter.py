@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdkeras.keras_internals import defers_weight_gradients, functional_of, nodes_in_order, producer_of
-from rdkeras.pipeline.cut.split import part_rows, rows_of_part, weights_layer
-from rdkeras.pipeline.planner import READER, Edge, Plan
+from rdkeras.keras_internals import functional_of, nodes_in_order, producer_of
+from rdkeras.pipeline.cut.split import weights_layer
+from rdkeras.pipeline.plan import READER, Edge, PipelinePlan
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Feed:
 @dataclass
 class Stage:
     index: int
-    plan: Plan
+    plan: PipelinePlan
     model: Any  # keras.Model over this worker's layers (None if it only relays data)
     feeds: list[Feed]
     sends: list[list[Edge]]  # per stage-model output: the edges that carry it (may be empty)
@@ -59,7 +59,7 @@ class Stage:
         return list(self.model.trainable_variables) if self.model is not None else []
 
 
-def build_stage(model: Any, plan: Plan, index: int) -> Stage:
+def build_stage(model: Any, plan: PipelinePlan, index: int) -> Stage:
     """The stage of `plan` that worker `index` runs."""
     import keras
 
@@ -149,36 +149,3 @@ def build_stage(model: Any, plan: Plan, index: int) -> Stage:
                 data_edges.append((input_pos[id(e.tensor)], e))
     label_edges = [e for e in plan.edges if e.kind in ("labels", "sample_weight") and index in (e.src, e.dst)]
     return Stage(index, plan, stage_model, feeds, sends, outputs, data_edges, label_edges, deferred, tapped, taps)
-
-
-def deferrable(model: Any, plan: Plan) -> tuple[dict[int, list[str]], dict[int, int]]:
-    """Per stage of `plan`: its layers whose weight gradients wait for the step's end
-    (:func:`~rdkeras.keras_internals.defers_weight_gradients`, called once in the graph; a layer shared
-    between two stages, alternating or split by rows, on each of them), and the bytes of their inputs and
-    outputs over the whole batch, or over its rows of it where a split gives the stage only some (what waiting
-    keeps)."""
-    import numpy as np
-
-    graph = functional_of(model)
-    parts = part_rows(graph)
-    micro = plan.micro_batches
-    calls: dict[int, list[Any]] = {}
-    for n in nodes_in_order(graph):
-        if not n.is_input:
-            calls.setdefault(id(n.operation), []).append(n)
-    names: dict[int, list[str]] = {}
-    kept: dict[int, int] = {}
-    for layer in graph.layers:
-        s = plan.layer_stage.get(layer.name)
-        once = len(calls.get(id(layer), [])) == 1
-        if s is None or not once or not defers_weight_gradients(weights_layer(layer)):
-            continue
-        names.setdefault(s, []).append(layer.name)
-        (node,) = calls[id(layer)]
-        if plan.batch_size is not None:
-            for t in (node.input_tensors[0], node.output_tensors[0]):
-                part = parts.get(id(t))
-                rows = plan.batch_size if part is None else micro * rows_of_part(plan.batch_size // micro, part)
-                size = rows * int(np.prod([d or 0 for d in tuple(t.shape)[1:]]))
-                kept[s] = kept.get(s, 0) + size * np.dtype(str(t.dtype)).itemsize
-    return names, kept

@@ -17,7 +17,7 @@ from typing import Any
 from rdkeras.channels import DynamicChannel, StaticChannel
 from rdkeras.engine import Engine
 from rdkeras.keras_internals import functional_of
-from rdkeras.pipeline import Plan, Stage, build_stage
+from rdkeras.pipeline import PipelinePlan, Stage, build_stage
 
 
 class Pipeline:
@@ -40,7 +40,7 @@ class Pipeline:
         self,
         engine: Engine,
         model: Any,
-        plan: Plan,
+        plan: PipelinePlan,
         stage: int,
         replica: int,
         rank_of: Callable[[int], int],
@@ -49,7 +49,7 @@ class Pipeline:
     ):
         self.engine, self.plan, self.serial = engine, plan, serial
         uses = plan.micro_plans or [plan] * plan.micro_batches  # each micro-batch's plan
-        self.plans: list[Plan] = []
+        self.plans: list[PipelinePlan] = []
         for p in uses:
             if all(p is not q for q in self.plans):
                 self.plans.append(p)

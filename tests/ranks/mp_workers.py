@@ -123,8 +123,7 @@ def _fixed_times(layer_ms: dict) -> None:
     (a loaded machine's measurements once tipped a cut the test is not about)."""
     import dataclasses
 
-    from rdkeras.parallel import model_parallel
-    from rdkeras.pipeline.cut import timing
+    from rdkeras.pipeline.cut import automatic, timing
 
     measure = timing.measure
 
@@ -133,17 +132,17 @@ def _fixed_times(layer_ms: dict) -> None:
         return dataclasses.replace(found, seconds=[layer_ms[name] * 1e-3 for name in found.names])
 
     timing.measure = given
-    model_parallel.ModelParallel._stage_seconds = lambda self, model, cut, rows: list(cut.compute)
+    automatic.AutoCut._stage_seconds = lambda self, model, cut, rows: list(cut.compute)
 
 
 def train_and_compare(
     kind: str, placement: dict, micro_batches: int = 1, batch: int = 16, epochs: int = 2, samples: int = 96, **kw
 ) -> dict:
     import rdkeras
-    from rdkeras.parallel import model_parallel
+    from rdkeras.pipeline.cut import automatic
 
     if "sharing_gain" in kw:  # what measured gain keeps a cut that shares a layer (the default: 5%)
-        model_parallel.ALTERNATION_GAIN = kw.pop("sharing_gain")
+        automatic.ALTERNATION_GAIN = kw.pop("sharing_gain")
     if "layer_ms" in kw:  # each layer's time given, and a stage's the sum of its layers': the cut, not the clock
         _fixed_times(kw.pop("layer_ms"))
     strategy = rdkeras.RDMAStrategy(

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from rdkeras import keras_internals
-from rdkeras.pipeline import analyze, build_stage, deferrable
+from rdkeras.pipeline import analyze, build_stage, deferrable, deferred, make_plan
 
 
 def _model():
@@ -37,7 +36,8 @@ def test_only_plain_dense_layers_called_once_are_deferred():
     # elu, softplus, regularized, shared, frozen and softmax wait for nobody
     assert names == {1: ["relu", "linear"]}
     assert kept == {1: 32 * (16 + 16 + 16 + 16) * 4}  # the whole batch's inputs and outputs, float32
-    plan.deferred, plan.deferred_bytes = names, kept
+    plan = make_plan(model, PLACEMENT, 2, batch_size=32, micro_batches=4, defer_weight_gradients=True)
+    assert (plan.deferred, plan.deferred_bytes) == ({1: ("relu", "linear")}, kept)
     assert "weight gradients once a step, over all micro-batches: stage 1 relu, linear (keeps 8.2 KB)" in plan.text()
 
 
@@ -59,8 +59,7 @@ def test_plain_convolutions_are_deferred_but_not_their_relatives():
 
 def test_the_tapped_stage_names_each_deferred_layers_input_and_output_once():
     model = _model()
-    plan = analyze(model, PLACEMENT, 2, batch_size=32, micro_batches=4)
-    plan.deferred, plan.deferred_bytes = deferrable(model, plan)
+    plan = make_plan(model, PLACEMENT, 2, batch_size=32, micro_batches=4, defer_weight_gradients=True)
     stage = build_stage(model, plan, 1)
     assert [layer.name for layer in stage.deferred] == ["relu", "linear"]
     # relu's input is what stage 1 receives; its output is linear's input; after the model's output, linear's.
@@ -86,7 +85,8 @@ def test_a_layer_split_by_rows_defers_on_both_stages_over_its_rows_there():
     assert names == {0: ["widen", "big"], 1: ["big__twin", "out"]}
     # widen and out keep all 32 rows; each part of big its 4 of every micro-batch's 8 (16 in all), float32.
     assert kept == {0: 4 * (32 * (12 + 16) + 16 * (16 + 16)), 1: 4 * (16 * (16 + 16) + 32 * (16 + 4))}
-    plan.deferred, plan.deferred_bytes = names, kept
+    plan = make_plan(split, placement, 2, batch_size=32, micro_batches=4, defer_weight_gradients=True)
+    assert (plan.deferred, plan.deferred_bytes) == ({0: ("widen", "big"), 1: ("big__twin", "out")}, kept)
     later = build_stage(split, plan, 1)
     assert later.deferred == [model.get_layer("big"), model.get_layer("out")]  # the twin computes with big's weights
     # The twin's input is what stage 1 receives for its rows; its output, one of the tapped model's.
@@ -116,7 +116,7 @@ def test_one_gradient_over_the_batch_equals_the_sum_over_micro_batches(kind, act
     x = tf.constant(rng.normal(size=(32, *shape)).astype(np.float32))
     layer.build((None, *shape))
     upstream = tf.constant(rng.normal(size=(32, *layer.compute_output_shape((None, *shape))[1:])).astype(np.float32))
-    assert keras_internals.defers_weight_gradients(layer)
+    assert deferred.defers_weight_gradients(layer)
     summed = None
     kept_x, kept_dz = [], []
     for part in range(4):  # what a stage does per micro-batch: every gradient, or only the pre-activation one
@@ -128,8 +128,8 @@ def test_one_gradient_over_the_batch_equals_the_sum_over_micro_batches(kind, act
         summed = grads if summed is None else [a + b for a, b in zip(summed, grads, strict=True)]
         dy = tape.gradient(objective, y)
         kept_x.append(x[rows])
-        kept_dz.append(keras_internals.pre_activation_gradient(layer, y, dy))
-    once = keras_internals.weight_gradients(layer, tf.concat(kept_x, 0), tf.concat(kept_dz, 0))
+        kept_dz.append(deferred.pre_activation_gradient(layer, y, dy))
+    once = deferred.weight_gradients(layer, tf.concat(kept_x, 0), tf.concat(kept_dz, 0))
     for a, b in zip(once, summed, strict=True):  # float32 sums in another order: relative to the largest entry
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
     assert layer.activation is keras.activations.get(activation)  # restored

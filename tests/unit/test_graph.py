@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
 
-from rdkeras.pipeline import analyze, assign_layers, build_stage
+from rdkeras.pipeline import analyze, assign_layers, build_stage, make_plan
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def test_vgg16_features_classifier_plan(vgg16):
         for k in [*(f"conv{i}" for i in range(1, n + 1)), "pool"]
     ]
     assert plan.layers_of(1) == ["flatten", "fc1", "fc2", "predictions"]
-    assert plan.stage_order == [0, 1] and plan.loss_stage == 1
+    assert plan.stage_order == (0, 1) and plan.loss_stage == 1
     assert len(plan.edges) == 2
     act, labels = plan.edges
     assert (act.producer, act.consumers, act.src, act.dst) == ("block5_pool:0", ("flatten",), 0, 1)
@@ -60,6 +62,23 @@ def test_vgg16_with_micro_batches_and_no_fixed_batch(vgg16):
     assert not edge.static and edge.shape == (None, 7, 7, 512) and "drop_remainder" in edge.reason
     with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
         analyze(vgg16, placement, 2, batch_size=32, micro_batches=3)
+
+
+def test_the_planner_makes_the_whole_plan_at_once_and_nothing_changes_it():
+    model, placement = _mlp(), {"fc*": 0, "hidden": 1, "out": 1}
+    plan = make_plan(model, placement, 2, 16, 4, replicas=2, schedule="1f1b", defer_weight_gradients=True)
+    assert (plan.replicas, plan.schedule, plan.micro_batches, plan.group) == (2, "1f1b", 4, 1)
+    assert plan.stashed == {0: 2, 1: 1}  # 1F1B: stage p of S keeps at most S - p micro-batches' activations
+    assert plan.deferred == {0: ("fc1", "fc2"), 1: ("hidden", "out")}
+    assert make_plan(model, placement, 2, 16, 4, schedule="gpipe").stashed == {0: 4, 1: 4}
+    assert make_plan(model, placement, 2, 16, 4).deferred == {}  # (none unless asked)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.micro_batches = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        plan.layer_stage["fc1"] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        plan.deferred[0] += ("out",)  # type: ignore[index]
+    assert isinstance(plan.edges, tuple) and plan.micro_plans == ()
 
 
 def test_unplaced_layers_follow_their_producer_and_exact_names_win():

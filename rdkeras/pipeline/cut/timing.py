@@ -143,12 +143,10 @@ def stage_seconds(
     that may compute their weight gradients once a step do). Layers timed alone miss what a stage's sequence of
     them costs on a CPU (caches, the small ops between them): this is what the automatic cut scales their times
     to."""
-    from rdkeras.pipeline.planner import analyze
-    from rdkeras.pipeline.rewriter import build_stage, deferrable
+    from rdkeras.pipeline.planner import make_plan
+    from rdkeras.pipeline.rewriter import build_stage
 
-    plan = analyze(model, placement, stages, rows * micro_batches, micro_batches)
-    if defer and micro_batches > 1:
-        plan.deferred, plan.deferred_bytes = deferrable(model, plan)
+    plan = make_plan(model, placement, stages, rows * micro_batches, micro_batches, defer_weight_gradients=defer)
     saved = [(v, np.array(v.numpy())) for v in model.variables]  # BatchNormalization's statistics move
     try:
         seconds = []
