@@ -94,7 +94,8 @@ RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_byt
       capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
       bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)),
       scratch_(engine_->tracker(), capacity_) {
-  slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
+  // A slot holds one pass's chunk: never more than a pass (or the whole capacity) over the members.
+  slot_bytes_ = roundUp((std::min(bucket_bytes_, capacity_) + world_ - 1) / world_, kAlign);
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), registeredBytes());
   block_ = registered_->data();
 }
