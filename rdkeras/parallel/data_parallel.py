@@ -17,8 +17,6 @@ themselves, never their classes):
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,17 +29,19 @@ from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
+from rdkeras.parallel.exchange_plan import ExchangePlan
+from rdkeras.parallel.replica_steps import ReplicaSteps
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 from rdkeras.parallel.sharded_parameters import ShardedParameters
 from rdkeras.parallel.sharded_state import ShardedState
-from rdkeras.parallel.sharding import Sharding, shard_fit_arguments, split_rows
+from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
 from rdkeras.parallel.step_sum import StepSum
 
 if TYPE_CHECKING:
     from rdkeras.elastic.membership import Membership
 
 
-class DataParallel(ShardedState, Parallelism):
+class DataParallel(ReplicaSteps, ShardedState, Parallelism):
     """Attaches data-parallel training to compiled Keras models.
 
     Args:
@@ -255,92 +255,6 @@ class DataParallel(ShardedState, Parallelism):
         a["x"], _, _, a["batch_size"] = self.sharding.shard(a["x"], None, None, a["batch_size"])
         return rows
 
-    def _splits(self, x: Any) -> bool:
-        """Whether the steps of a fit/evaluate/predict of `x` split global batches (else `x` is dealt out first);
-        the models' traced steps are traced anew when that changes."""
-        splits = self.sharding.global_batch and not getattr(x, "_rdkeras_per_replica", False)
-        if splits != self._split_in_step:
-            self._split_in_step = splits
-            for model in self._models:
-                fitting.reset_compiled_functions(model)
-        return splits
-
-    def step_overrides(self) -> dict[str, Any]:
-        if self.num_workers == 1 and self.membership is None:
-            return self._parameter_overrides()
-        collectives = self.collectives
-
-        def predict_step(model: Any, data: Any) -> Any:
-            import keras
-            import tensorflow as tf
-
-            if self._split_in_step:
-                data = self._split_batch(data)[0]
-            out = keras_internals.original(model, "predict_step")(data)
-            flat = keras.tree.flatten(out)
-
-            def gather(*parts: np.ndarray) -> list[np.ndarray]:
-                return [collectives.gather_rows(p) for p in parts]
-
-            full = tf.numpy_function(gather, flat, Tout=[t.dtype for t in flat], stateful=True, name="rdkeras_gather")
-            for t, f in zip(flat, full, strict=True):
-                f.set_shape([None, *t.shape[1:]])
-            return keras.tree.pack_sequence_as(out, list(full))
-
-        def step_of(name: str) -> Any:
-            def step(model: Any, data: Any) -> Any:
-                # This replica's rows of the global batch, whose random draws (dropout's masks, a GAN's noise) and
-                # losses are those of one process computing the whole batch, whatever the number of workers.
-                own = keras_internals.original(model, name)
-                if not self._split_in_step:
-                    return own(data)
-                mine, batch = self._split_batch(data)
-                with keras_internals.global_batch_step(batch):
-                    return own(mine)
-
-            return step
-
-        steps = {"predict_step": predict_step, "train_step": step_of("train_step"), "test_step": step_of("test_step")}
-        return {**steps, **self._parameter_overrides()}
-
-    def _split_batch(self, data: Any) -> tuple[Any, global_batch.GlobalBatch]:
-        """(this worker's rows of a global batch, where they sit in it): the split of
-        :func:`~rdkeras.parallel.sharding.split_rows` by the rank and world of the moment -- static where the
-        batch's rows are, tensors otherwise (an elastic job's world changes without a new trace)."""
-        import tensorflow as tf
-
-        first = next(t for t in tf.nest.flatten(data) if t is not None)
-        rank: Any
-        world: Any
-        if self.membership is not None:
-            shard = self._shard_variable()
-            rank, world = shard[0], shard[1]
-            total: Any = None
-        else:
-            rank, world, total = self.sharding.index, self.sharding.num_shards, first.shape[0]
-        if total is not None:
-            start, rows = split_rows(total, world, rank)
-        else:
-            total = tf.shape(first, out_type=tf.int64)[0]
-            base, extra = total // world, total % world
-            start = rank * base + tf.minimum(tf.cast(rank, tf.int64), extra)
-            rows = base + tf.cast(rank < extra, tf.int64)
-        mine = tf.nest.map_structure(lambda t: None if t is None else _rows(t, start, rows), data)
-        return mine, global_batch.GlobalBatch(start, rows, total, world, self.step_sum.sum)
-
-    def _shard_variable(self) -> Any:
-        import tensorflow as tf
-
-        if self._shard is None:
-            with tf.init_scope():
-                self._shard = tf.Variable([self.engine.rank, self.engine.world_size], dtype=tf.int64,
-                                          trainable=False, name="rdkeras_shard")  # fmt: skip
-        return self._shard
-
-    def rows_of(self, batch: Any) -> Any:
-        """This worker's rows of a global batch (a structure of tensors), by the rank and world of the moment."""
-        return self._split_batch(batch)[0]
-
     def rebind(self, engine: Engine) -> None:
         """Runs on `engine` (an elastic group's next) from now on: nothing of the old engine's is kept."""
         self.engine = engine
@@ -434,78 +348,9 @@ class DataParallel(ShardedState, Parallelism):
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ExchangePlan:
-    """The data-parallel plan: the gradients every step exchanges, and how."""
-
-    mode: str  # "allreduce" or "ps"
-    workers: int
-    transport: str
-    global_batch: int | None
-    variables: list[tuple[str, tuple, str, int]]  # (path, shape, dtype, bytes) of each trainable variable
-    bucket_bytes: int
-    algorithm: tuple[str, str] = ("ring", "")  # (allreduce algorithm, why it was chosen)
-    overlap_bytes: int = 0  # gradient buckets exchanged as backprop produces them (0: one exchange after it)
-
-    @property
-    def gradient_bytes(self) -> int:
-        return sum(v[3] for v in self.variables)
-
-    @property
-    def bytes_per_worker(self) -> int:
-        """Bytes each worker sends (and receives) per step in a ring allreduce."""
-        return 2 * (self.workers - 1) * self.gradient_bytes // self.workers
-
-    def text(self) -> str:
-        """The plan as Markdown (TensorBoard's text tab renders it)."""
-        batch, workers, total = self.global_batch, self.workers, self.gradient_bytes
-        lines = [
-            f"**data parallel**, {workers} workers, transport `{self.transport}`, mode `{self.mode}`"
-            + (f", global batch {batch} ({batch // workers} per worker)" if batch else ""),
-            "",
-        ]
-        if self.mode == "allreduce":
-            passes = max(1, math.ceil(total / self.bucket_bytes))
-            name, why = self.algorithm
-            if name == "ring":
-                lines.append(
-                    f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
-                    f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
-                    + (f" Allreduce: {why}." if why and why != "one worker" else "")
-                )
-            else:
-                shown = "recursive-doubling" if name == "doubling" else name
-                lines.append(f"Each step: a {shown} allreduce of {total:,} gradient bytes ({why}).")
-            if workers > 1:
-                lines[-1] += (
-                    f" Overlap: buckets of {self.overlap_bytes:,} bytes start as backprop produces them."
-                    if self.overlap_bytes > 0
-                    else " One exchange after backprop (overlap off: `overlap_bytes` turns it on)."
-                )
-        else:
-            lines.append(
-                f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "
-                f"variable (sharded over the {workers} workers); updated parameters pulled back."
-            )
-        rows = [f"| {path} | {shape} | {dtype} | {nbytes:,} |" for path, shape, dtype, nbytes in self.variables]
-        lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
-        return "\n".join(lines)
-
-
 def _scalar(value: Any) -> bool:
     """Whether a log is a number (a Python or NumPy one, or a 0-d tensor or array): not a dict of results."""
     return isinstance(value, (int, float, np.number)) or (hasattr(value, "dtype") and np.ndim(value) == 0)
-
-
-def _rows(t: Any, start: Any, rows: Any) -> Any:
-    """Rows ``start:start + rows`` of a tensor, a ragged or a sparse one."""
-    import tensorflow as tf
-
-    if isinstance(t, tf.SparseTensor):
-        size = tf.concat([[tf.cast(rows, tf.int64)], t.dense_shape[1:]], 0)
-        begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
-        return tf.sparse.slice(t, begin, size)
-    return t[start : start + rows]
 
 
 def _average_gradients(optimizer: Any, average: GradientAllreduce) -> None:
