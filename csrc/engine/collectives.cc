@@ -71,4 +71,13 @@ std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* tot
   return offsets;
 }
 
+std::vector<size_t> ringLayoutWithin(const std::vector<ConstSpan>& inputs, size_t capacity,
+                                     const char* holder, size_t* total) {
+  std::vector<size_t> offsets = ringLayout(inputs, total);
+  if (*total > capacity)
+    throw EngineError(strCat("allreduce of ", *total, " bytes exceeds this ", holder, "'s capacity of ",
+                             capacity, " bytes"));
+  return offsets;
+}
+
 }  // namespace rdkeras

@@ -59,6 +59,10 @@ inline size_t inputBytes(const std::vector<ConstSpan>& inputs) {
 
 // Where each tensor starts in an allreduce's output block (64-byte aligned); *total is the padded size.
 std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total);
+// ringLayout for a call into a block of `capacity` bytes: raises, naming this `holder`'s capacity ("ring",
+// "group"), where the padded size exceeds it.
+std::vector<size_t> ringLayoutWithin(const std::vector<ConstSpan>& inputs, size_t capacity,
+                                     const char* holder, size_t* total);
 
 // What every member of an allreduce must agree on: dtype, count and sizes (FNV-1a; never 0).
 uint64_t callSignature(const std::vector<ConstSpan>& inputs, DType dtype);

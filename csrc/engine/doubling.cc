@@ -122,10 +122,7 @@ const uint8_t* DoublingAllreduce::receive(int peer, int step, uint64_t signature
 AllreduceResult DoublingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
   const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
-  std::vector<size_t> offsets = ringLayout(inputs, &total);
-  if (total > capacity_)
-    throw EngineError(
-        strCat("allreduce of ", total, " bytes exceeds this group's capacity of ", capacity_, " bytes"));
+  std::vector<size_t> offsets = ringLayoutWithin(inputs, capacity_, "group", &total);
   const uint64_t signature = callSignature(inputs, dtype);
   const int parity = static_cast<int>(calls_ % 2);
   uint8_t* out = block_ + parity * capacity_;

@@ -187,10 +187,7 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
                                          const ChunkHook& between) {
   const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
-  std::vector<size_t> offsets = ringLayout(inputs, &total);
-  if (total > capacity_)
-    throw EngineError(
-        strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
+  std::vector<size_t> offsets = ringLayoutWithin(inputs, capacity_, "ring", &total);
   total_bytes_ = 0;
   for (const auto& in : inputs) total_bytes_ += in.bytes;
   const uint64_t signature = callSignature(inputs, dtype);
