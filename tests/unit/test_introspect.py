@@ -30,3 +30,9 @@ def test_one_process_counts_the_variables_and_moves_nothing():
         view.algorithm_for(1 << 20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         after.parameters = 0  # type: ignore[misc]
+
+
+def test_the_package_names_it():
+    import rdkeras
+
+    assert rdkeras.introspect.inspect is introspect.inspect and "introspect" in rdkeras.__all__
