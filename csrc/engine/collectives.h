@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/engine.h"
@@ -41,6 +42,32 @@ class WireScratch {
   TensorTracker& tracker_;
   size_t bytes_;
   std::unique_ptr<RegisteredBlock> block_;
+};
+
+// What every allreduce group is, whatever its algorithm (RingAllreduce, DoublingAllreduce): its engine, its
+// members (engine ranks) and their count, the capacity of one output block, its name on the face and the
+// registered scratch its wire-typed copies go to.
+class CollectiveGroup {
+ public:
+  size_t capacity() const { return capacity_; }
+  int size() const { return world_; }
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
+  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
+  const std::string& name() const { return name_; }
+  void setName(std::string name) { name_ = std::move(name); }
+  WireScratch& wireScratch() { return scratch_; }
+
+ protected:
+  // `members` empty: every rank of the engine's world (each checked to be one); the capacity rounded up to
+  // whole cache lines.
+  CollectiveGroup(std::shared_ptr<Engine> engine, size_t capacity_bytes, std::vector<int> members);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<int> members_;
+  std::string name_;
+  int world_;
+  size_t capacity_;
+  WireScratch scratch_;
 };
 
 // Runs `reduce` over `inputs` (float32) cast to `wire`, and casts the sums back into `outputs` (one float32

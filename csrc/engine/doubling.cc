@@ -24,15 +24,11 @@ int log2Of(int power) {
 
 DoublingAllreduce::DoublingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes,
                                      std::vector<int> members)
-    : engine_(std::move(engine)),
-      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+    : CollectiveGroup(std::move(engine), capacity_bytes, std::move(members)),
       position_(positionOf(members_, engine_->rank())),
-      world_(static_cast<int>(members_.size())),
       power_(largestPowerOfTwo(world_)),
       steps_(log2Of(power_)),
-      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
-      acked_by_(steps_ + 1, -1),
-      scratch_(engine_->tracker(), capacity_) {
+      acked_by_(steps_ + 1, -1) {
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offAck(steps_ + 1));
   block_ = registered_->data();
 }

@@ -85,15 +85,11 @@ class PassHooks {
 
 RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
                              std::vector<int> members)
-    : engine_(std::move(engine)),
-      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+    : CollectiveGroup(std::move(engine), capacity_bytes, std::move(members)),
       rank_(positionOf(members_, engine_->rank())),
-      world_(static_cast<int>(members_.size())),
       left_(members_[(rank_ + world_ - 1) % world_]),
       right_(members_[(rank_ + 1) % world_]),
-      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
-      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)),
-      scratch_(engine_->tracker(), capacity_) {
+      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
   slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), registeredBytes());
   block_ = registered_->data();
