@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rdkeras._log import logger
-from rdkeras.fitting.saving import variables_bytes
+from rdkeras.fitting.saving import kept_bytes
 
 if TYPE_CHECKING:
     from rdkeras.elastic.membership import Membership
@@ -142,12 +142,7 @@ class Parallelism(abc.ABC):
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's variables), counted from the variables."""
-        optimizer = model.optimizer
-        built = optimizer is not None and optimizer.built
-        return {
-            "parameters": variables_bytes(model.weights),
-            "optimizer": variables_bytes(optimizer.variables) if built else 0,
-        }
+        return kept_bytes(model)
 
     def plan_text(self) -> str:
         """The plan as Markdown ('' when there is none yet)."""
