@@ -29,6 +29,7 @@ __all__ = [
     "ReplicasDivergedError",
     "TimeoutError",
     "elastic",
+    "introspect",
     "launch",
 ]
 
@@ -39,6 +40,10 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("rdkeras.elastic")
+    if name == "introspect":  # rdkeras.introspect.inspect(strategy): the read-only view of a job
+        import importlib
+
+        return importlib.import_module("rdkeras.introspect")
     if name == "launch":
         import importlib
 

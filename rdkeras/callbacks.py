@@ -53,9 +53,15 @@ class TrainingStats(keras.callbacks.Callback):
         parallel = fitting.parallel_of(self.model)
         return parallel.engine if parallel is not None else None
 
+    def _changes(self) -> list[dict[str, Any]]:
+        """An elastic job's membership changes so far (none outside one)."""
+        parallel = fitting.parallel_of(self.model)
+        membership = getattr(parallel, "membership", None)
+        return membership.changes if membership is not None else []
+
     def on_train_begin(self, logs: Any = None) -> None:
         self._engine_seen = self._engine()
-        self._changes_seen = len(getattr(fitting.parallel_of(self.model), "membership", []))
+        self._changes_seen = len(self._changes())
         self._open()
 
     def _open(self) -> None:
@@ -81,7 +87,7 @@ class TrainingStats(keras.callbacks.Callback):
             if self._writer is None:
                 return
         self._last, self._since = self._sample(), 0
-        changes = getattr(fitting.parallel_of(self.model), "membership", [])
+        changes = self._changes()
         with self._writer.as_default():
             for change in changes[self._changes_seen :]:
                 who = (f"worker {', '.join(map(str, change['joined']))} joined" if change["joined"]

@@ -236,11 +236,9 @@ class Engine(ChannelMaker):
         return self.backend.alloc(nbytes).view(dtype).reshape(shape)
 
     def register(self, array: Any) -> int:
-        """Registers `array`'s memory for peers to write and read; returns the key they address it by.
-
-        The engine keeps a reference to `array` until :meth:`deregister`, so the memory
-        cannot be freed under a peer's write. Read-only buffers are refused.
-        """
+        """Registers `array`'s memory for peers to write and read; returns the key they address it by. The engine
+        keeps a reference to `array` until :meth:`deregister`, so the memory cannot be freed under a peer's write.
+        Read-only buffers are refused."""
         buf = as_buffer(array)
         if memoryview(buf).readonly:
             raise ValueError(
@@ -313,9 +311,16 @@ class Engine(ChannelMaker):
         ranks = list(range(self.world_size)) if sources is None else [int(r) for r in sources]
         return self.store.get([f"{name}/{r}" for r in ranks], waiting_for=ranks) if ranks else []
 
+    def tell_host(self, key: str, value: bytes) -> None:
+        """Leaves `value` under `key` for the store's host (an elastic job's launcher; ranks use exchange)."""
+        self.store.set(key, bytes(value))
+
+    def host_says(self, key: str) -> bytes | None:
+        """What the store's host (an elastic job's launcher) left under `key`, None if nothing yet; no wait."""
+        return self.store.peek(key)
+
     def successor(self) -> dict[str, Any]:
-        """What the next engine of this worker (an elastic group's next) is made with: this one's settings and
-        the job token it proves (keyword arguments of :class:`Engine`)."""
+        """The keyword arguments of this worker's next Engine (an elastic group's): these settings, the job token."""
         return dict(
             transport=self.transport,
             timeout=self.timeout,
@@ -356,11 +361,13 @@ class Engine(ChannelMaker):
             self.store.close()
 
     def abandon(self) -> Store:
-        """Leaves a group that lost a member (an elastic job re-forming, :mod:`rdkeras.elastic`): the transport
-        is closed and its memory freed at once -- nobody is waited for, nothing is reported -- and the store
-        client is handed to the caller, still connected, to agree on the next group."""
+        """Leaves a group that lost a member (an elastic job re-forming): tells the store the failure this engine
+        saw (a stall is known only to the peers that saw it), closes the transport and frees its memory at once --
+        nobody waited for, no report written -- and hands the caller the store client, still connected."""
         if self._closed:
             raise EngineError("abandon: the engine is closed")
+        if (failure := self.backend.failure) is not None:
+            self.store.abort(failure[0], failure[2])
         self._closed = True
         _OPEN.discard(self)
         self._stop_watching()

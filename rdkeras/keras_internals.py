@@ -36,9 +36,18 @@ import functools
 import re
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:  # Keras and TensorFlow ship no type information: mypy reads these as untyped; a reader, as types
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+    from keras.src.ops.node import Node
+    from keras.src.random.seed_generator import SeedGenerator
+
+_R = TypeVar("_R")
 
 
 def _tested_keras() -> str:
@@ -128,7 +137,7 @@ _INSTANCE_ATTRS = {
 # -- checks -------------------------------------------------------------------------
 
 
-def _resolve(path: str) -> Any:
+def _resolve(path: str) -> object:
     """The module, class or function a dotted path names (None if there is none)."""
     import importlib
 
@@ -142,7 +151,7 @@ def _resolve(path: str) -> Any:
             return None
 
 
-def missing_hooks(instances: dict[str, Any] | None = None) -> list[str]:
+def missing_hooks(instances: Mapping[str, object] | None = None) -> list[str]:
     """The private Keras names rdkeras uses that this Keras lacks.
 
     Names set only on instances are checked on `instances` (object path -> an instance) where given;
@@ -191,7 +200,7 @@ def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
     return array_slicing.train_validation_split(arrays, validation_split=validation_split)
 
 
-def functional_of(model: Any) -> Any:
+def functional_of(model: keras.Model) -> keras.Model:
     """The Functional graph of a Functional or Sequential model (ValueError for others)."""
     import keras
     from keras.src.models.functional import Functional
@@ -212,27 +221,27 @@ def functional_of(model: Any) -> Any:
     return model
 
 
-def nodes_in_order(graph: Any) -> list[Any]:
+def nodes_in_order(graph: keras.Model) -> list[Node]:
     """A Functional graph's nodes, producers before consumers."""
     depths = sorted(graph._nodes_by_depth, reverse=True)
     return [n for d in depths for n in graph._nodes_by_depth[d]]
 
 
-def producer_of(tensor: Any) -> tuple[Any, int]:
+def producer_of(tensor: keras.KerasTensor) -> tuple[keras.Operation, int]:
     """(operation, output index) that produced a symbolic KerasTensor."""
     history = tensor._keras_history
     return history.operation, history.tensor_index
 
 
-def standardize_inputs(graph: Any, x: Any) -> list[Any]:
+def standardize_inputs(graph: keras.Model, x: object) -> list[tf.Tensor]:
     return list(graph._standardize_inputs(x))
 
 
-def outputs_struct(graph: Any) -> Any:
+def outputs_struct(graph: keras.Model) -> object:
     return graph._outputs_struct
 
 
-def rebuild(model: Any, call: Callable[..., Any], name: str) -> Any:
+def rebuild(model: keras.Model, call: Callable[..., object], name: str) -> keras.Model:
     """A new Functional model over the same layers (so the same weights) on new inputs, each node of `model`'s
     graph computed by ``call(layer, *args, **kwargs)`` (which may call other layers instead)."""
     import keras
@@ -244,34 +253,34 @@ def rebuild(model: Any, call: Callable[..., Any], name: str) -> Any:
     return keras.Model(inputs, graph._run_through_graph(inputs, call_fn=call), name=name)
 
 
-def compiled_loss(model: Any) -> Any:
+def compiled_loss(model: keras.Model) -> keras.losses.Loss:
     return model._compile_loss
 
 
-def loss_tracker(model: Any) -> Any:
+def loss_tracker(model: keras.Model) -> keras.metrics.Mean:
     return model._loss_tracker
 
 
-def same_rank(x: Any, y: Any) -> tuple[Any, Any]:
+def same_rank(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Keras's loss reduction's alignment of values and weights (a trailing dimension of 1 squeezed or added)."""
     from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
     return squeeze_or_expand_to_same_rank(x, y)
 
 
-def loss_trackers(model: Any) -> list[Any]:
+def loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:
     """The Mean metrics Keras's steps update with a loss and the batch's rows as weight: the model's loss tracker
     and, once the compiled loss is built, its per-output loss trackers."""
     compiled = getattr(model, "_compile_loss", None)
     return [model._loss_tracker, *(getattr(compiled, "metrics", None) or [])]
 
 
-def data_spec(iterator: Any) -> Any:
+def data_spec(iterator: TFEpochIterator) -> tf.TypeSpec:
     """The structure of TensorSpecs of the batches a Keras epoch iterator yields (its dataset's element spec)."""
     return iterator._distributed_dataset.element_spec
 
 
-def metric_creating_variable() -> Any:
+def metric_creating_variable() -> keras.metrics.Metric | None:
     """The keras.metrics.Metric whose ``add_variable`` is running on this thread, if any (Keras opens a name scope
     with the metric as its caller around it)."""
     import keras
@@ -282,26 +291,28 @@ def metric_creating_variable() -> Any:
     return caller if isinstance(caller, keras.metrics.Metric) else None
 
 
-def symbolic_build(model: Any, data_batch: Any) -> None:
+def symbolic_build(model: keras.Model, data_batch: object) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
-def has_own_call(model: Any) -> bool:
+def has_own_call(model: keras.Model) -> bool:
     """Whether the model defines ``call`` (Keras's own raises NotImplementedError: only its train_step runs)."""
     import keras
 
     return type(model).call is not keras.Model.call
 
 
-def initial_epoch(model: Any) -> int:
+def initial_epoch(model: keras.Model) -> int:
     return int(model._initial_epoch or 0)
 
 
-def set_initial_epoch(model: Any, epoch: int) -> None:
+def set_initial_epoch(model: keras.Model, epoch: int) -> None:
     model._initial_epoch = int(epoch)
 
 
-def optimizer_slot_references(optimizer: Any, variables: Sequence[Any]) -> list[tuple[Any, int | None]]:
+def optimizer_slot_references(
+    optimizer: keras.optimizers.Optimizer, variables: Sequence[keras.Variable]
+) -> list[tuple[keras.Variable, int | None]]:
     """Each optimizer variable with the index in `variables` of the model variable it belongs to
     (None for the optimizer's own: iterations, learning rate, loss scale). Keras names a slot
     ``{reference path with '/' -> '_'}_{slot}``; the longest matching prefix wins."""
@@ -315,40 +326,40 @@ def optimizer_slot_references(optimizer: Any, variables: Sequence[Any]) -> list[
     return out
 
 
-def state_variables(model: Any) -> list[Any]:
+def state_variables(model: keras.Model) -> list[keras.Variable]:
     """The model's weights, then its optimizer's variables (if built): what a backup restores."""
     optimizer = getattr(model, "optimizer", None)
     extra = list(optimizer.variables) if optimizer is not None and optimizer.built else []
     return list(model.weights) + extra
 
 
-def iteration_counter(optimizer: Any) -> Any:
+def iteration_counter(optimizer: keras.optimizers.Optimizer) -> keras.Variable:
     """The variable counting `optimizer`'s ``apply`` calls: ``iterations`` is a tensor, the updates so far, under
     gradient accumulation."""
     return optimizer._iterations
 
 
-def layers_owning_variables(model: Any) -> list[Any]:
+def layers_owning_variables(model: keras.Model) -> list[keras.Layer]:
     """`model` and every layer inside it, each once (a layer's own variables: :func:`own_trainable_variables`)."""
     return list(model._flatten_layers(include_self=True, recursive=True))
 
 
-def own_trainable_variables(layer: Any) -> list[Any]:
+def own_trainable_variables(layer: keras.Layer) -> list[keras.Variable]:
     """The trainable variables `layer` itself created (not its sublayers')."""
     return list(layer._trainable_variables)
 
 
-def storage(variable: Any) -> Any:
+def storage(variable: keras.Variable) -> tf.Variable:
     """The TensorFlow variable behind a Keras variable."""
     return variable._value
 
 
-def set_storage(variable: Any, value: Any) -> None:
+def set_storage(variable: keras.Variable, value: tf.Variable) -> None:
     """`variable` is stored in the TensorFlow variable `value` from now on (any shape: a sharded piece)."""
     variable._value = value
 
 
-def only_own_trainable_state(layer: Any) -> bool:
+def only_own_trainable_state(layer: keras.Layer) -> bool:
     """Whether `layer`'s call can read and write no variable but its own trainable ones: no sublayer's, no
     moving statistic, no seed (a recomputation of the call then changes nothing)."""
     import keras
@@ -358,7 +369,10 @@ def only_own_trainable_state(layer: Any) -> bool:
 
 
 def call_with_values(
-    layer: Any, variables: Sequence[Any], values: Callable[[list[Any]], list[Any]], recompute: bool = False
+    layer: keras.Layer,
+    variables: Sequence[keras.Variable],
+    values: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    recompute: bool = False,
 ) -> None:
     """Each call of `layer` reads `variables` as the tensors ``values(inputs)`` gives then (a
     ``keras.StatelessScope``, inside those of outer calls; `inputs` are the call's tensors, which the values may
@@ -371,12 +385,12 @@ def call_with_values(
 
     call = original(layer, "call")
 
-    def call_on_values(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def call_on_values(self: keras.Layer, *args: object, **kwargs: object) -> object:
         if recompute:
             return remat(functools.partial(call_in_scope, self))(*args, **kwargs)
         return call_in_scope(self, *args, **kwargs)
 
-    def call_in_scope(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def call_in_scope(self: keras.Layer, *args: object, **kwargs: object) -> object:
         outer = get_stateless_scope()
         inputs = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)]
         scope = StatelessScope(list(zip(variables, values(inputs), strict=True)), collect_losses=True)
@@ -399,12 +413,12 @@ def call_with_values(
     override(layer, "call", call_on_values)
 
 
-def tracked_variables(optimizer: Any) -> list[Any]:
+def tracked_variables(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
     """The variables a built optimizer updates (what ``apply`` defaults to)."""
     return list(optimizer._trainable_variables)
 
 
-def inner_optimizer(optimizer: Any) -> Any:
+def inner_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     """The optimizer that updates the variables: a LossScaleOptimizer's inner one, else itself."""
     import keras
 
@@ -413,12 +427,12 @@ def inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def build_without_slots(optimizer: Any) -> None:
+def build_without_slots(optimizer: keras.optimizers.Optimizer) -> None:
     """From now on `optimizer` builds only what every optimizer has (iterations, learning rate): not its
     per-variable state, which a sharded update keeps elsewhere (rdkeras.parallel.sharded_optimizer)."""
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    def build(self: Any, variables: Any) -> None:
+    def build(self: keras.optimizers.Optimizer, variables: Sequence[keras.Variable]) -> None:
         if self.built:
             return
         per_variable = self.use_ema, self.gradient_accumulation_steps  # (moving averages, accumulators)
@@ -431,24 +445,28 @@ def build_without_slots(optimizer: Any) -> None:
     override(optimizer, "build", build)
 
 
-def saves_own_variables(optimizer: Any, variables: Callable[[], Sequence[Any]]) -> None:
+def saves_own_variables(
+    optimizer: keras.optimizers.Optimizer, variables: Callable[[], Sequence[keras.Variable]]
+) -> None:
     """From now on Keras saves ``variables()`` as `optimizer`'s own (``save_own_variables``: what a .keras or
     .weights.h5 file holds of it), e.g. a sharded optimizer's whole state, gathered. Undone by :func:`restore`."""
 
-    def save_own_variables(self: Any, store: Any) -> None:
+    def save_own_variables(self: keras.optimizers.Optimizer, store: dict[str, object]) -> None:
         for i, variable in enumerate(variables()):
             store[str(i)] = variable.numpy()
 
     override(optimizer, "save_own_variables", save_own_variables)
 
 
-def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+def uses_weight_decay(optimizer: keras.optimizers.Optimizer, variable: keras.Variable) -> bool:
     """Whether `optimizer` decays `variable` (its ``exclude_from_weight_decay`` lists and patterns), asked as
     Keras's TensorFlow optimizer asks: of the backend variable (whose name is TensorFlow's)."""
     return bool(optimizer._use_weight_decay(getattr(variable, "value", variable)))
 
 
-def decide_weight_decay(optimizer: Any, decisions: Sequence[tuple[Any, bool]]) -> None:
+def decide_weight_decay(
+    optimizer: keras.optimizers.Optimizer, decisions: Sequence[tuple[keras.Variable, bool]]
+) -> None:
     """`optimizer` decays each variable of `decisions` as said (the copy of a sharded update follows the
     compiled optimizer's choice for the variable a piece comes from)."""
     cache = getattr(optimizer, "_exclude_from_weight_decay_cache", None)  # (Keras makes it on first use)
@@ -459,7 +477,7 @@ def decide_weight_decay(optimizer: Any, decisions: Sequence[tuple[Any, bool]]) -
         cache[optimizer._var_key(variable)] = bool(decays)
 
 
-def settable_learning_rate(optimizer: Any) -> bool:
+def settable_learning_rate(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether `optimizer`'s learning rate is a variable (callbacks may set it), not a schedule or callable."""
     import keras
 
@@ -471,7 +489,7 @@ def is_fit_validation(evaluate_kwargs: dict) -> bool:
     return bool(evaluate_kwargs.get("_use_cached_eval_dataset"))
 
 
-def backup_paths(callback: Any) -> tuple[Path, Path, Path, Path]:
+def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[Path, Path, Path, Path]:
     """BackupAndRestore's (weights, metadata, previous weights, previous metadata) files."""
     return (
         Path(callback._weights_path),
@@ -481,7 +499,7 @@ def backup_paths(callback: Any) -> tuple[Path, Path, Path, Path]:
     )
 
 
-def backup_position(callback: Any) -> tuple[int, int]:
+def backup_position(callback: keras.callbacks.BackupAndRestore) -> tuple[int, int]:
     """(epoch, batch) a BackupAndRestore callback is at: what its backup records."""
     return callback._current_epoch, callback._last_batch_seen
 
@@ -498,22 +516,22 @@ BACKUP_LOAD_HOOK = "_load_model"
 # -- instance overrides ------------------------------------------------------------------
 
 
-def set_untracked(obj: Any, name: str, value: Any) -> None:
+def set_untracked(obj: object, name: str, value: object) -> None:
     """Sets attribute `name` on a Keras object past Keras's attribute tracking (a Layer tracks what is set on
     it: variables, sublayers, what it serializes), so the value is never saved or serialized."""
     object.__setattr__(obj, name, value)
 
 
-def untracked(obj: Any, name: str, default: Any = None) -> Any:
+def untracked(obj: object, name: str, default: Any = None) -> Any:
     """An attribute :func:`set_untracked` set on this very object (not its class), or `default`."""
     return obj.__dict__.get(name, default) if hasattr(obj, "__dict__") else default
 
 
-def remove_untracked(obj: Any, name: str) -> None:
+def remove_untracked(obj: object, name: str) -> None:
     obj.__dict__.pop(name, None)
 
 
-def override(obj: Any, name: str, fn: Callable[..., Any]) -> None:
+def override(obj: object, name: str, fn: Callable[..., object]) -> None:
     """Replaces method `name` of this one object by ``fn(obj, *args, **kwargs)``; the class is untouched.
     :func:`original` gives the method it replaced."""
     originals = obj.__dict__.setdefault("_rdkeras_originals", {})
@@ -522,18 +540,18 @@ def override(obj: Any, name: str, fn: Callable[..., Any]) -> None:
     object.__setattr__(obj, name, types.MethodType(fn, obj))
 
 
-def original(obj: Any, name: str) -> Any:
+def original(obj: object, name: str) -> Callable[..., Any]:
     """Method `name` of `obj` as it was before :func:`override` (as it is, if not overridden)."""
     replaced = obj.__dict__.get("_rdkeras_originals", {})
     return replaced[name] if name in replaced else getattr(obj, name)
 
 
-def overridden(obj: Any) -> bool:
+def overridden(obj: object) -> bool:
     """Whether :func:`override` replaced any method of `obj`."""
     return "_rdkeras_originals" in obj.__dict__
 
 
-def restore_method(obj: Any, name: str) -> None:
+def restore_method(obj: object, name: str) -> None:
     """Removes the override of method `name` from `obj` (its others stay)."""
     originals = obj.__dict__.get("_rdkeras_originals", {})
     if originals.pop(name, None) is not None:
@@ -542,7 +560,7 @@ def restore_method(obj: Any, name: str) -> None:
         obj.__dict__.pop("_rdkeras_originals", None)
 
 
-def restore(obj: Any) -> None:
+def restore(obj: object) -> None:
     """Removes every override from `obj`."""
     for name in obj.__dict__.pop("_rdkeras_originals", {}):
         obj.__dict__.pop(name, None)
@@ -568,10 +586,11 @@ PATCH_TABLE = {
     "backend.remat": "hold_remat: keras.remat/RematScope in a traced step (tf.recompute_grad refuses keywords there)",
     "SeedGenerator.next": "hold_remat: a rematerialized call's recompute draws the seeds its forward pass drew",
 }
-_active: list[tuple[str, Any, str, Any]] = []  # (site, owner, attribute, the value it replaced), in order
+# (site, owner, attribute, the value it replaced), in order
+_active: list[tuple[str, type | types.ModuleType, str, object]] = []
 
 
-def _replace(site: str, owner: Any, name: str, value: Any) -> Callable[[], None]:
+def _replace(site: str, owner: type | types.ModuleType, name: str, value: object) -> Callable[[], None]:
     """Sets attribute `name` of `owner` (a class or a module of Keras's) to `value` for the table's `site`;
     returns the function that puts the previous value back."""
     if site not in PATCH_TABLE:
@@ -593,7 +612,7 @@ def active_patches() -> list[str]:
     return [f"{site} ({getattr(owner, '__name__', owner)}.{name})" for site, owner, name, _ in _active]
 
 
-def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
+def _patch_model_method(name: str, make: Callable[[types.FunctionType], Callable[..., object]]) -> Callable[[], None]:
     """Replaces method `name` where keras.Model's classes define it (so that checks like Keras's
     ``self.__class__.compile != Trainer.compile`` still hold) by ``make(previous)``; returns the
     function that undoes it."""
@@ -604,14 +623,14 @@ def _patch_model_method(name: str, make: Callable[[Any], Callable[..., Any]]) ->
 
 
 @contextlib.contextmanager
-def on_compile(attach: Callable[[Any], Any]) -> Iterator[None]:
+def on_compile(attach: Callable[[keras.Model], object]) -> Iterator[None]:
     """While active, every ``Model.compile`` on this thread (``load_model`` compiles too) ends with
     ``attach(model)``; other threads compile as plain Keras does."""
     thread = threading.get_ident()
 
-    def make(previous: Any) -> Any:
+    def make(previous: types.FunctionType) -> Callable[..., object]:
         @functools.wraps(previous)
-        def compile(model: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001
+        def compile(model: keras.Model, *args: object, **kwargs: object) -> object:  # noqa: A001
             result = previous(model, *args, **kwargs)
             if threading.get_ident() == thread:
                 attach(model)
@@ -629,11 +648,11 @@ def on_compile(attach: Callable[[Any], Any]) -> Iterator[None]:
 # Keras's own methods rdkeras's policy takes over for distributed models: reached by ``model.fit(...)`` and by a
 # subclass's own ``fit`` through ``super().fit`` (KerasHub's tasks preprocess their data there first).
 ROUTED_METHODS = ("fit", "evaluate", "predict")
-_routers: list[Callable[[Any, str], Callable[..., Any] | None]] = []
+_routers: list[Callable[[keras.Model, str], Callable[..., object] | None]] = []
 _unroute: list[Callable[[], None]] = []
 
 
-def route_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None]) -> None:
+def route_trainer_methods(router: Callable[[keras.Model, str], Callable[..., object] | None]) -> None:
     """Until :func:`unroute_trainer_methods`, Keras's own ``Model.fit``/``evaluate``/``predict`` ask
     ``router(model, name)`` first: None leaves the call to Keras; a handler is called as ``handler(keras_method,
     *args, **kwargs)``, `keras_method` being Keras's own method bound to the model (its signature is Keras's,
@@ -641,9 +660,9 @@ def route_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None
     if not _routers:
         for name in ROUTED_METHODS:
 
-            def make(previous: Any) -> Any:
+            def make(previous: types.FunctionType) -> Callable[..., object]:
                 @functools.wraps(previous)
-                def routed(model: Any, *args: Any, **kwargs: Any) -> Any:
+                def routed(model: keras.Model, *args: object, **kwargs: object) -> object:
                     for route in list(_routers):
                         handler = route(model, previous.__name__)
                         if handler is not None:
@@ -656,7 +675,7 @@ def route_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None
     _routers.append(router)
 
 
-def unroute_trainer_methods(router: Callable[[Any, str], Callable[..., Any] | None]) -> None:
+def unroute_trainer_methods(router: Callable[[keras.Model, str], Callable[..., object] | None]) -> None:
     if router in _routers:
         _routers.remove(router)
         if not _routers:
@@ -668,7 +687,7 @@ _apply_state = threading.local()
 
 
 @contextlib.contextmanager
-def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
+def on_apply(hook: Callable[[keras.optimizers.Optimizer, list], list]) -> Iterator[None]:
     """While active, ``Optimizer.apply`` on this thread (so ``apply_gradients`` too) of an optimizer rdkeras
     has not overridden on its instance first passes the gradients through ``hook(optimizer, grads)``; once per
     call, however the optimizers nest (a LossScaleOptimizer's inner one)."""
@@ -682,7 +701,12 @@ def on_apply(hook: Callable[[Any, list], list]) -> Iterator[None]:
     for owner in owners:
         previous = owner.__dict__["apply"]
 
-        def apply(optimizer: Any, grads: Any, trainable_variables: Any = None, previous: Any = previous) -> Any:
+        def apply(
+            optimizer: keras.optimizers.Optimizer,
+            grads: Sequence[tf.Tensor],
+            trainable_variables: Sequence[keras.Variable] | None = None,
+            previous: Callable[..., object] = previous,
+        ) -> object:
             if threading.get_ident() != thread or getattr(_apply_state, "inside", False):
                 return previous(optimizer, grads, trainable_variables)
             _apply_state.inside = True
@@ -705,13 +729,37 @@ _DRAWS = ("normal", "uniform", "truncated_normal", "randint")
 _step = threading.local()
 
 
+class StepBatch(Protocol):
+    """What :func:`global_batch_step` reads of the batch a step is traced for (``rdkeras.fitting.GlobalBatch``)."""
+
+    @property
+    def start(self) -> int | tf.Tensor: ...  # this replica's first row in the global batch
+    @property
+    def rows(self) -> int | tf.Tensor: ...  # this replica's rows
+    @property
+    def total(self) -> int | tf.Tensor: ...  # the global batch's rows
+    @property
+    def draws(self) -> dict | None: ...  # the draws a pipeline step's micro-batches share
+
+    def reduce_loss(
+        self,
+        keras_reduce: Callable[..., tf.Tensor],
+        values: tf.Tensor,
+        sample_weight: tf.Tensor | None = None,
+        mask: tf.Tensor | None = None,
+        reduction: str | None = "sum_over_batch_size",
+        dtype: str | None = None,
+    ) -> tf.Tensor: ...
+
+
 def current_global_batch() -> Any:
-    """The `batch` of the :func:`global_batch_step` active on this thread, or None."""
+    """The `batch` of the :func:`global_batch_step` active on this thread, or None (the caller's own object, a
+    :class:`StepBatch` and whatever more the caller gave it)."""
     return getattr(_step, "batch", None)
 
 
 @contextlib.contextmanager
-def global_batch_step(batch: Any) -> Iterator[None]:
+def global_batch_step(batch: StepBatch) -> Iterator[None]:
     """While a data-parallel step is traced on this thread, its random draws and its losses are the global batch's.
 
     `batch` gives ``start``, ``rows`` and ``total`` (this replica's first row in the global batch, its rows, the
@@ -736,7 +784,7 @@ def global_batch_step(batch: Any) -> Iterator[None]:
     shared = getattr(batch, "draws", None)  # a pipeline's micro-batches: the step's draws, made once
     made: dict[int, int] = {}  # draws made here so far, by seed generator
 
-    def draw_seed(seed: Any) -> Any:
+    def draw_seed(seed: SeedGenerator | int | None) -> tf.Tensor:
         """The seed of a draw: the generator's next one; in a pipeline's micro-batch, the seed the step's first
         micro-batch drew at the same place (the generator advances once a step, as in one process)."""
         if shared is None or not isinstance(seed, seed_generator.SeedGenerator):
@@ -748,22 +796,26 @@ def global_batch_step(batch: Any) -> Iterator[None]:
         return shared[key]
 
     class _Drawn(seed_generator.SeedGenerator):  # a seed already drawn, handed to Keras's own function
-        def __init__(self, seed: Any) -> None:  # no state variable: nothing to track
+        def __init__(self, seed: tf.Tensor) -> None:  # no state variable: nothing to track
             self._drawn = seed
 
-        def next(self, ordered: bool = True) -> Any:
+        def next(self, ordered: bool = True) -> tf.Tensor:
             return self._drawn
 
-    def of_global(first: Any, replica: Callable[[], Any], whole: Callable[[], Any]) -> Any:
+    def of_global(
+        first: int | tf.Tensor, replica: Callable[[], tf.Tensor], whole: Callable[[], tf.Tensor]
+    ) -> tf.Tensor:
         """``whole()[start:start + rows]`` where `first` (a draw's first dimension) is this replica's rows."""
         if isinstance(first, int) and isinstance(rows, int):
             return whole()[start : start + rows] if first == rows else replica()
         return tf.cond(tf.equal(tf.cast(first, tf.int64), tf.cast(rows, tf.int64)),
                        lambda: whole()[start : start + rows], replica)  # fmt: skip
 
-    def make(previous: Any) -> Any:
+    def make(previous: Callable[..., tf.Tensor]) -> Callable[..., tf.Tensor]:
         @functools.wraps(previous)
-        def draw(shape: Any, *args: Any, seed: Any = None, **kwargs: Any) -> Any:
+        def draw(
+            shape: Sequence[int | tf.Tensor] | tf.Tensor, *args: object, seed: object = None, **kwargs: object
+        ) -> tf.Tensor:
             if threading.get_ident() != thread:
                 return previous(shape, *args, seed=seed, **kwargs)
             drawn = _Drawn(draw_seed(seed))  # the generator advances once, as in one process
@@ -781,7 +833,9 @@ def global_batch_step(batch: Any) -> Iterator[None]:
     keras_dropout = backend_random.dropout
 
     @functools.wraps(keras_dropout)
-    def dropout(inputs: Any, rate: Any, noise_shape: Any = None, seed: Any = None) -> Any:
+    def dropout(
+        inputs: tf.Tensor, rate: float | tf.Tensor, noise_shape: Sequence[int | None] | None = None, seed: object = None
+    ) -> tf.Tensor:
         if threading.get_ident() != thread or not isinstance(rate, (int, float)) or rate in (0.0, 1.0):
             return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
         inputs = tf.convert_to_tensor(inputs)
@@ -789,7 +843,7 @@ def global_batch_step(batch: Any) -> Iterator[None]:
         dims = [tf.shape(inputs)[i] if d is None else d for i, d in enumerate(dims)]
         drawn = backend_random._cast_seed(draw_seed(seed))  # as Keras's own dropout casts it
 
-        def keep(first: Any) -> Any:
+        def keep(first: int | tf.Tensor) -> tf.Tensor:
             # TensorFlow's own stateless dropout of ones: the keep mask it draws for this shape and seed.
             shape = tf.stack([tf.cast(d, tf.int32) for d in (first, *dims[1:])])
             return tf.nn.experimental.stateless_dropout(tf.ones(shape, inputs.dtype), rate=rate, seed=drawn) > 0
@@ -800,7 +854,7 @@ def global_batch_step(batch: Any) -> Iterator[None]:
 
     keras_reduce = loss_module.reduce_weighted_values
 
-    def reduce_weighted_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce_weighted_values(values: tf.Tensor, *args: Any, **kwargs: Any) -> tf.Tensor:
         if threading.get_ident() != thread:
             return keras_reduce(values, *args, **kwargs)
         return batch.reduce_loss(keras_reduce, values, *args, **kwargs)
@@ -819,7 +873,7 @@ def global_batch_step(batch: Any) -> Iterator[None]:
             put_back()
 
 
-def synchronized_batch_norms(model: Any) -> list[Any]:
+def synchronized_batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
     """The model's BatchNormalization layers built with ``synchronized=True`` (nested models included)."""
     import keras
 
@@ -835,7 +889,7 @@ def synchronized_batch_norms(model: Any) -> list[Any]:
 MOMENTS_HOOK = "_moments"
 
 
-def reduction_axes(batch_norm: Any) -> list[int]:
+def reduction_axes(batch_norm: keras.layers.BatchNormalization) -> list[int]:
     return list(batch_norm._reduction_axes)
 
 
@@ -850,7 +904,7 @@ class _RematFrame:
     """One rematerialized call on this thread: the seeds its forward pass drew, by generator (recording), or
     those it hands out again (the recompute, replaying)."""
 
-    def __init__(self, seeds: dict[int, list[Any]], replay: bool):
+    def __init__(self, seeds: dict[int, list[tf.Tensor]], replay: bool):
         self.seeds, self.replay = seeds, replay
         self.taken: dict[int, int] = {}
 
@@ -861,7 +915,7 @@ def _remat_frames() -> list[_RematFrame]:
     return _remat.frames  # type: ignore[no-any-return]
 
 
-def remat(f: Callable[..., Any]) -> Callable[..., Any]:
+def remat(f: Callable[..., _R]) -> Callable[..., _R]:
     """Keras's TensorFlow ``remat`` (``tf.recompute_grad(f)``), as rdkeras runs it (:func:`hold_remat`): `f`'s
     floating-point tensor arguments, positional or keyword, are the recomputed function's inputs and the rest
     (``training=True``, masks, None) is closed over -- ``tf.recompute_grad`` refuses keywords in a traced step,
@@ -874,17 +928,17 @@ def remat(f: Callable[..., Any]) -> Callable[..., Any]:
     from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
     @functools.wraps(f)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> _R:
         autocast = get_autocast_scope()
         flat = tf.nest.flatten((args, kwargs))
         moving = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.dtype.is_floating]
         if not moving:  # nothing to differentiate by: no activation to keep either
             return f(*args, **kwargs)
-        seeds: dict[int, list[Any]] = {}
+        seeds: dict[int, list[tf.Tensor]] = {}
         batch = current_global_batch()
         runs = [0]
 
-        def body(*tensors: Any) -> Any:
+        def body(*tensors: tf.Tensor) -> _R:
             leaves = list(flat)
             for i, t in zip(moving, tensors, strict=True):
                 leaves[i] = t
@@ -908,12 +962,14 @@ def remat(f: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _replaying_next(previous: Callable[..., Any]) -> Callable[..., Any]:
+def _replaying_next(
+    previous: Callable[[SeedGenerator, bool], tf.Tensor],
+) -> Callable[[SeedGenerator, bool], tf.Tensor]:
     """``SeedGenerator.next`` inside rematerialized calls: a recompute hands out the seeds its forward drew (the
     generator does not advance again), and every forward records what it draws for the recomputes around it."""
 
     @functools.wraps(previous)
-    def next_seed(generator: Any, ordered: bool = True) -> Any:
+    def next_seed(generator: SeedGenerator, ordered: bool = True) -> tf.Tensor:
         frames = _remat_frames()
         if not frames:
             return previous(generator, ordered)

@@ -150,12 +150,17 @@ def from_env(env: Mapping[str, str] | None = None) -> Options:
     )
 
 
-def check_timeout(value: float | str, what: str = "timeout") -> float:
-    """`value` as seconds > 0 (a finite number); ValueError naming `what` otherwise."""
+def _seconds(value: float | str, what: str) -> float:
+    """`value` as a float; ValueError naming `what` where it is not a number."""
     try:
-        seconds = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+
+
+def check_timeout(value: float | str, what: str = "timeout") -> float:
+    """`value` as seconds > 0 (a finite number); ValueError naming `what` otherwise."""
+    seconds = _seconds(value, what)
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{what}={value!r}: a wait needs a finite number of seconds > 0")
     return seconds
@@ -163,10 +168,7 @@ def check_timeout(value: float | str, what: str = "timeout") -> float:
 
 def check_heartbeat(value: float | str, what: str = "heartbeat_timeout") -> float:
     """`value` as seconds a peer may stay silent: finite and > 0, or 0 for no heartbeat."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+    seconds = _seconds(value, what)
     if seconds == 0:
         return 0.0
     if not math.isfinite(seconds) or seconds < 1:
@@ -176,10 +178,7 @@ def check_heartbeat(value: float | str, what: str = "heartbeat_timeout") -> floa
 
 def check_progress(value: float | str, what: str = "progress_timeout") -> float:
     """`value` as seconds a collective waits before it looks for a hung member: finite and > 0, or 0 for never."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}={value!r} is not a number of seconds") from None
+    seconds = _seconds(value, what)
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{what}={value!r}: a progress timeout is a finite number of seconds > 0 (or 0: never)")
     return seconds

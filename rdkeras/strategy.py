@@ -149,7 +149,7 @@ class RDMAStrategy(CustomLoops, ModelState):
         options.check_workers(c.world_size)
         self.options = options
         parallelism = options.parallelism
-        elastic = None
+        membership = None
         if settings.min_workers and c.world_size > 1:
             if parallelism != "data":
                 raise ValueError(
@@ -159,12 +159,14 @@ class RDMAStrategy(CustomLoops, ModelState):
             if settings.store != "launcher":
                 raise ValueError("an elastic job needs its launcher to host the store (RDKERAS_STORE=launcher)")
             from rdkeras.elastic import ElasticGroup
+            from rdkeras.elastic.membership import Membership
 
-            elastic = ElasticGroup(c.rank, settings.min_workers)
+            group = ElasticGroup(c.rank, settings.min_workers)
             if settings.join is not None:  # a replacement: alone until the group takes it in (at fit)
-                elastic.joining, elastic.chief = (c.master_addr, c.master_port, c.world_size), None
+                group.joining, group.chief = (c.master_addr, c.master_port, c.world_size), None
                 c = dataclasses.replace(c, rank=0, world_size=1, master_port=0)
                 settings = dataclasses.replace(settings, store="rank0")
+            membership = Membership(group)
         engine = Engine(
             c.rank,
             c.world_size,
@@ -191,7 +193,7 @@ class RDMAStrategy(CustomLoops, ModelState):
                     algorithm=data.algorithm,
                     compression=data.compression,
                     compress_within_hosts=data.compress_within_hosts,
-                    elastic=elastic,
+                    membership=membership,
                     sparse_as_dense=data.sparse_as_dense,
                     shard=data.shard,
                 )
@@ -226,7 +228,8 @@ class RDMAStrategy(CustomLoops, ModelState):
         """An elastic job's membership changes so far, oldest first: ``step`` (optimizer steps applied when the
         group re-formed), ``workers`` (after it), ``lost`` and ``joined`` (worker ids: first ranks), ``seconds``
         (this worker's time to re-form), ``generation``. Empty outside an elastic job."""
-        return list(getattr(self._parallel, "membership", []))
+        membership = self._parallel.membership
+        return list(membership.changes) if membership is not None else []
 
     @property
     def num_workers(self) -> int:

@@ -9,6 +9,14 @@ uint8_t* WireScratch::get(size_t bytes) {
   return block_->data();
 }
 
+CollectiveGroup::CollectiveGroup(std::shared_ptr<Engine> engine, size_t capacity_bytes,
+                                 std::vector<int> members)
+    : engine_(std::move(engine)),
+      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+      world_(static_cast<int>(members_.size())),
+      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
+      scratch_(engine_->tracker(), capacity_) {}
+
 void allreduceOnWire(const std::vector<ConstSpan>& inputs, const std::vector<float*>& outputs, DType wire,
                      float scale, WireScratch& scratch,
                      const std::function<AllreduceResult(const std::vector<ConstSpan>&)>& reduce) {
@@ -68,6 +76,15 @@ std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* tot
     at = roundUp(at + inputs[i].bytes, kAlign);
   }
   *total = at;
+  return offsets;
+}
+
+std::vector<size_t> ringLayoutWithin(const std::vector<ConstSpan>& inputs, size_t capacity,
+                                     const char* holder, size_t* total) {
+  std::vector<size_t> offsets = ringLayout(inputs, total);
+  if (*total > capacity)
+    throw EngineError(strCat("allreduce of ", *total, " bytes exceeds this ", holder, "'s capacity of ",
+                             capacity, " bytes"));
   return offsets;
 }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/engine.h"
@@ -43,6 +44,32 @@ class WireScratch {
   std::unique_ptr<RegisteredBlock> block_;
 };
 
+// What every allreduce group is, whatever its algorithm (RingAllreduce, DoublingAllreduce): its engine, its
+// members (engine ranks) and their count, the capacity of one output block, its name on the face and the
+// registered scratch its wire-typed copies go to.
+class CollectiveGroup {
+ public:
+  size_t capacity() const { return capacity_; }
+  int size() const { return world_; }
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
+  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
+  const std::string& name() const { return name_; }
+  void setName(std::string name) { name_ = std::move(name); }
+  WireScratch& wireScratch() { return scratch_; }
+
+ protected:
+  // `members` empty: every rank of the engine's world (each checked to be one); the capacity rounded up to
+  // whole cache lines.
+  CollectiveGroup(std::shared_ptr<Engine> engine, size_t capacity_bytes, std::vector<int> members);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<int> members_;
+  std::string name_;
+  int world_;
+  size_t capacity_;
+  WireScratch scratch_;
+};
+
 // Runs `reduce` over `inputs` (float32) cast to `wire`, and casts the sums back into `outputs` (one float32
 // buffer per input, as large), scaled by `scale`. The inputs' copies are laid out as the reduction lays out
 // its inputs, in `scratch`.
@@ -59,6 +86,10 @@ inline size_t inputBytes(const std::vector<ConstSpan>& inputs) {
 
 // Where each tensor starts in an allreduce's output block (64-byte aligned); *total is the padded size.
 std::vector<size_t> ringLayout(const std::vector<ConstSpan>& inputs, size_t* total);
+// ringLayout for a call into a block of `capacity` bytes: raises, naming this `holder`'s capacity ("ring",
+// "group"), where the padded size exceeds it.
+std::vector<size_t> ringLayoutWithin(const std::vector<ConstSpan>& inputs, size_t capacity,
+                                     const char* holder, size_t* total);
 
 // What every member of an allreduce must agree on: dtype, count and sizes (FNV-1a; never 0).
 uint64_t callSignature(const std::vector<ConstSpan>& inputs, DType dtype);

@@ -24,15 +24,11 @@ int log2Of(int power) {
 
 DoublingAllreduce::DoublingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes,
                                      std::vector<int> members)
-    : engine_(std::move(engine)),
-      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+    : CollectiveGroup(std::move(engine), capacity_bytes, std::move(members)),
       position_(positionOf(members_, engine_->rank())),
-      world_(static_cast<int>(members_.size())),
       power_(largestPowerOfTwo(world_)),
       steps_(log2Of(power_)),
-      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
-      acked_by_(steps_ + 1, -1),
-      scratch_(engine_->tracker(), capacity_) {
+      acked_by_(steps_ + 1, -1) {
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), offAck(steps_ + 1));
   block_ = registered_->data();
 }
@@ -122,10 +118,7 @@ const uint8_t* DoublingAllreduce::receive(int peer, int step, uint64_t signature
 AllreduceResult DoublingAllreduce::run(const std::vector<ConstSpan>& inputs, DType dtype, bool average) {
   const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
-  std::vector<size_t> offsets = ringLayout(inputs, &total);
-  if (total > capacity_)
-    throw EngineError(
-        strCat("allreduce of ", total, " bytes exceeds this group's capacity of ", capacity_, " bytes"));
+  std::vector<size_t> offsets = ringLayoutWithin(inputs, capacity_, "group", &total);
   const uint64_t signature = callSignature(inputs, dtype);
   const int parity = static_cast<int>(calls_ % 2);
   uint8_t* out = block_ + parity * capacity_;

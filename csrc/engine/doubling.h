@@ -20,7 +20,7 @@ namespace rdkeras {
 // Each step's message lands in a registered slot of the partner's (two per step, alternating per call: a
 // partner writes a slot again only after it heard from this rank in the next call, by which time this rank
 // read it); the inputs are read in place; the outputs alternate between two blocks as the ring's do.
-class DoublingAllreduce {
+class DoublingAllreduce : public CollectiveGroup {
  public:
   DoublingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, std::vector<int> members = {});
   // Waits (a few seconds at most) for the acks of this rank's last messages, which are read from its block.
@@ -33,13 +33,6 @@ class DoublingAllreduce {
   void connect(const std::vector<std::string>& descriptors);
   AllreduceResult run(const std::vector<ConstSpan>& inputs, DType dtype, bool average);
 
-  size_t capacity() const { return capacity_; }
-  int size() const { return world_; }
-  const std::shared_ptr<Engine>& engine() const { return engine_; }
-  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
-  const std::string& name() const { return name_; }
-  void setName(std::string name) { name_ = std::move(name); }
-  WireScratch& wireScratch() { return scratch_; }
   // The member positions this one exchanges with, in order (the fold-in partner first where it has one).
   std::vector<int> partners() const;
 
@@ -51,17 +44,12 @@ class DoublingAllreduce {
   const uint8_t* receive(int peer, int step, uint64_t signature, size_t total,
                          const std::vector<ConstSpan>& inputs, DType dtype);
 
-  std::shared_ptr<Engine> engine_;
-  std::vector<int> members_;
-  std::string name_;
-  int position_, world_, power_, steps_;  // power_: the largest power of 2 <= world_; steps_: log2(power_)
-  size_t capacity_;
+  int position_, power_, steps_;  // power_: the largest power of 2 <= world_; steps_: log2(power_)
   std::unique_ptr<RegisteredBlock> registered_;
   uint8_t* block_ = nullptr;
   std::vector<uint64_t> keys_;  // by member position
   uint64_t calls_ = 0;
   std::vector<int> acked_by_;  // the engine ranks whose acks the destructor waits for, by step (-1: none)
-  WireScratch scratch_;
   // Block: [out 0 | out 1 | slots (step, parity) | flags (step, parity) | signatures (step, parity) | acks
   // (step)] with steps_ + 1 steps: the doubling steps, then the fold (in from the member P after, back to
   // it).

@@ -85,16 +85,13 @@ class PassHooks {
 
 RingAllreduce::RingAllreduce(std::shared_ptr<Engine> engine, size_t capacity_bytes, size_t bucket_bytes,
                              std::vector<int> members)
-    : engine_(std::move(engine)),
-      members_(allRanksIfEmpty(std::move(members), engine_->worldSize())),
+    : CollectiveGroup(std::move(engine), capacity_bytes, std::move(members)),
       rank_(positionOf(members_, engine_->rank())),
-      world_(static_cast<int>(members_.size())),
       left_(members_[(rank_ + world_ - 1) % world_]),
       right_(members_[(rank_ + 1) % world_]),
-      capacity_(roundUp(std::max<size_t>(capacity_bytes, kAlign), kAlign)),
-      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)),
-      scratch_(engine_->tracker(), capacity_) {
-  slot_bytes_ = roundUp(bucket_bytes_ / world_, kAlign);
+      bucket_bytes_(roundUp(std::max<size_t>(bucket_bytes, kAlign * world_), kAlign * world_)) {
+  // A slot holds one pass's chunk: never more than a pass (or the whole capacity) over the members.
+  slot_bytes_ = roundUp((std::min(bucket_bytes_, capacity_) + world_ - 1) / world_, kAlign);
   registered_ = std::make_unique<RegisteredBlock>(engine_->tracker(), registeredBytes());
   block_ = registered_->data();
 }
@@ -187,10 +184,7 @@ RingAllreduce::Result RingAllreduce::run(const std::vector<ConstSpan>& inputs, D
                                          const ChunkHook& between) {
   const CollectiveScope scope(*engine_, "allreduce", name_, members_, inputBytes(inputs));
   size_t total;
-  std::vector<size_t> offsets = ringLayout(inputs, &total);
-  if (total > capacity_)
-    throw EngineError(
-        strCat("allreduce of ", total, " bytes exceeds this ring's capacity of ", capacity_, " bytes"));
+  std::vector<size_t> offsets = ringLayoutWithin(inputs, capacity_, "ring", &total);
   total_bytes_ = 0;
   for (const auto& in : inputs) total_bytes_ += in.bytes;
   const uint64_t signature = callSignature(inputs, dtype);

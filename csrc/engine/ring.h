@@ -37,7 +37,7 @@ struct ChunkRange {
 };
 ChunkRange ringChunk(size_t b0, size_t b1, int n, int c);
 
-class RingAllreduce {
+class RingAllreduce : public CollectiveGroup {
  public:
   // capacity_bytes: the largest total (with 64-byte padding per tensor) a call may
   // reduce; bucket_bytes: how much one ring pass moves; members: the engine ranks
@@ -76,14 +76,6 @@ class RingAllreduce {
   // The left member writes into this one's block only once this one has entered the call (a flag each call).
   uint8_t* allgather(ConstSpan shard);
 
-  size_t capacity() const { return capacity_; }
-  int size() const { return world_; }
-  const std::shared_ptr<Engine>& engine() const { return engine_; }
-  // What a hung member's error calls this group's calls ("ring grads"): its name on the face.
-  const std::string& name() const { return name_; }
-  void setName(std::string name) { name_ = std::move(name); }
-  WireScratch& wireScratch() { return scratch_; }
-
  private:
   void reduceScatterStep(const std::vector<ConstSpan>& inputs, const std::vector<size_t>& offsets,
                          size_t send_begin, size_t send_end, bool send_from_inputs, size_t recv_begin,
@@ -94,12 +86,8 @@ class RingAllreduce {
   // Shard size of a flat buffer of `bytes` over the members, checked (capacity, alignment, dtype).
   size_t shardBytes(size_t bytes, size_t item, const char* what) const;
 
-  std::shared_ptr<Engine> engine_;
-  std::vector<int> members_;
-  std::string name_;
-  int rank_, world_, left_,
-      right_;  // rank_/world_: position among / count of members_; left_/right_: engine ranks
-  size_t capacity_, bucket_bytes_, slot_bytes_;
+  int rank_, left_, right_;  // rank_: position among members_; left_/right_: engine ranks
+  size_t bucket_bytes_, slot_bytes_;
   // One registered block: [out 0 | out 1 | slot 0 | slot 1 | flag 0 | flag 1 | ack | gather flag |
   //                        signature 0 | signature 1 | ready | allgather signature]
   std::unique_ptr<RegisteredBlock> registered_;
@@ -120,7 +108,6 @@ class RingAllreduce {
   size_t offReady() const { return offFlag(6); }            // the right member entered allgather() #n
   size_t offGatherSignature() const { return offFlag(7); }  // the left member's allgather() signature
   size_t registeredBytes() const { return offFlag(8); }
-  WireScratch scratch_;
 };
 
 }  // namespace rdkeras

@@ -403,3 +403,15 @@ TEST_CASE("reduceScatter and allgather refuse a buffer that does not split into 
   CHECK_THROWS_WITH_AS(ring.allgather({data.data(), 8192}), doctest::Contains("exceeds this ring's capacity"),
                        EngineError);
 }
+
+TEST_CASE("a ring's slots are no larger than its capacity over the members, however large the bucket") {
+  // A small ring (a sync or a row gather) beside 64 MiB buckets: its two slots once took 2 x 64 MiB / N of
+  // zeroed, resident shared memory; a slot never holds more than one member's chunk of a whole call.
+  auto engines = connectedEngines(2, "shm");
+  const size_t capacity = 1 << 20, bucket = size_t{64} << 20;
+  const uint64_t before = engines[0]->tracker().counters().bytes_registered;
+  RingAllreduce ring(engines[0], capacity, bucket);
+  const uint64_t registered = engines[0]->tracker().counters().bytes_registered - before;
+  CHECK(registered >= 3 * capacity);         // two output regions and two slots of half the capacity each
+  CHECK(registered <= 3 * capacity + 4096);  // (and a few flags)
+}

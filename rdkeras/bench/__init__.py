@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -19,6 +21,37 @@ def pin_one_core() -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def step_timer(written: Callable[[], float] | None = None, at_first_timed: Callable[[], object] | None = None) -> Any:
+    """A Keras callback that records each training step's seconds (``times``) and loss (``losses``), and the
+    bytes `written()` counts (:meth:`rdkeras.introspect.Inspection.bytes_written`) from the third step's start to
+    the last step's end (``bytes``: [then, now]): not the start's broadcast of the weights, nor the epoch end's
+    merge. `at_first_timed()` runs as the third step begins (the first two trace)."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self.bytes = [0.0, 0.0]
+
+        def on_train_batch_begin(self, step: int, logs: object = None) -> None:
+            if step == 2:
+                if written is not None:
+                    self.bytes[0] = written()
+                if at_first_timed is not None:
+                    at_first_timed()
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
+            self.times.append(time.perf_counter() - self.began)
+            if written is not None:
+                self.bytes[1] = written()
+            self.losses.append(float((logs or {}).get("loss", float("nan"))))
+
+    return StepTimer()
 
 
 def cut_after(names: list[str], layer: str) -> dict[str, int]:

@@ -47,7 +47,7 @@ def _validation(
     runs: list[dict], cal: dict, cores: int, compute: dict[str, float], loaded: dict[str, float], fixed: dict
 ) -> list[dict[str, Any]]:
     """Every distributed run measured here (once a configuration) beside its prediction from the calibration."""
-    from rdkeras.parallel.collectives import BUCKET_BYTES
+    from rdkeras.introspect import BUCKET_BYTES
 
     validation, seen = [], set()
     for r in runs:

@@ -35,12 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def worker_main(modes: list, vocabulary: int, dim: int, batch: int, length: int, steps: int, alone: bool) -> dict:
     """Trains the classifier in each mode (or, `alone`, once without rdkeras); per mode: the bytes this worker
     wrote per step, its median step time and its final weights' checksum pieces."""
-    import time
 
     import keras
     import numpy as np
 
-    from rdkeras.bench import pin_one_core
+    from rdkeras import introspect
+    from rdkeras.bench import pin_one_core, step_timer
 
     pin_one_core()
     rng = np.random.default_rng(0)
@@ -59,28 +59,7 @@ def worker_main(modes: list, vocabulary: int, dim: int, batch: int, length: int,
                                       keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])  # fmt: skip
             model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(True))
 
-        def written(strategy: object = strategy) -> float:
-            return strategy.engine.traffic()["bytes_written"] if strategy else 0.0  # type: ignore[attr-defined]
-
-        class Timer(keras.callbacks.Callback):
-            """Each step's time, and the bytes written from the third step's start to the last's end (not the
-            start's broadcast of the weights and optimizer state, nor the epoch end's metric merge)."""
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.times: list[float] = []
-                self.bytes = [0.0, 0.0]
-
-            def on_train_batch_begin(self, step: int, logs: object = None) -> None:
-                if step == 2:
-                    self.bytes[0] = written()
-                self.began = time.perf_counter()
-
-            def on_train_batch_end(self, step: int, logs: object = None) -> None:
-                self.times.append(time.perf_counter() - self.began)
-                self.bytes[1] = written()
-
-        timer = Timer()
+        timer = step_timer(introspect.inspect(strategy).bytes_written)  # each step's time, the bytes it wrote
 
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
         weights = model.get_weights()

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import options
+from rdkeras import introspect, options
 from rdkeras.bench import cut_after, pin_one_core
 
 # (input/output width, hidden width): FCN-5 is input -> 3 x hidden (sigmoid) -> softmax output.
@@ -126,7 +126,7 @@ def model_parallel_rank(
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
     result = {"rate": steps / (clock.t1 - clock.t0), "params": model.count_params()}
     if strategy:
-        edge = strategy.plan.edges[0]
+        edge = introspect.inspect(strategy).plan.edges[0]
         result["edge"] = f"{edge.producer} {edge.shape} {edge.transfer}"
         result["edge_bytes"] = edge.bytes_per_step
         strategy.close()

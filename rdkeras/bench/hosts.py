@@ -159,10 +159,10 @@ def _model_and_data(nbytes: int, reps: int, batch: int) -> tuple[Any, np.ndarray
     return model, np.random.default_rng(0).standard_normal((batch * (reps + 1), width)).astype(np.float32)
 
 
-def _fit_seconds(model: Any, x: np.ndarray, batch: int, engine: Any = None) -> dict[str, list]:
+def _fit_seconds(model: Any, x: np.ndarray, batch: int, view: Any = None) -> dict[str, list]:
     """Per training step of one epoch of `x` (the first step, tracing, left out): its seconds ("step"), the
-    machine's CPU seconds by kind over it ("cpu", :func:`machine_cpu_seconds`), and with `engine` its seconds
-    inside its exchange ops, their work and waits ("inside")."""
+    machine's CPU seconds by kind over it ("cpu", :func:`machine_cpu_seconds`), and with `view` (the strategy's
+    :class:`rdkeras.introspect.Inspection`) its seconds inside its exchange ops, their work and waits ("inside")."""
     import keras
 
     out: dict[str, list] = {"step": [], "cpu": [], "inside": []}
@@ -170,15 +170,15 @@ def _fit_seconds(model: Any, x: np.ndarray, batch: int, engine: Any = None) -> d
     class Timer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             self.cpu = machine_cpu_seconds()
-            self.exchanged = engine.traffic()["exchange_seconds"] if engine is not None else 0.0
+            self.exchanged = view.traffic()["exchange_seconds"] if view is not None else 0.0
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             out["step"].append(time.perf_counter() - self.began)
             cpu = machine_cpu_seconds()
             out["cpu"].append({k: cpu[k] - self.cpu[k] for k in cpu})
-            if engine is not None:
-                out["inside"].append(engine.traffic()["exchange_seconds"] - self.exchanged)
+            if view is not None:
+                out["inside"].append(view.traffic()["exchange_seconds"] - self.exchanged)
 
     model.fit(x, x, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     return {k: v[1:] for k, v in out.items() if v}
@@ -197,12 +197,14 @@ def _step_seconds(
     algorithm: str, nbytes: int, reps: int, overlap_bytes: int | None, compression: str | None
 ) -> dict[str, Any]:
     import rdkeras
+    from rdkeras import introspect
 
     strategy = rdkeras.RDMAStrategy(algorithm=algorithm, overlap_bytes=overlap_bytes, compression=compression)
+    view = introspect.inspect(strategy)
     with strategy.scope():
         model, x = _model_and_data(nbytes, reps, 32)  # the global batch, whatever the number of workers
-    timed = _fit_seconds(model, x, 32, strategy.engine)
-    plan = strategy.plan
+    timed = _fit_seconds(model, x, 32, view)
+    plan = view.plan
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     strategy.close()
     # A strided sample of the weights: enough to compare runs, small enough for JSON.
@@ -279,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(measured: dict[str, Any], args: argparse.Namespace) -> None:
-    from rdkeras.parallel.collectives import EXCHANGE_LANES
+    from rdkeras.introspect import EXCHANGE_LANES
 
     summary = summarize(measured)
     rounds = (

@@ -55,7 +55,6 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
     above the bare imports, median step time and bytes written per step. Tokens are uniformly random, or with
     `learnable` drawn from ids 1-63 only (a distribution the model learns within a few steps: the loss falls).
     With `cgroup_prefix` the worker first joins its rank's capped group (rdkeras.bench.cgroup)."""
-    import time
 
     from rdkeras.bench import cgroup
 
@@ -64,8 +63,8 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
     import keras_hub
     import numpy as np
 
-    from rdkeras.bench import pin_one_core
-    from rdkeras.fitting.saving import variables_bytes
+    from rdkeras import introspect
+    from rdkeras.bench import pin_one_core, step_timer
 
     pin_one_core()
     bare_kb = _status_kb("VmRSS")  # TensorFlow, Keras and KerasHub imported, nothing built
@@ -89,37 +88,11 @@ def worker_main(mode: str | None, hidden: int, layers: int, vocabulary: int, seq
         loss = keras.losses.SparseCategoricalCrossentropy(True)
         lm.compile(optimizer=keras.optimizers.Adam(learning_rate), loss=loss)
 
-    def written() -> float:
-        return strategy.engine.traffic()["bytes_written"] if strategy else 0.0
-
-    class Timer(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.times: list[float] = []
-            self.bytes = [0.0, 0.0]
-            self.losses: list[float] = []
-
-        def on_train_batch_begin(self, step: int, logs: object = None) -> None:
-            if step == 2:
-                self.bytes[0] = written()
-            self.began = time.perf_counter()
-
-        def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
-            self.times.append(time.perf_counter() - self.began)
-            self.bytes[1] = written()
-            self.losses.append(float((logs or {}).get("loss", float("nan"))))
-
-    timer = Timer()
+    view = introspect.inspect(strategy)
+    timer = step_timer(view.bytes_written)
     lm.fit(x, tokens[:, 1:], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-    if strategy is not None:
-        state = strategy.state_bytes(lm)
-    else:
-        state = {"parameters": variables_bytes(lm.weights), "optimizer": variables_bytes(lm.optimizer.variables)}
-    trainable = variables_bytes(lm.trainable_variables)
-    workers = strategy.num_workers if strategy else 1
     out = {
-        **state,
-        "gradients": trainable // workers if mode in ("gradients", "parameters") else trainable,
+        **view.state_bytes(lm).as_dict(),
         "peak_above_bare_mb": (_status_kb("VmHWM") - bare_kb) / 1024,
         "peak_mb": _status_kb("VmHWM") / 1024,
         "step_s": float(np.median(timer.times[2:])),

@@ -121,6 +121,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
     rank = cluster.resolve().rank
     pin_and_thread(rank, 2)  # the start ops need an executor thread beside the one running backprop
     import rdkeras
+    from rdkeras import introspect
     from rdkeras.parallel import collectives
 
     out: dict[str, Any] = {"rank": rank}
@@ -156,7 +157,7 @@ def overlap_rank(steps: int, batch: int = 0, rate_bits: float = MAX_RATE, width:
                     mine = [p for p in collectives.pipelines() if id(p) not in existing]
                     if mine:
                         out[f"{mode}_breakdown"] = _breakdown(list(mine[0].timeline)[-steps:])
-        out[f"{mode}_traffic"] = strategy.engine.traffic()
+        out[f"{mode}_traffic"] = introspect.inspect(strategy).traffic()
         if mode == "allreduce":
             job = next_job(strategy, next(jobs))
         strategy.close()

@@ -44,7 +44,6 @@ def worker_main(remat: dict | None, distributed: bool, hidden: int, layers: int,
                 batch: int, steps: int) -> dict:  # fmt: skip
     """Trains the GPT-2, built under ``keras.RematScope(**remat)`` (None: no scope), in one process or under an
     RDMAStrategy; this worker's peak memory above the bare imports, median step time and losses."""
-    import time
 
     import keras
     import keras_hub
@@ -52,7 +51,7 @@ def worker_main(remat: dict | None, distributed: bool, hidden: int, layers: int,
     import tensorflow as tf
 
     from rdkeras import keras_internals
-    from rdkeras.bench import pin_one_core
+    from rdkeras.bench import pin_one_core, step_timer
 
     pin_one_core()
     bare_kb = _status_kb("VmRSS")  # TensorFlow, Keras and KerasHub imported, nothing built
@@ -76,22 +75,8 @@ def worker_main(remat: dict | None, distributed: bool, hidden: int, layers: int,
             lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         lm.compile(optimizer=keras.optimizers.Adam(1e-4), loss=keras.losses.SparseCategoricalCrossentropy(True))
 
-    class Timer(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.times: list[float] = []
-            self.losses: list[float] = []
-
-        def on_train_batch_begin(self, step: int, logs: object = None) -> None:
-            if step == 2:  # traced: from here, the steps' own tensors
-                tf.config.experimental.reset_memory_stats("CPU:0")
-            self.began = time.perf_counter()
-
-        def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
-            self.times.append(time.perf_counter() - self.began)
-            self.losses.append(float((logs or {}).get("loss", float("nan"))))
-
-    timer = Timer()
+    # Traced by the third step: from there, the steps' own tensors.
+    timer = step_timer(at_first_timed=lambda: tf.config.experimental.reset_memory_stats("CPU:0"))
     lm.fit(x, tokens[:, 1:], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
     out = {
         "peak_above_bare_mb": (_status_kb("VmHWM") - bare_kb) / 1024,

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rdkeras import cluster, options
+from rdkeras import cluster, introspect, options
 
 SEED_MODELS = ("vgg16", "lstm", "fcn5", "alexnet", "inception_v3", "gru")
 
@@ -136,8 +136,9 @@ def next_job(strategy: Any, i: int) -> Any:
     return dataclasses.replace(strategy.cluster, master_port=int(port))
 
 
-def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any = None) -> dict[str, Any]:
-    """fit() once over (x, y); the steps after `warmup` are timed, with the engine's traffic over them.
+def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, counters: Any = None) -> dict[str, Any]:
+    """fit() once over (x, y); the steps after `warmup` are timed, with the traffic over them of `counters` (an
+    :class:`rdkeras.introspect.Inspection`, or anything else whose ``traffic()`` counts: an engine).
 
     ``step_seconds`` is the median step (from one batch's end to the next): robust to the bursts of other
     work on a shared machine, which a mean is not. ``mean_step_seconds`` is the mean.
@@ -150,7 +151,7 @@ def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any =
         def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
             if b == warmup:
                 marks["t0"] = time.perf_counter()
-                marks["before"] = engine.traffic() if engine is not None else None
+                marks["before"] = counters.traffic() if counters is not None else None
 
         def on_train_batch_end(self, b: int, logs: Any = None) -> None:
             if b >= warmup - 1:  # the last one wins; epoch-end work stays outside
@@ -165,8 +166,8 @@ def timed_fit(model: Any, x: Any, y: Any, batch: int, warmup: int, engine: Any =
         "mean_step_seconds": (ends[-1] - marks["t0"]) / marks["steps"],
         "steps": marks["steps"],
     }
-    if engine is not None:
-        after = engine.traffic()
+    if counters is not None:
+        after = counters.traffic()
         for key in ("bytes_written", "bytes_received", "wait_seconds", "copy_seconds", "wire_seconds",
                     "exchange_seconds"):  # fmt: skip
             if key in after:
@@ -210,7 +211,7 @@ def _time_run(
         model = _compiled(run["config"])
     warm, timed_steps = run.get("warmup", warmup), run.get("steps", steps)
     x, y = synthetic_data(model, run["batch"] * workers * (warm + timed_steps))
-    timed = timed_fit(model, x, y, run["batch"] * workers, warm, strategy.engine if strategy else None)
+    timed = timed_fit(model, x, y, run["batch"] * workers, warm, introspect.inspect(strategy) if strategy else None)
     params = int(model.count_params())
     return {
         **{k: v for k, v in run.items() if k != "config"},

@@ -6,7 +6,9 @@ leave the old group, the launcher publishes the next one, and they start an engi
 (:mod:`rdkeras.elastic.group`); inside the same ``fit`` they take the state of the survivor
 that applied the most steps, split the same global batch over the new world and repeat the
 step in flight (:mod:`rdkeras.fitting.elastic`). A custom loop uses :class:`State` and
-:func:`run` (:mod:`rdkeras.elastic.loop`, Horovod's ``hvd.elastic.run``).
+:func:`run` (:mod:`rdkeras.elastic.loop`, Horovod's ``hvd.elastic.run``). The parallelism carries
+all of it as one collaborator, its :class:`~rdkeras.elastic.membership.Membership` (imported from its
+module: it uses the parallelisms' collectives, and the launcher imports this package).
 """
 
 from rdkeras.elastic.agent import Change, ElasticAgent

@@ -65,12 +65,9 @@ class ElasticGroup:
         """Leaves `engine`'s group (after a failure, or to take replacements in) and returns an engine for the
         next one, and what it is."""
         began = time.monotonic()
-        failure = engine.backend.failure
         settings = engine.successor()
         token, address, rank = settings.pop("token"), engine.store_address, engine.rank
-        if failure is not None:
-            engine.store.abort(failure[0], failure[2])  # a stall is known only to the peers that saw it
-        store = engine.abandon()
+        store = engine.abandon()  # (the failure it saw told to the old store first)
         while True:
             ready = {"steps": int(steps), "worker": self.worker, "transport": settings["transport"]}
             store.set(f"{READY}{rank}", json.dumps(ready).encode())
@@ -149,11 +146,11 @@ class ElasticGroup:
 
     def joiners_waiting(self, engine: Engine) -> bool:
         """Whether replacements wait to join (asked of the store: call it on one rank and share the answer)."""
-        return engine.store.peek(JOINERS) is not None
+        return engine.host_says(JOINERS) is not None
 
     def stepped(self, engine: Engine) -> None:
         """After each step: the new group's rank 0 tells the launcher when its first step ended (the recovery
         time the launcher prints)."""
         if self._first_step_pending:
             self._first_step_pending = False
-            engine.store.set(FIRST_STEP, repr(time.time()).encode())
+            engine.tell_host(FIRST_STEP, repr(time.time()).encode())

@@ -110,9 +110,12 @@ class State:
         self._committed = self._snapshot()
         self.commits += 1
         parallel = self._parallel
-        parallel.stepped()
-        if parallel.elastic is not None and parallel.joiners_waiting():
-            self._sync(parallel.regroup(self.commits).source)
+        membership = parallel.membership
+        if membership is None:
+            return
+        membership.stepped(parallel)
+        if membership.joiners_waiting(parallel):
+            self._sync(membership.regroup(parallel, self.commits).source)
             self._reset()
 
     def restore(self) -> None:
@@ -166,8 +169,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def elastic(state: State, *args: Any, **kwargs: Any) -> T:
         parallel = state._parallel
-        if parallel.elastic is not None and parallel.elastic.joining is not None:  # a replacement
-            state._sync(parallel.join().source)
+        if parallel.membership is not None and parallel.membership.joining:  # a replacement
+            state._sync(parallel.membership.join(parallel).source)
             logger.info(f"elastic: joined as rank {parallel.engine.rank} of {parallel.engine.world_size}, at "
                         f"commit {state.commits}")  # fmt: skip
             return _retrying(func, state, args, kwargs)
@@ -178,6 +181,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
 
 def _retrying(func: Callable[..., T], state: State, args: Any, kwargs: Any, first_sync: bool = False) -> T:
     parallel = state._parallel
+    membership = parallel.membership
     while True:
         try:
             if first_sync:
@@ -185,8 +189,8 @@ def _retrying(func: Callable[..., T], state: State, args: Any, kwargs: Any, firs
                 first_sync = False
             return func(state, *args, **kwargs)
         except Exception as e:
-            if not parallel.lost_a_worker(e):
+            if membership is None or not membership.lost_a_worker(parallel, e):
                 raise
         state.restore()  # (out of the except block: the failure's traceback is dropped, and what it held)
-        state._sync(parallel.regroup(state.commits).source)
+        state._sync(membership.regroup(parallel, state.commits).source)
         state._reset()

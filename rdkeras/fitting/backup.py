@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdkeras import keras_internals
 from rdkeras.fitting import saving
+from rdkeras.fitting.elastic import retrying
 from rdkeras.fitting.saving import write_atomically
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def adapt(callback: Any, parallel: Parallelism) -> None:
 
     def save(cb: Any) -> None:
         # In an elastic job a worker lost in the middle makes the group re-form and save again.
-        parallel.elastic_retry(cb.model, lambda: save_once(cb))
+        retrying(parallel, cb.model, lambda: save_once(cb))
 
     def save_once(cb: Any) -> None:
         parallel.gather_state(cb.model)  # collective: every worker saves at the same batches

@@ -4,7 +4,7 @@ Keras's ``fit`` calls ``model.train_function(iterator)`` once per step. Under an
 that function takes the step's *global* batch from the iterator itself, eagerly, and runs the
 step (every worker takes its rows of it inside ``train_step``, by the rank and world the
 parallelism holds in a variable). When the step fails because a worker was lost, the
-parallelism re-forms the group (:meth:`rdkeras.parallel.base.Parallelism.recover`): every
+parallelism's membership re-forms the group (:meth:`rdkeras.elastic.membership.Membership.recover`): every
 survivor takes the state of the one that applied the most steps, and the same global batch
 is split over the new world. If that survivor had applied this step already, it is done
 here too; otherwise it runs again. Either way every survivor ends the step with the state
@@ -13,12 +13,21 @@ one process would have: nothing is lost but the time the step took.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rdkeras._log import logger
 
 if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
+
+
+def retrying(parallel: Parallelism, model: Any, collective: Callable[[], Any]) -> Any:
+    """Runs `collective` (an epoch end's sharing of logs or state); in an elastic job, a worker lost during it
+    makes the group re-form and run it again (:meth:`rdkeras.elastic.membership.Membership.retry`)."""
+    if parallel.membership is None:
+        return collective()
+    return parallel.membership.retry(parallel, model, collective)
 
 
 class ElasticTrainFunction:
@@ -33,7 +42,9 @@ class ElasticTrainFunction:
                 f"steps_per_execution={model.steps_per_execution}: an elastic job repeats the step a lost worker "
                 "interrupted, one step at a time; compile with steps_per_execution=1"
             )
+        assert parallel.membership is not None
         self.model, self.parallel, self.training, self.saves = model, parallel, training, saves
+        self.membership = parallel.membership
 
         def step(data: Any) -> Any:
             return model.train_step(data) if training else model.test_step(data)
@@ -51,18 +62,18 @@ class ElasticTrainFunction:
             try:
                 logs = self._step(data)
             except Exception as e:
-                if not self.parallel.lost_a_worker(e):
+                if not self.membership.lost_a_worker(self.parallel, e):
                     raise
                 # An update that does not wait for the gradients (the optimizer's step count) may have run.
                 for v, value in zip(counters, committed, strict=True):
                     v.assign(value)
-                done = self.parallel.recover(self.model)
+                done = self.membership.recover(self.parallel, self.model)
                 if self.saves is not None:
                     self.saves.tidy()
                 if done and self.training:  # the survivor it now mirrors applied it
                     return self.model.get_metrics_result()
                 continue
-            self.parallel.stepped()
+            self.membership.stepped(self.parallel)
             return logs
 
     def _counters(self) -> list[Any]:
@@ -92,12 +103,14 @@ class EpochEndSaves:
     """
 
     def __init__(self, model: Any, parallel: Parallelism, callbacks: list[Any], folders: set[str]):
+        assert parallel.membership is not None
         self.model, self.parallel, self.callbacks, self.folders = model, parallel, callbacks, folders
-        self.chiefs = self.tidied = parallel.elastic.chiefs_lost
+        self.membership = parallel.membership
+        self.chiefs = self.tidied = self.membership.chiefs_lost
 
     def began(self) -> None:
         """Where the epoch end's saving callbacks begin (the state gathered)."""
-        self.chiefs = self.parallel.elastic.chiefs_lost
+        self.chiefs = self.membership.chiefs_lost
 
     def ended(self, epoch: int, logs: Any) -> None:
         """After every callback's ``on_epoch_end`` (collective): see the class."""
@@ -105,15 +118,15 @@ class EpochEndSaves:
 
         from rdkeras.fitting.model import reporter_gate_class
 
-        parallel, elastic = self.parallel, self.parallel.elastic
+        parallel, membership = self.parallel, self.membership
         while True:
-            parallel.elastic_retry(self.model, lambda: parallel.collectives.mean([0.0]))
+            membership.retry(parallel, self.model, lambda: parallel.collectives.mean([0.0]))
             self.tidy()
-            if elastic.chiefs_lost == self.chiefs:
+            if membership.chiefs_lost == self.chiefs:
                 return
-            self.chiefs = elastic.chiefs_lost  # (lost again while the new chief saves: it runs again)
+            self.chiefs = membership.chiefs_lost  # (lost again while the new chief saves: it runs again)
             if parallel.is_reporter:
-                logger.warning(f"elastic: the chief was lost in epoch {epoch + 1}'s saves: worker {elastic.worker}, "
+                logger.warning(f"elastic: the chief was lost in epoch {epoch + 1}'s saves: worker {membership.worker}, "
                                "the new chief, saves that epoch")  # fmt: skip
             gate = reporter_gate_class()
             for c in self.callbacks:
@@ -125,7 +138,7 @@ class EpochEndSaves:
     def tidy(self) -> None:
         """After a re-forming: if this worker became the chief, removes the temporary files the lost chief's
         interrupted save left in the saving callbacks' folders (it is gone: no save of its is running)."""
-        lost = self.parallel.elastic.chiefs_lost
+        lost = self.membership.chiefs_lost
         if lost == self.tidied:
             return
         self.tidied = lost

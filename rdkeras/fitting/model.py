@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdkeras import errors, keras_internals
 from rdkeras.fitting import backup, global_batch, saving
+from rdkeras.fitting.elastic import retrying
 
 if TYPE_CHECKING:
     from rdkeras.parallel.base import Parallelism
@@ -146,7 +147,7 @@ def _fit(fit: Any, *args: Any, **kwargs: Any) -> Any:
     parallel.shard_fit(a)
     callbacks, a["verbose"] = worker_callbacks(parallel, a["callbacks"], a["verbose"])
     saves = None
-    if parallel.elastic is not None:  # the step takes its global batch itself, and repeats after a loss
+    if parallel.membership is not None:  # the step takes its global batch itself, and repeats after a loss
         from rdkeras.fitting.elastic import ElasticTrainFunction, EpochEndSaves
 
         saves = EpochEndSaves(model, parallel, callbacks, folders)  # (a chief lost in a save: the next one saves)
@@ -242,7 +243,7 @@ def _build_before_training(model: Any, iterator: Any = None, data_batch: Any = N
 
 def _shared_logs(model: Any, logs: Any) -> Any:
     parallel = _parallel(model)
-    return parallel.elastic_retry(model, lambda: parallel.epoch_logs(model, logs))
+    return retrying(parallel, model, lambda: parallel.epoch_logs(model, logs))
 
 
 # -- callbacks ----------------------------------------------------------------------------
@@ -268,7 +269,7 @@ def worker_callbacks(parallel: Parallelism, callbacks: Any, verbose: Any) -> tup
         if isinstance(c, keras.callbacks.BackupAndRestore):
             backup.adapt(c, parallel)
         elif isinstance(c, chief_only_callback_types()) and not parallel.is_reporter:
-            if parallel.elastic is not None:  # this worker may become the chief when the chief is lost
+            if parallel.membership is not None:  # this worker may become the chief when the chief is lost
                 kept.append(reporter_gate_class()(c, parallel))
             continue
         kept.append(c)
@@ -361,18 +362,20 @@ def _state_callback_class() -> type:
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self.role == "gather":
-                self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
+                retrying(self.parallel, self.model, lambda: self.parallel.gather_state(self.model))
                 if self.saves is not None:
                     self.saves.began()
                 return
             if self.saves is not None:  # "sync", after every callback's epoch end
                 self.saves.ended(epoch, logs)
-            if epoch + 1 < self.params.get("epochs", 0):  # replacements join where an epoch begins (the callbacks
-                # done: a replacement starts at the next epoch, and takes what they changed, a learning rate)
-                self.parallel.elastic_retry(self.model, lambda: self.parallel.admit(self.model, epoch + 1))
+            parallel, membership = self.parallel, self.parallel.membership
+            if membership is not None and epoch + 1 < self.params.get("epochs", 0):  # replacements join where an
+                # epoch begins (the callbacks done: a replacement starts at the next epoch, and takes what they
+                # changed, a learning rate)
+                membership.retry(parallel, self.model, lambda: membership.admit(parallel, self.model, epoch + 1))
 
         def on_train_end(self, logs: Any = None) -> None:
             if self.role == "gather":
-                self.parallel.elastic_retry(self.model, lambda: self.parallel.gather_state(self.model))
+                retrying(self.parallel, self.model, lambda: self.parallel.gather_state(self.model))
 
     return StateCallback

@@ -85,6 +85,14 @@ def variables_bytes(variables: Any) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 
+def kept_bytes(model: Any) -> dict[str, int]:
+    """What training `model` keeps in one process, in bytes: ``parameters`` (its weights) and ``optimizer`` (its
+    optimizer's variables, 0 before it is built), counted from the variables."""
+    optimizer = getattr(model, "optimizer", None)
+    slots = optimizer.variables if optimizer is not None and optimizer.built else []
+    return {"parameters": variables_bytes(model.weights), "optimizer": variables_bytes(slots)}
+
+
 def state_bytes(model: Any) -> int:
     """Bytes of a model's weights and its optimizer's variables, 4 KiB each for the file format's own: about
     what a save writes (a weights file holds the optimizer's variables too)."""

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rdkeras._log import logger
-from rdkeras.fitting.saving import variables_bytes
+from rdkeras.fitting.saving import kept_bytes
 
 if TYPE_CHECKING:
+    from rdkeras.elastic.membership import Membership
     from rdkeras.engine import Engine
     from rdkeras.parallel.collectives import Collectives
     from rdkeras.parallel.sharding import Sharding
@@ -34,13 +35,15 @@ class Parallelism(abc.ABC):
     global batch is split over the data-parallel replicas) and `global_batch_size` (of the last fit,
     when known). The Keras hooks keep a count of the steps run (`steps_run`) and three flags here: `synced`
     (every worker holds the same model yet), `restored` (BackupAndRestore loaded a backup on the reporter) and
-    `fitting` (inside fit).
+    `fitting` (inside fit). In an elastic job, `membership` (:class:`rdkeras.elastic.membership.Membership`) is
+    what fitting and the custom-loop API ask about a lost worker, a step's end and an epoch end; after a change
+    it calls :meth:`rebind`.
     """
 
     engine: Engine
     collectives: Collectives
     sharding: Sharding
-    elastic: Any = None  # an elastic job's group (rdkeras.elastic.ElasticGroup), or None
+    membership: Membership | None = None  # an elastic job's membership (rdkeras.elastic.membership), or None
     global_batch_size: int | None = None
     synced: bool = False
     restored: bool = False
@@ -139,12 +142,7 @@ class Parallelism(abc.ABC):
     def state_bytes(self, model: Any) -> dict[str, int]:
         """What training `model` keeps on this worker, in bytes: ``parameters`` (its weights) and ``optimizer``
         (its optimizer's variables), counted from the variables."""
-        optimizer = model.optimizer
-        built = optimizer is not None and optimizer.built
-        return {
-            "parameters": variables_bytes(model.weights),
-            "optimizer": variables_bytes(optimizer.variables) if built else 0,
-        }
+        return kept_bytes(model)
 
     def plan_text(self) -> str:
         """The plan as Markdown ('' when there is none yet)."""
@@ -212,31 +210,10 @@ class Parallelism(abc.ABC):
 
     # -- an elastic job (rdkeras.elastic; data parallelism only) -------------------------------------
 
-    def lost_a_worker(self, error: BaseException) -> bool:
-        """Whether `error`, raised by a step, is the loss of a worker this job can go on without."""
-        return False
-
-    def recover(self, model: Any) -> bool:
-        """Re-forms the group after a loss and gives every survivor the state of the one that applied the most
-        steps; returns whether that state includes the step in flight here (else it runs again)."""
-        raise NotImplementedError(f"{type(self).__name__} is not elastic")
-
-    def stepped(self) -> None:  # noqa: B027 (optional: only an elastic parallelism notes its steps)
-        """After every step of an elastic job."""
-
-    def admit(self, model: Any, next_epoch: int) -> None:  # noqa: B027 (optional: elastic only)
-        """At an epoch end of an elastic job (collective): takes in replacements waiting to join."""
-
-    def elastic_retry(self, model: Any, collective: Callable[[], Any]) -> Any:
-        """Runs `collective` (an epoch end's sharing of logs or state); in an elastic job, a worker lost during it
-        makes the group re-form and run it again."""
-        while True:
-            try:
-                return collective()
-            except Exception as e:
-                if not self.lost_a_worker(e):
-                    raise
-                self.recover(model)
+    def rebind(self, engine: Engine) -> None:
+        """Runs on `engine` from now on (an elastic group's next, whose rank and world `membership` yielded):
+        the one call after a membership change; nothing of the old engine's is kept."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change its members")
 
     def _share_restore(self, model: Any, restored: bool, root: int) -> bool:
         """Broadcasts from `root` whether it restored a backup, and its epoch (set here too); returns it."""

@@ -17,8 +17,6 @@ themselves, never their classes):
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,23 +24,24 @@ import numpy as np
 from rdkeras import fitting, keras_internals
 from rdkeras._log import logger
 from rdkeras.engine import Engine
-from rdkeras.errors import PeerError
 from rdkeras.fitting import global_batch
 from rdkeras.parallel import collectives, replicas
 from rdkeras.parallel.base import Parallelism
 from rdkeras.parallel.batch_norm import SynchronizedMoments
 from rdkeras.parallel.collectives import Collectives, GradientAllreduce, share_variables
+from rdkeras.parallel.exchange_plan import ExchangePlan
+from rdkeras.parallel.replica_steps import ReplicaSteps
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
 from rdkeras.parallel.sharded_parameters import ShardedParameters
 from rdkeras.parallel.sharded_state import ShardedState
-from rdkeras.parallel.sharding import Sharding, global_batches, shard_fit_arguments, split_rows
+from rdkeras.parallel.sharding import Sharding, shard_fit_arguments
 from rdkeras.parallel.step_sum import StepSum
 
 if TYPE_CHECKING:
-    from rdkeras.elastic.group import NewGroup
+    from rdkeras.elastic.membership import Membership
 
 
-class DataParallel(ShardedState, Parallelism):
+class DataParallel(ReplicaSteps, ShardedState, Parallelism):
     """Attaches data-parallel training to compiled Keras models.
 
     Args:
@@ -74,36 +73,19 @@ class DataParallel(ShardedState, Parallelism):
         algorithm: str = "auto",
         compression: str | None = None,
         compress_within_hosts: bool = False,
-        elastic: Any = None,
+        membership: Membership | None = None,
         sparse_as_dense: bool = False,
         shard: str = "none",
     ):
         self.engine, self.mode, self.overlap_bytes = engine, mode, overlap_bytes
         self.sparse_as_dense, self.shard = sparse_as_dense, shard
-        if elastic is not None and shard != "none":
-            raise NotImplementedError(
-                f"shard={shard!r} in an elastic job: each worker holds the only copy of its shard of the optimizer "
-                "state, and re-sharding it on a membership change is not built yet; use shard='none'"
-            )
         if compression and mode == "ps":
             raise ValueError(f"compression={compression!r} compresses the allreduce: use mode='allreduce'")
-        if elastic is not None and mode == "ps":
-            raise ValueError(
-                "an elastic job (launched with --min-workers) needs mode='allreduce': in parameter-server mode each "
-                "worker holds the only current copy of its shard of the optimizer state, which dies with it"
-            )
-        if elastic is not None and not global_batch:
-            raise ValueError(
-                "an elastic job (launched with --min-workers) needs global_batch=True: the same global batch is "
-                "split over whoever is left, so a loss changes nothing in what a step computes"
-            )
-        self.elastic = elastic
+        if membership is not None:
+            membership.check(mode, global_batch, shard)
+        self.membership = membership
         self._averages: list[GradientAllreduce] = []  # their bucket pipelines are reset when the group re-forms
         self._shard: Any = None  # elastic: tf.Variable [rank, world] the step splits its global batch by
-        self._seed = 0  # elastic: the seed global batches of arrays are shuffled by (rank 0's)
-        # elastic: one record per membership change (TensorBoard and the train app's summary read them)
-        self.membership: list[dict[str, Any]] = []
-        self._welcome: tuple[float, float, int] | None = None  # a replacement taken in: (seed, epoch, source)
         self.collectives = Collectives(
             engine,
             bucket_bytes,
@@ -207,8 +189,8 @@ class DataParallel(ShardedState, Parallelism):
         """Distributes the optimizers a custom ``compile`` keeps in the model's attributes (a GAN's two): their
         ``apply`` averages the gradients too, so the replicas train as one (allreduce mode only). An elastic
         job's replacement first waits here to be taken into the group."""
-        if self.elastic is not None and self.elastic.joining is not None:
-            self._join(model)
+        if self.membership is not None and self.membership.joining:
+            self.membership.join_fit(self, model)
         self._replan(model)  # compiled again outside the scope
         extra = fitting.undistributed_own_optimizers(model)
         if not extra:
@@ -252,14 +234,14 @@ class DataParallel(ShardedState, Parallelism):
 
     def shard_fit(self, a: dict) -> None:
         self.global_batch_size = self.sharding.global_batch_of(a["x"], a["batch_size"])
-        if self.elastic is not None:
-            return self._keep_global_batches(a)
+        if self.membership is not None:
+            return self.membership.keep_global_batches(self, a)
         if self._splits(a["x"]):
             return None  # Keras batches (and shuffles) the data as one process does; each step takes its rows
         shard_fit_arguments(a, self.sharding)
 
     def shard_evaluate(self, a: dict) -> None:
-        if self.elastic is not None or self._splits(a["x"]):
+        if self.membership is not None or self._splits(a["x"]):
             return None  # whole global batches: the step takes its rows
         a["x"], a["y"], a["sample_weight"], a["batch_size"] = self.sharding.shard(
             a["x"], a["y"], a["sample_weight"], a["batch_size"], shuffle=False
@@ -267,210 +249,20 @@ class DataParallel(ShardedState, Parallelism):
 
     def shard_predict(self, a: dict) -> int | None:
         # Each worker predicts its part of every batch; predict_step gathers the rows back.
-        if self.elastic is not None or self._splits(a["x"]):
+        if self.membership is not None or self._splits(a["x"]):
             return None
         a["x"], rows = self.sharding.pad_for_predict(a["x"], a["batch_size"])
         a["x"], _, _, a["batch_size"] = self.sharding.shard(a["x"], None, None, a["batch_size"])
         return rows
 
-    def _splits(self, x: Any) -> bool:
-        """Whether the steps of a fit/evaluate/predict of `x` split global batches (else `x` is dealt out first);
-        the models' traced steps are traced anew when that changes."""
-        splits = self.sharding.global_batch and not getattr(x, "_rdkeras_per_replica", False)
-        if splits != self._split_in_step:
-            self._split_in_step = splits
-            for model in self._models:
-                fitting.reset_compiled_functions(model)
-        return splits
-
-    def step_overrides(self) -> dict[str, Any]:
-        if self.num_workers == 1 and self.elastic is None:
-            return self._parameter_overrides()
-        collectives = self.collectives
-
-        def predict_step(model: Any, data: Any) -> Any:
-            import keras
-            import tensorflow as tf
-
-            if self._split_in_step:
-                data = self._split_batch(data)[0]
-            out = keras_internals.original(model, "predict_step")(data)
-            flat = keras.tree.flatten(out)
-
-            def gather(*parts: np.ndarray) -> list[np.ndarray]:
-                return [collectives.gather_rows(p) for p in parts]
-
-            full = tf.numpy_function(gather, flat, Tout=[t.dtype for t in flat], stateful=True, name="rdkeras_gather")
-            for t, f in zip(flat, full, strict=True):
-                f.set_shape([None, *t.shape[1:]])
-            return keras.tree.pack_sequence_as(out, list(full))
-
-        def step_of(name: str) -> Any:
-            def step(model: Any, data: Any) -> Any:
-                # This replica's rows of the global batch, whose random draws (dropout's masks, a GAN's noise) and
-                # losses are those of one process computing the whole batch, whatever the number of workers.
-                own = keras_internals.original(model, name)
-                if not self._split_in_step:
-                    return own(data)
-                mine, batch = self._split_batch(data)
-                with keras_internals.global_batch_step(batch):
-                    return own(mine)
-
-            return step
-
-        steps = {"predict_step": predict_step, "train_step": step_of("train_step"), "test_step": step_of("test_step")}
-        return {**steps, **self._parameter_overrides()}
-
-    def _split_batch(self, data: Any) -> tuple[Any, global_batch.GlobalBatch]:
-        """(this worker's rows of a global batch, where they sit in it): the split of
-        :func:`~rdkeras.parallel.sharding.split_rows` by the rank and world of the moment -- static where the
-        batch's rows are, tensors otherwise (an elastic job's world changes without a new trace)."""
-        import tensorflow as tf
-
-        first = next(t for t in tf.nest.flatten(data) if t is not None)
-        rank: Any
-        world: Any
-        if self.elastic is not None:
-            shard = self._shard_variable()
-            rank, world = shard[0], shard[1]
-            total: Any = None
-        else:
-            rank, world, total = self.sharding.index, self.sharding.num_shards, first.shape[0]
-        if total is not None:
-            start, rows = split_rows(total, world, rank)
-        else:
-            total = tf.shape(first, out_type=tf.int64)[0]
-            base, extra = total // world, total % world
-            start = rank * base + tf.minimum(tf.cast(rank, tf.int64), extra)
-            rows = base + tf.cast(rank < extra, tf.int64)
-        mine = tf.nest.map_structure(lambda t: None if t is None else _rows(t, start, rows), data)
-        return mine, global_batch.GlobalBatch(start, rows, total, world, self.step_sum.sum)
-
-    # -- an elastic job ------------------------------------------------------------------------
-
-    def _keep_global_batches(self, a: dict) -> None:
-        """Elastic: every worker iterates the whole global batches (the step takes its rows by the world of the
-        moment); arrays become a PyDataset of global batches shuffled alike everywhere."""
-        if a["validation_split"] and a["validation_data"] is None and self.sharding.shardable_arrays(a["x"]):
-            (a["x"], a["y"], a["sample_weight"]), a["validation_data"] = keras_internals.train_validation_split(
-                (a["x"], a["y"], a["sample_weight"]), a["validation_split"]
-            )
-            a["validation_split"] = 0.0
-        if a["x"] is not None and self.sharding.shardable_arrays(a["x"]):
-            if self._welcome is not None:  # a replacement: the group's seed and epoch
-                seed, epoch = int(self._welcome[0]), int(self._welcome[1])
-            else:
-                drawn = np.random.default_rng().integers(1 << 52, size=1).astype(np.float64)
-                seed, epoch = int(self.collectives.broadcast([drawn])[0][0]), 0
-            self._seed = seed
-            a["x"] = global_batches(a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32, a["shuffle"],
-                                    seed, self.engine.world_size, epoch)  # fmt: skip
-            if a["validation_data"] is not None and a["validation_batch_size"] is None:
-                a["validation_batch_size"] = a["batch_size"] or 32
-            a["y"] = a["sample_weight"] = a["batch_size"] = None
-            a["shuffle"] = False
-
-    def _shard_variable(self) -> Any:
-        import tensorflow as tf
-
-        if self._shard is None:
-            with tf.init_scope():
-                self._shard = tf.Variable([self.engine.rank, self.engine.world_size], dtype=tf.int64,
-                                          trainable=False, name="rdkeras_shard")  # fmt: skip
-        return self._shard
-
-    def rows_of(self, batch: Any) -> Any:
-        """This worker's rows of a global batch (a structure of tensors), by the rank and world of the moment."""
-        return self._split_batch(batch)[0]
-
-    def lost_a_worker(self, error: BaseException) -> bool:
-        if self.elastic is None:
-            return False
-        return self.engine.backend.failure is not None or isinstance(error, PeerError) or "PeerError" in str(error)
-
-    def recover(self, model: Any) -> bool:
-        steps = int(model.optimizer.iterations.numpy())
-        group = self.regroup(steps)
-        variables = keras_internals.state_variables(model)
-        share_variables(self.collectives, variables, [group.source] * len(variables))
-        return steps < group.steps
-
-    def regroup(self, steps: int) -> NewGroup:
-        """Leaves this group (after a loss, or to take replacements in) for the next one the launcher decides,
-        this worker's last commit being `steps`; returns what the new group is (its source: whose state to take).
-        Collective over the survivors."""
-        assert self.elastic is not None
-        engine, group = self.elastic.reform(self.engine, steps)
-        self._rebind(engine)
-        self.membership.append({"step": group.steps, "workers": engine.world_size, "lost": group.lost,
-                                "joined": group.joined, "seconds": group.took_s,
-                                "generation": group.generation})  # fmt: skip
-        if engine.rank == 0 and group.lost:
-            lost = ", ".join(map(str, group.lost))
-            logger.warning(
-                f"elastic: lost worker {lost} ({group.reason}); {engine.world_size} workers go on from step "
-                f"{group.steps} (generation {group.generation}, re-formed in {group.took_s:.2f} s)"
-            )
-        if engine.rank == 0 and group.joined:
-            logger.warning(
-                f"elastic: worker {', '.join(map(str, group.joined))} joined; {engine.world_size} workers go on "
-                f"from step {group.steps} (generation {group.generation})"
-            )
-        return group
-
-    def joiners_waiting(self) -> bool:
-        """Whether replacements wait to join (rank 0 asks the launcher and tells the others; collective)."""
-        if self.elastic is None:
-            return False
-        waiting = self.engine.rank == 0 and self.elastic.joiners_waiting(self.engine)
-        (flag,) = self.collectives.broadcast([np.asarray([float(waiting)])])
-        return bool(flag[0])
-
-    def admit(self, model: Any, next_epoch: int) -> None:
-        """At an epoch end (collective): takes in the replacements waiting to join, if any -- the group re-forms
-        with them, and hands them where training stands (the data's seed, the next epoch) and its state."""
-        if not self.joiners_waiting():
-            return
-        group = self.regroup(int(model.optimizer.iterations.numpy()))
-        (_,) = self.collectives.broadcast([np.asarray([float(self._seed), next_epoch, 0.0])], root=group.source)
-        variables = keras_internals.state_variables(model)
-        share_variables(self.collectives, variables, [group.source] * len(variables))
-
-    def _join(self, model: Any) -> None:
-        """A replacement in ``fit``: joins the group and learns where training stands."""
-        group = self.join()
-        (where,) = self.collectives.broadcast([np.zeros(3)], root=group.source)
-        self._welcome = (where[0], where[1], group.source)
-        keras_internals.set_initial_epoch(model, int(where[1]))
-        logger.info(f"elastic: worker {self.elastic.worker} joined as rank {self.engine.rank} of "
-                    f"{self.engine.world_size}, at epoch {int(where[1]) + 1}")  # fmt: skip
-
-    def join(self) -> NewGroup:
-        """A replacement: leaves its solitary engine for the group's once the group takes it in (the caller
-        then receives the group's state from ``group.source``)."""
-        assert self.elastic is not None and self.elastic.joining is not None
-        address, port, lobby_world = self.elastic.joining
-        settings = self.engine.successor()
-        token = settings.pop("token")
-        settings["transport"] = "auto"  # (alone it chose shm; the group may span hosts)
-        self.engine.close()
-        engine, group = self.elastic.join(address, port, lobby_world, token, settings, max(self.engine.timeout, 3600))
-        self.elastic.joining = None
-        self._rebind(engine)
-        return group
-
-    def _rebind(self, engine: Engine) -> None:
-        """Runs on `engine` (the group's next) from now on: nothing of the old engine's is kept."""
+    def rebind(self, engine: Engine) -> None:
+        """Runs on `engine` (an elastic group's next) from now on: nothing of the old engine's is kept."""
         self.engine = engine
         self.collectives.rebind(engine)
         self.sharding = Sharding(engine.world_size, engine.rank, True, warn=engine.rank == 0)
         self._shard_variable().assign([engine.rank, engine.world_size])
         for average in self._averages:
             average.reset()
-
-    def stepped(self) -> None:
-        if self.elastic is not None:
-            self.elastic.stepped(self.engine)
 
     @property
     def _partial_state_between_epochs(self) -> str:
@@ -479,15 +271,9 @@ class DataParallel(ShardedState, Parallelism):
 
     def sync_state(self, model: Any, restored: bool) -> None:
         """Gives every worker the chief's weights and optimizer state (and, after a restore, its epoch)."""
-        if self._welcome is not None:  # a replacement taken in: the state of the group's source, as it is now
-            source = int(self._welcome[2])
-            self._welcome = None
-            for optimizer in fitting.optimizers_of(model):
-                if not optimizer.built:
-                    optimizer.build(model.trainable_variables)
-            variables = keras_internals.state_variables(model)
-            share_variables(self.collectives, variables, [source] * len(variables))
-        elif self.num_workers > 1:
+        # (a replacement taken in gets the state of the group's source, as it is now)
+        welcomed = self.membership is not None and self.membership.take_welcome(self, model)
+        if not welcomed and self.num_workers > 1:
             restored = self._share_restore(model, restored, root=0)
             variables = self._whole_variables(model, keras_internals.state_variables(model))
             share_variables(self.collectives, variables, [0] * len(variables))
@@ -562,78 +348,9 @@ class DataParallel(ShardedState, Parallelism):
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ExchangePlan:
-    """The data-parallel plan: the gradients every step exchanges, and how."""
-
-    mode: str  # "allreduce" or "ps"
-    workers: int
-    transport: str
-    global_batch: int | None
-    variables: list[tuple[str, tuple, str, int]]  # (path, shape, dtype, bytes) of each trainable variable
-    bucket_bytes: int
-    algorithm: tuple[str, str] = ("ring", "")  # (allreduce algorithm, why it was chosen)
-    overlap_bytes: int = 0  # gradient buckets exchanged as backprop produces them (0: one exchange after it)
-
-    @property
-    def gradient_bytes(self) -> int:
-        return sum(v[3] for v in self.variables)
-
-    @property
-    def bytes_per_worker(self) -> int:
-        """Bytes each worker sends (and receives) per step in a ring allreduce."""
-        return 2 * (self.workers - 1) * self.gradient_bytes // self.workers
-
-    def text(self) -> str:
-        """The plan as Markdown (TensorBoard's text tab renders it)."""
-        batch, workers, total = self.global_batch, self.workers, self.gradient_bytes
-        lines = [
-            f"**data parallel**, {workers} workers, transport `{self.transport}`, mode `{self.mode}`"
-            + (f", global batch {batch} ({batch // workers} per worker)" if batch else ""),
-            "",
-        ]
-        if self.mode == "allreduce":
-            passes = max(1, math.ceil(total / self.bucket_bytes))
-            name, why = self.algorithm
-            if name == "ring":
-                lines.append(
-                    f"Each step: one ring allreduce of {total:,} gradient bytes in {passes} pass(es) of at most "
-                    f"{self.bucket_bytes:,} bytes; each worker sends and receives {self.bytes_per_worker:,} bytes."
-                    + (f" Allreduce: {why}." if why and why != "one worker" else "")
-                )
-            else:
-                shown = "recursive-doubling" if name == "doubling" else name
-                lines.append(f"Each step: a {shown} allreduce of {total:,} gradient bytes ({why}).")
-            if workers > 1:
-                lines[-1] += (
-                    f" Overlap: buckets of {self.overlap_bytes:,} bytes start as backprop produces them."
-                    if self.overlap_bytes > 0
-                    else " One exchange after backprop (overlap off: `overlap_bytes` turns it on)."
-                )
-        else:
-            lines.append(
-                f"Each step: gradients ({total:,} bytes) pushed one-sidedly to the parameter server owning each "
-                f"variable (sharded over the {workers} workers); updated parameters pulled back."
-            )
-        rows = [f"| {path} | {shape} | {dtype} | {nbytes:,} |" for path, shape, dtype, nbytes in self.variables]
-        lines += ["", "| variable | shape | dtype | bytes |", "|---|---|---|---|", *rows]
-        return "\n".join(lines)
-
-
 def _scalar(value: Any) -> bool:
     """Whether a log is a number (a Python or NumPy one, or a 0-d tensor or array): not a dict of results."""
     return isinstance(value, (int, float, np.number)) or (hasattr(value, "dtype") and np.ndim(value) == 0)
-
-
-def _rows(t: Any, start: Any, rows: Any) -> Any:
-    """Rows ``start:start + rows`` of a tensor, a ragged or a sparse one."""
-    import tensorflow as tf
-
-    if isinstance(t, tf.SparseTensor):
-        size = tf.concat([[tf.cast(rows, tf.int64)], t.dense_shape[1:]], 0)
-        begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
-        return tf.sparse.slice(t, begin, size)
-    return t[start : start + rows]
 
 
 def _average_gradients(optimizer: Any, average: GradientAllreduce) -> None:

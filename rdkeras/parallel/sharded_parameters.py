@@ -28,7 +28,7 @@ import numpy as np
 
 from rdkeras import keras_internals
 from rdkeras.fitting.saving import variables_bytes
-from rdkeras.parallel.collectives import Collectives, GradientAllreduce
+from rdkeras.parallel.collectives import Collectives, allgather_in_calls, reduce_scatter_in_calls
 from rdkeras.parallel.piece_gradients import (
     clipping,
     elements,
@@ -39,41 +39,6 @@ from rdkeras.parallel.piece_gradients import (
     unclipped_copy,
     values_of,
 )
-
-CALL_BYTES = 4 << 20  # the most of each worker's shard one gather or reduce-scatter call moves
-
-
-def allgather_in_calls(
-    collectives: Collectives, shard: np.ndarray, purpose: str, limit: int = CALL_BYTES
-) -> np.ndarray:
-    """:meth:`Collectives.allgather` of `shard` in calls of at most `limit` bytes of it (a fresh array): the ring
-    stays N times `limit` however large a layer is."""
-    n, per = collectives.size, shard.size
-    step = max(64, limit) // shard.itemsize // 16 * 16  # (whole 64-byte lines)
-    if per <= step:
-        return np.array(collectives.allgather(shard, purpose=purpose))
-    whole = np.empty((n, per), shard.dtype)
-    for lo in range(0, per, step):
-        hi = min(per, lo + step)
-        whole[:, lo:hi] = np.reshape(collectives.allgather(shard[lo:hi], purpose=purpose), (n, hi - lo))
-    return whole.reshape(-1)
-
-
-def reduce_scatter_in_calls(
-    collectives: Collectives, flat: np.ndarray, purpose: str, limit: int = CALL_BYTES
-) -> np.ndarray:
-    """:meth:`Collectives.reduce_scatter` (the mean) of `flat` in calls of at most `limit` bytes of each shard."""
-    n = collectives.size
-    per = flat.size // n
-    step = max(64, limit) // flat.itemsize // 16 * 16
-    if per <= step:
-        return np.array(collectives.reduce_scatter(flat, average=True, purpose=purpose))
-    rows, mine = np.reshape(flat, (n, per)), np.empty(per, flat.dtype)
-    for lo in range(0, per, step):
-        hi = min(per, lo + step)
-        part = np.ascontiguousarray(rows[:, lo:hi]).reshape(-1)
-        mine[lo:hi] = collectives.reduce_scatter(part, average=True, purpose=purpose)
-    return mine
 
 
 @dataclasses.dataclass
@@ -115,7 +80,6 @@ class ShardedParameters:
         self.units: list[_Unit] = []
         self._copy: Any = None
         self._whole = False
-        self._rows = GradientAllreduce(collectives)
         self._ticket: Any = None  # the last gather's or scatter's ticket (:meth:`_in_line`)
         keras_internals.build_without_slots(optimizer)
 
@@ -224,29 +188,43 @@ class ShardedParameters:
         unsummed, which Adam's moments see), as the IndexedSlices of the elements in this worker's piece."""
         import tensorflow as tf
 
-        with tf.control_dependencies(self._previous_ticket()):
-            (gathered,) = self._rows([rows])
+        n = self.collectives.size
+
+        def gather(values: np.ndarray, indices: np.ndarray) -> list[np.ndarray]:
+            values, indices = self.collectives.gather_rows_many([values, indices])
+            return [values / values.dtype.type(n), indices]
+
+        values, indices = self._in_line(gather, [rows.values, tf.cast(rows.indices, tf.int64)], "rdkeras_gather_rows")
+        values.set_shape([None, *rows.values.shape[1:]])
+        indices.set_shape([None])
+        gathered = tf.IndexedSlices(values, tf.cast(indices, rows.indices.dtype), rows.dense_shape)
         return [elements(gathered, lo, hi, lambda t: t)]
 
     def _in_line(self, collective: Any, values: Any, name: str, after: Sequence[Any] = ()) -> Any:
-        """``collective(values)`` (a gather or a scatter) as a TensorFlow op run after the previous one made in this
-        graph, and after the tensors `after`: every worker runs them in the order they were made. The order is a
-        data dependency (a ticket output, the next one's input): Grappler's dependency optimizer rewired
-        control dependencies around a unit recomputed in backprop until workers ran different collectives."""
+        """``collective(values)`` (a gather or a scatter; `values` a tensor, or a list the collective takes and
+        returns as many of) as a TensorFlow op run after the previous one made in this graph, and after the
+        tensors `after`: every worker runs them in the order they were made. The order is a data dependency (a
+        ticket output, the next one's input): Grappler's dependency optimizer rewired control dependencies around
+        a unit recomputed in backprop until workers ran different collectives."""
         import tensorflow as tf
 
+        many = isinstance(values, list)
+        inputs = values if many else [values]
+        dtypes = [v.dtype for v in inputs]
+
+        def run(*arrays: np.ndarray) -> list[np.ndarray]:
+            out = collective(*arrays[: len(inputs)])
+            return [*(out if many else [out]), np.zeros([], np.int32)]
+
         if tf.executing_eagerly():
-            return tf.numpy_function(collective, [values], values.dtype, stateful=True, name=name)
-
-        def run(values: np.ndarray, *_ticket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return collective(values), np.zeros([], np.int32)
-
-        graph = values.graph
+            *outs, _ = tf.numpy_function(run, inputs, [*dtypes, tf.int32], stateful=True, name=name)
+            return outs if many else outs[0]
+        graph = inputs[0].graph
         with tf.control_dependencies([t for t in after if getattr(t, "graph", None) is graph]):
-            out, ticket = tf.numpy_function(run, [values, *self._previous_ticket()], [values.dtype, tf.int32],
-                                            stateful=True, name=name)  # fmt: skip
+            *outs, ticket = tf.numpy_function(run, [*inputs, *self._previous_ticket()], [*dtypes, tf.int32],
+                                              stateful=True, name=name)  # fmt: skip
         self._ticket = ticket
-        return out
+        return outs if many else outs[0]
 
     def _previous_ticket(self) -> list[Any]:
         """The last :meth:`_in_line` op's ticket, if it was made in the current graph."""

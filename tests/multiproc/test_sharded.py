@@ -13,33 +13,33 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multiproc.conftest import SHARD_MODES, side_by_side
+from tests.multiproc.conftest import LAUNCHED_SHARD_MODES, SHARD_MODES, side_by_side
 from tests.multiproc.test_keras_patterns import ROOT, TOLERANCE, _compare
 from tests.ranks.patterns import PARAMETERS_PATTERNS, PARAMETERS_SHARDED, SHARDED
 
 NAMES = list(SHARDED)
-RUNS = [(name, mode) for mode in SHARD_MODES for name in NAMES] + [(name, "parameters") for name in PARAMETERS_SHARDED]
+RUNS = [(name, mode) for mode in LAUNCHED_SHARD_MODES for name in NAMES] + [
+    (name, "parameters") for name in PARAMETERS_SHARDED
+]
 pytestmark = pytest.mark.timeout(1200)
 
 
-@pytest.mark.parametrize(("name", "mode"), RUNS)
-def test_a_sharded_model_trains_what_one_process_trains(pattern_runs, name, mode):
-    reference = {k: v for k, v in pattern_runs["one"][0][name].items() if k != "state"}
+def _trains_as_one_process(runs: dict, name: str, mode: str) -> None:
+    reference = {k: v for k, v in runs["one"][0][name].items() if k != "state"}
     assert "error" not in reference, reference["error"][-3000:]
-    workers = [w[f"{name}@{mode}"] for w in pattern_runs["data"]]
+    workers = [w[f"{name}@{mode}"] for w in runs["data"]]
     for rank, got in enumerate(workers):
         assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
         _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, shard={mode}, worker {rank}")
     assert workers[0]["weights"] == workers[1]["weights"], "the workers' weights differ"
 
 
-@pytest.mark.parametrize(("name", "mode"), RUNS)
-def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
+def _holds_half_the_state(runs: dict, name: str, mode: str) -> None:
     # Counted from the variables: every worker holds the whole model ("parameters": half of its trainable weights),
     # and at most half of the optimizer state one process holds (shards are padded to whole 64-byte lines, so one
     # may hold a little more than the other; each has its own iteration and learning rate), and together all of it.
-    one = pattern_runs["one"][0][name]["state"]
-    states = [worker[f"{name}@{mode}"]["state"] for worker in pattern_runs["data"]]
+    one = runs["one"][0][name]["state"]
+    states = [worker[f"{name}@{mode}"]["state"] for worker in runs["data"]]
     # ("parameters" pads each layer's shard: up to 64 bytes a layer and slot.)
     padding = 2048 if mode == "parameters" else 128
     for state in states:
@@ -50,6 +50,40 @@ def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
         assert state["optimizer"] <= 0.5 * one["optimizer"] + 2 * padding, (states, one)
     assert sum(state["optimizer"] for state in states) >= one["optimizer"], (states, one)
     assert sum(state["parameters"] for state in states) >= one["parameters"], (states, one)
+
+
+def _told_once_of_a_save_in_part(runs: dict, mode: str) -> None:
+    # Two saves of each model by Keras itself on each worker: told once per worker, mixed precision's
+    # LossScaleOptimizer included (Keras saves the outer optimizer).
+    for rank, worker in enumerate(runs["data"]):
+        told = [m for name in NAMES for m in worker[f"{name}@{mode}"]["told_saved_in_part"]]
+        assert len(told) == len(NAMES), f"worker {rank}, shard={mode}: {told}"
+        assert all("RDMAStrategy.export(model, path)" in m for m in told), told
+
+
+@pytest.mark.parametrize(("name", "mode"), RUNS)
+def test_a_sharded_model_trains_what_one_process_trains(pattern_runs, name, mode):
+    _trains_as_one_process(pattern_runs, name, mode)
+
+
+@pytest.mark.parametrize(("name", "mode"), RUNS)
+def test_each_worker_holds_half_the_optimizer_state(pattern_runs, name, mode):
+    _holds_half_the_state(pattern_runs, name, mode)
+
+
+@pytest.mark.extended
+def test_sharded_optimizer_models_train_what_one_process_trains(tmp_path):
+    # shard="optimizer" (the shared launch trains the others): every sharded model on 2 workers as one process, each
+    # worker with half the optimizer state, a Keras save on a worker told once that it holds part of it, and the
+    # exported files loading in plain Keras.
+    runs = side_by_side({"one": (1, {"names": NAMES, "distributed": False}),
+                         "data": (2, {"names": [f"{n}@optimizer" for n in NAMES], "distributed": True})},
+                        str(tmp_path)) | {"tmp": str(tmp_path)}  # fmt: skip
+    for name in NAMES:
+        _trains_as_one_process(runs, name, "optimizer")
+        _holds_half_the_state(runs, name, "optimizer")
+    _told_once_of_a_save_in_part(runs, "optimizer")
+    _exports_load_in_plain_keras(runs, [(name, "optimizer") for name in NAMES])
 
 
 @pytest.mark.parametrize("name", PARAMETERS_PATTERNS)
@@ -71,23 +105,17 @@ def test_sharded_parameters_refuse_a_keras_save_naming_export(pattern_runs):
             assert "strategy.export(model, path) on every worker" in worker[f"{name}@parameters"]["refused_save"]
 
 
-@pytest.mark.parametrize("mode", SHARD_MODES)
+@pytest.mark.parametrize("mode", LAUNCHED_SHARD_MODES)
 def test_a_keras_save_on_one_worker_says_once_that_it_holds_part_of_the_optimizer(pattern_runs, mode):
-    # Two saves of each model by Keras itself on each worker: told once per worker, mixed precision's
-    # LossScaleOptimizer included (Keras saves the outer optimizer).
-    for rank, worker in enumerate(pattern_runs["data"]):
-        told = [m for name in NAMES for m in worker[f"{name}@{mode}"]["told_saved_in_part"]]
-        assert len(told) == len(NAMES), f"worker {rank}, shard={mode}: {told}"
-        assert all("RDMAStrategy.export(model, path)" in m for m in told), told
+    _told_once_of_a_save_in_part(pattern_runs, mode)
 
 
-def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer_state(pattern_runs):
+def _exports_load_in_plain_keras(runs: dict, trained: list) -> None:
     # RDMAStrategy.export gathered the shards: each file, loaded by a process that never imports rdkeras, holds the
     # optimizer state one process's file holds -- iteration, moments, loss scale -- as one process trained it.
-    tmp = pattern_runs["tmp"]
+    tmp = runs["tmp"]
     paths = {(name, label): os.path.join(tmp, name, label, "model.keras")
-             for name in NAMES for label in ("one", *SHARD_MODES)}  # fmt: skip
-    paths |= {(name, "parameters"): os.path.join(tmp, name, "parameters", "model.keras") for name in PARAMETERS_SHARDED}
+             for name, label in [*((n, "one") for n in NAMES), *trained]}  # fmt: skip
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from tests.ranks.patterns import load_optimizer;"
         "print('@@' + json.dumps(load_optimizer(sys.argv[2:])))"
@@ -99,15 +127,18 @@ def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer
     assert lines, done.stdout[-2000:] + done.stderr[-3000:]
     loaded = json.loads(lines[0][2:])
     assert not loaded["rdkeras_imported"]
-    for name in NAMES:
+    for name, mode in trained:
         want = loaded["files"][paths[(name, "one")]]
-        tolerance = pattern_runs["one"][0][name].get("tolerance", TOLERANCE)
-        for mode in [m for n, m in RUNS if n == name]:
-            got = loaded["files"][paths[(name, mode)]]
-            assert len(got) == len(want) > 2, f"{name}, shard={mode}: {len(got)} optimizer variables, not {len(want)}"
-            for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=tolerance,
-                                           atol=tolerance, err_msg=f"{name}, shard={mode}, variable {i}")  # fmt: skip
+        tolerance = runs["one"][0][name].get("tolerance", TOLERANCE)
+        got = loaded["files"][paths[(name, mode)]]
+        assert len(got) == len(want) > 2, f"{name}, shard={mode}: {len(got)} optimizer variables, not {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=tolerance,
+                                       atol=tolerance, err_msg=f"{name}, shard={mode}, variable {i}")  # fmt: skip
+
+
+def test_an_exported_sharded_model_loads_in_plain_keras_with_its_whole_optimizer_state(pattern_runs):
+    _exports_load_in_plain_keras(pattern_runs, RUNS)
 
 
 @pytest.mark.extended

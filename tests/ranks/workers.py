@@ -804,9 +804,8 @@ def reduce_scatter_in_parts(sizes: list[int]) -> dict:
 
 def shards_in_calls(per: int, limit: int) -> dict:
     """A float32 buffer of `per` elements a member reduce-scattered and its shard allgathered, in calls of at most
-    `limit` bytes (sharded_parameters) and in one call each: both results."""
-    from rdkeras.parallel.collectives import Collectives
-    from rdkeras.parallel.sharded_parameters import allgather_in_calls, reduce_scatter_in_calls
+    `limit` bytes (collectives.in_calls) and in one call each: both results."""
+    from rdkeras.parallel.collectives import Collectives, allgather_in_calls, reduce_scatter_in_calls
 
     with open_engine() as eng:
         collectives = Collectives(eng, 4096)

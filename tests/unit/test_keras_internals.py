@@ -61,8 +61,8 @@ def test_another_keras_backend_is_refused_with_the_fix(monkeypatch):
 
 
 class _Parallel:
-    def __init__(self, reporter: bool, elastic: object = None):
-        self.is_reporter, self.elastic = reporter, elastic
+    def __init__(self, reporter: bool, membership: object = None):
+        self.is_reporter, self.membership = reporter, membership
 
 
 def test_chief_only_callbacks_are_recognised_by_type():
@@ -98,7 +98,7 @@ def test_an_elastic_job_keeps_chief_only_callbacks_silent_until_this_worker_is_t
         def on_train_batch_end(self, batch, logs=None):
             calls.append(("batch_end", batch))
 
-    parallel = _Parallel(reporter=False, elastic=object())
+    parallel = _Parallel(reporter=False, membership=object())
     (gate,), _ = worker_callbacks(parallel, [Recorder("log.csv")], "auto")
     gate.set_model(model := keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     gate.on_train_begin()
