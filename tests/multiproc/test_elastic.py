@@ -61,7 +61,8 @@ def _shm_files() -> set[str]:
 
 @pytest.mark.parametrize(
     ("transport", "victim"),
-    [("shm", 1), ("tcp", 0)],  # over tcp the chief dies, and the gradient buckets overlap backprop
+    # over tcp the chief dies, and the gradient buckets overlap backprop (extended: the default run's budget)
+    [("shm", 1), pytest.param("tcp", 0, marks=pytest.mark.extended)],
 )
 def test_survivors_go_on_equal_to_one_process(tmp_path, one_process, transport, victim):
     before = _shm_files()
@@ -208,6 +209,7 @@ def _equal_workers(weights: list[list[np.ndarray]], reference: list[np.ndarray])
         np.testing.assert_allclose(mine, expected, atol=1e-5)
 
 
+@pytest.mark.extended  # (22 s; the default run is over its 10-minute budget)
 def test_a_custom_loop_goes_on_from_its_last_commit(tmp_path, one_process_loop):
     # Over tcp, the chief dies after its sixth commit: the survivors restore theirs, take the group's newest
     # (the chief's successor may be a commit behind), call the reset callbacks and run the loop again.

@@ -86,17 +86,22 @@ def test_sharded_optimizer_models_train_what_one_process_trains(tmp_path):
     _exports_load_in_plain_keras(runs, [(name, "optimizer") for name in NAMES])
 
 
-@pytest.mark.parametrize("name", PARAMETERS_PATTERNS)
-def test_a_guides_pattern_trains_with_sharded_parameters_as_one_process(pattern_runs, name):
+@pytest.mark.extended
+def test_the_guides_patterns_train_with_sharded_parameters_as_one_process(tmp_path):
     # An Embedding with Adam (its rows gathered, duplicates unsummed, as one process applies them); fine-tuning:
     # a frozen base, fit, unfreeze, recompile (the weights laid out anew), fit again; and evaluate before fit,
     # validation, a second fit, predict and set_weights on sharded weights.
-    reference = pattern_runs["one"][0][name]
-    workers = [w[f"{name}@parameters"] for w in pattern_runs["data"]]
-    for rank, got in enumerate(workers):
-        assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
-        _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, shard='parameters', worker {rank}")
-    assert workers[0]["weights"] == workers[1]["weights"], "the workers' weights differ"
+    runs = side_by_side({"one": (1, {"names": PARAMETERS_PATTERNS, "distributed": False}),
+                         "data": (2, {"names": [f"{n}@parameters" for n in PARAMETERS_PATTERNS], "distributed": True})},
+                        str(tmp_path))  # fmt: skip
+    for name in PARAMETERS_PATTERNS:
+        reference = runs["one"][0][name]
+        assert "error" not in reference, reference["error"][-3000:]
+        workers = [w[f"{name}@parameters"] for w in runs["data"]]
+        for rank, got in enumerate(workers):
+            assert "error" not in got, f"worker {rank}:\n{got['error'][-3000:]}"
+            _compare(got, reference, reference.get("tolerance", TOLERANCE), f"{name}, parameters, worker {rank}")
+        assert workers[0]["weights"] == workers[1]["weights"], f"{name}: the workers' weights differ"
 
 
 def test_sharded_parameters_refuse_a_keras_save_naming_export(pattern_runs):
