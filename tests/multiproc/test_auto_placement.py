@@ -66,6 +66,7 @@ def test_a_layer_too_large_to_balance_alternates_between_the_stages():
     assert deferred and "big" in deferred.group(1).split(", ") and "big" in deferred.group(2).split(", "), text
 
 
+@pytest.mark.extended  # (8 s; tests/unit/test_partition.py checks the split in the default run)
 def test_a_layer_too_large_to_balance_is_split_by_rows_between_the_stages():
     # The same model; `big` split by the rows of every micro-batch instead: stage 0 runs it for the first rows,
     # stage 1 (under the name big__twin) for the rest; the two sum their partial gradients of its weights. Batches

@@ -178,6 +178,7 @@ def test_a_replacement_that_never_joins_is_reported_and_the_job_goes_on(tmp_path
     assert said and said.start() < done.stderr.index("rdkeras.launch: elastic: lost worker 1"), done.stderr[-3000:]
 
 
+@pytest.mark.extended  # (8 s; the default run is at its 10-minute budget)
 def test_losing_more_than_min_workers_allow_ends_the_job_naming_them(tmp_path):
     # Two of three die at once: the second is lost while the group re-forms, and one worker is too few.
     done = _launch(tmp_path, "--kill", "1:1:1", "--kill", "2:1:1")

@@ -99,6 +99,7 @@ def test_srun_two_tasks_equal_one_process(srun, one_process):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.extended  # (12 s; the srun tests keep SLURM in the default run, which is at its 10-minute budget)
 def test_sbatch_script_runs_and_a_failing_job_is_reported(slurm, env, tmp_path):
     run = tmp_path / "sbatch"
     readme = command("sbatch", overrides=[*SMALL, f"hydra.run.dir={run}"])
