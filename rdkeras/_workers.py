@@ -148,7 +148,7 @@ def run_workers(
 ) -> list[RankResult]:
     """Runs one process per command; returns when all ended, one failed, or the timeout passed.
 
-    `watch` (an elastic job's :class:`rdkeras.elastic.ElasticAgent`) hears of every exit (``exited(rank,
+    `watch` (an elastic job's :class:`rdkeras.launch_agent.ElasticAgent`) hears of every exit (``exited(rank,
     returncode)``); a worker that fails then ends the job only once `watch.error` says the others cannot go on.
     `on_exit(rank, returncode)` hears of every exit too (a launcher that tells the job's store).
 

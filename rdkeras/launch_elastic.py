@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rdkeras._workers import RankResult, _failure_message, _status, run_workers
-from rdkeras.elastic.agent import ENDED, EXITED
+from rdkeras.elastic.protocol import ENDED, EXITED
 from rdkeras.errors import EngineError
 from rdkeras.launch_nodes import NodeVerdict
 
@@ -71,7 +71,7 @@ def run_elastic(
     """This node's workers of an elastic `job` (their environments made, the store hosted by the launcher); what
     happened is in `elastic.changes` and `elastic.error` afterwards."""
     from rdkeras import cluster, jobtoken, options
-    from rdkeras.elastic import ElasticAgent
+    from rdkeras.launch_agent import ElasticAgent
 
     def judge(results: list[RankResult]) -> tuple[int, list[str]]:
         return elastic_outcome(results, elastic)
@@ -157,7 +157,7 @@ class ElasticSettings:
     max_restarts: int = 0  # replacements to start in all, each after a loss
     join_timeout: float = 120.0  # seconds a replacement has to reach the lobby
     follower: bool = False  # set by the launch: this node is not node 0, whose launcher decides the outcome
-    changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.elastic.Change, one per loss
+    changes: list[Any] = dataclasses.field(default_factory=list)  # rdkeras.launch_agent.Change, one per loss
     error: str | None = None
     unjoined: dict[int, str] = dataclasses.field(default_factory=dict)  # replacements that never joined: why
     verdict: tuple[int, list[str]] | None = None  # several nodes: the job's, every launcher's (node 0's judged it)

@@ -1,7 +1,8 @@
 """Elastic data-parallel training: a worker lost in the middle of ``fit`` and the job goes on.
 
 ``python -m rdkeras.launch -n N --min-workers M script.py``: the launcher hosts the job's
-store (:mod:`rdkeras.elastic.agent`); when a worker dies, the survivors -- at least M --
+store (its agent: :mod:`rdkeras.launch_agent`, beside the launcher; the keys both speak:
+:mod:`rdkeras.elastic.protocol`); when a worker dies, the survivors -- at least M --
 leave the old group, the launcher publishes the next one, and they start an engine for it
 (:mod:`rdkeras.elastic.group`); inside the same ``fit`` they take the state of the survivor
 that applied the most steps, split the same global batch over the new world and repeat the
@@ -11,10 +12,9 @@ all of it as one collaborator, its :class:`~rdkeras.elastic.membership.Membershi
 module: it uses the parallelisms' collectives, and the launcher imports this package).
 """
 
-from rdkeras.elastic.agent import Change, ElasticAgent
 from rdkeras.elastic.group import ElasticError, ElasticGroup, NewGroup
 
-__all__ = ["Change", "ElasticAgent", "ElasticError", "ElasticGroup", "NewGroup", "State", "run"]
+__all__ = ["ElasticError", "ElasticGroup", "NewGroup", "State", "run"]
 
 
 def __getattr__(name: str):

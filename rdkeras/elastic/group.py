@@ -2,7 +2,7 @@
 
 :meth:`ElasticGroup.reform` is called with the engine that saw the failure. It reports the
 failure to that generation's store, says this worker is ready (with the optimizer steps it
-applied: its last commit), waits for the launcher's answer (:mod:`rdkeras.elastic.agent`),
+applied: its last commit), waits for the launcher's answer (:mod:`rdkeras.launch_agent`),
 drops the old engine -- its transport closed and its memory freed, nothing of it reused --
 and starts an engine for the new group, on the new generation's store. A member lost while
 the new group starts makes it re-form again, from the new store.
@@ -17,7 +17,7 @@ from typing import Any
 
 from rdkeras import reports
 from rdkeras._log import logger
-from rdkeras.elastic.agent import ADMIT, FIRST_STEP, JOINERS, JOINING, NEXT, READY
+from rdkeras.elastic.protocol import ADMIT, FIRST_STEP, JOINERS, JOINING, NEXT, READY
 from rdkeras.engine import Engine
 from rdkeras.errors import EngineError, PeerError
 from rdkeras.rendezvous import Store
@@ -53,7 +53,7 @@ class ElasticGroup:
     def __init__(self, worker: int, min_workers: int, reform_timeout: float = 60.0):
         self.worker, self.min_workers, self.reform_timeout = worker, min_workers, reform_timeout
         self.generation = 0
-        # A replacement: (the lobby's address, port, world) until the group takes it in (rdkeras.elastic.agent).
+        # A replacement: (the lobby's address, port, world) until the group takes it in (rdkeras.launch_agent).
         self.joining: tuple[str, int, int] | None = None
         self._first_step_pending = False
         # The group's chief (its rank 0's worker id; generation 0's is worker 0, a replacement learns it when it

@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from rdkeras.elastic import ElasticError, ElasticGroup
-from rdkeras.elastic.agent import ENDED, EXITED, NEXT, READY, ElasticAgent
+from rdkeras.elastic.protocol import ENDED, EXITED, NEXT, READY
 from rdkeras.launch import free_port
+from rdkeras.launch_agent import ElasticAgent
 from rdkeras.rendezvous import LAUNCHER, Store
 
 TOKEN = secrets.token_bytes(16)
@@ -150,6 +151,14 @@ def _wait_for(condition, seconds: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _spawned(agent: ElasticAgent) -> list[int]:
+    """The replacements the agent asks for, as the launcher polls them: the agent queues them just after it
+    publishes the next group, which the survivors may hear of first."""
+    spawns: list = []
+    _wait_for(lambda: spawns.extend(agent.take_spawns({})) or spawns)
+    return [worker for worker, _ in spawns]
+
+
 def _lose_worker_one(agent: ElasticAgent, stores: list[Store]) -> dict:
     agent.exited(1, -9)
     _vanish(stores[1])
@@ -163,7 +172,7 @@ def test_an_announced_replacement_that_dies_is_reported_and_the_waiting_group_re
     lobby = None
     try:
         decided = _lose_worker_one(agent, stores)
-        assert [w for w, _ in agent.take_spawns({})] == [3]
+        assert _spawned(agent) == [3]
         lobby = Store(3, 4, "127.0.0.1", agent.lobby.port, HEX, 10.0, serve=False)
         lobby.set("joining/3", b"1")  # worker 3 reached the lobby: the agent announces it to the group
         nxt = [Store(r, 2, "127.0.0.1", decided["port"], HEX, 10.0, serve=False) for r in range(2)]
@@ -189,7 +198,7 @@ def test_a_replacement_that_misses_the_join_timeout_is_told_not_to_join_and_repo
     agent.say = said.append
     try:
         _lose_worker_one(agent, stores)
-        assert [w for w, _ in agent.take_spawns({})] == [3]
+        assert _spawned(agent) == [3]
         _wait_for(lambda: 3 in agent.unjoined)
         assert agent.unjoined[3] == ("(started for lost worker 1) never joined the group: it did not reach the lobby "
                                      "within 0.3 s of its start (--join-timeout); it was told not to join")  # fmt: skip

@@ -37,16 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rdkeras._log import logger
+from rdkeras.elastic.protocol import ADMIT, ENDED, EXITED, FIRST_STEP, JOINERS, JOINING, NEXT, READY
 from rdkeras.rendezvous import StoreServer
 
-READY = "elastic/ready/"
-NEXT = "elastic/next"
-JOINERS = "elastic/joiners"  # set by the agent in the current store while replacements wait in the lobby
-JOINING = "joining/"  # lobby: a replacement is there (its id)
-ADMIT = "admit/"  # lobby: the group it joins (the NEXT of that re-forming), or an error
-FIRST_STEP = "elastic/first-step"  # set by the new group's rank 0 after its first step (wall-clock time)
-EXITED = "elastic/exited/"  # generation 0's store: another node's launcher saw worker ID exit (its return code)
-ENDED = "elastic/ended"  # generation 0's store: the job ends (the error), for the other nodes' launchers
 # A failed member still connected this long after the failure is not dead: it stalled (or hung).
 STALL_GRACE_S = 1.0
 
