@@ -5,7 +5,10 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def pin_one_core() -> None:
@@ -21,6 +24,12 @@ def pin_one_core() -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def add_rounds(p: argparse.ArgumentParser, combined: str) -> None:
+    """``--rounds N``, as the benches that repeat their configurations declare it: `combined` ends its help,
+    saying how the rounds' results make one (this machine's speed drifts between runs)."""
+    p.add_argument("--rounds", type=int, default=1, help=f"run every configuration this many times in turn; {combined}")
 
 
 def step_timer(written: Callable[[], float] | None = None, at_first_timed: Callable[[], object] | None = None) -> Any:

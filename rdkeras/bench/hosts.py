@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from rdkeras.bench import add_rounds
 from rdkeras.bench.hosts_summary import BASELINES, BOUNDS, CONFIGS, _add_round, describe_parts, summarize
 
 
@@ -33,10 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="1gbit", help="the link between the hosts, in tc's units (then unshaped)")
     p.add_argument("--mb", type=float, default=64.0, help="megabytes of float32 gradients the allreduce sums")
     p.add_argument("--reps", type=int, default=5, help="timed allreduces (and training steps) per configuration")
-    p.add_argument(
-        "--rounds", type=int, default=1, help="run every configuration this many times in turn; speed-ups are the "
-        "median of the rounds' ratios (the machine's speed drifts between runs)",
-    )  # fmt: skip
+    add_rounds(p, "speed-ups are the median of the rounds' ratios (the machine's speed drifts between runs)")
     p.add_argument("--no-fit", action="store_true", help="the allreduce only, no training step")
     p.add_argument(
         "--overlap-bytes", type=int, default=None, help="the step's gradient buckets (0: one exchange after backprop)"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from rdkeras import options
-from rdkeras.bench import cut_after, pin_one_core
+from rdkeras.bench import add_rounds, cut_after, pin_one_core
 from rdkeras.bench.workloads import timed_fit
 
 MODELS = ("vgg16", "vggstyle", "fcn5")
@@ -53,10 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the global batch (every configuration)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
-    p.add_argument(
-        "--rounds", type=int, default=1, help="run every configuration this many times in turn; each one's row is its "
-        "median round by speed-up (over its own one-process reference), with the rounds' range",
-    )  # fmt: skip
+    add_rounds(
+        p, "each one's row is its median round by speed-up (over its own one-process reference), with the rounds' range"
+    )
     p.add_argument("--quick", action="store_true", help="fewer steps, M in 4/8, 1F1B, the automatic cut only")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--timeout", type=float, default=900)

@@ -4,7 +4,7 @@ alone (docs/scale-model.md)."""
 from __future__ import annotations
 
 from rdkeras.bench.clusters import LABELS
-from rdkeras.bench.figures.common import Section, Target
+from rdkeras.bench.figures.common import Section, Target, markdown_table
 from rdkeras.bench.scale_model import PART_LABELS
 
 
@@ -31,16 +31,19 @@ def _at_scale_models(at: dict) -> list[str]:
         "copied off the GPU as backprop produces it and back once its exchange is done, the last bucket's after "
         "everything (PCIe at 12 GB/s) — charged until a path without host staging exists.",
         "",
-        "| model | image | forward GFLOPs/image | gradients | P100 share of peak, batch 64 / 32 |",
-        "|---|---|---|---|---|",
     ]
-    for name, m in at["models"].items():
-        lines.append(
-            f"| {LABELS.get(name, name)} | {m['image_size']}² | {m['forward_flops'] / 1e9:.2f} | "
-            f"{m['gradient_bytes'] / 1e6:.0f} MB in {m['tensor_count']} tensors | "
-            f"{_pct(m['share']['64'])} / {_pct(m['share']['32'])} |"
-        )
-    return lines
+    header = ["model", "image", "forward GFLOPs/image", "gradients", "P100 share of peak, batch 64 / 32"]
+    rows = [
+        [
+            LABELS.get(name, name),
+            f"{m['image_size']}²",
+            f"{m['forward_flops'] / 1e9:.2f}",
+            f"{m['gradient_bytes'] / 1e6:.0f} MB in {m['tensor_count']} tensors",
+            f"{_pct(m['share']['64'])} / {_pct(m['share']['32'])}",
+        ]
+        for name, m in at["models"].items()
+    ]
+    return [*lines, *markdown_table(header, rows)]
 
 
 def _horovod(at: dict) -> list[str]:
@@ -55,18 +58,33 @@ def _horovod(at: dict) -> list[str]:
         "whenever the previous allreduce ends, so the exchange overlaps backprop. GPUs taken as the P100 the models' "
         "speed was measured on (SXM2, 10.6 TFLOP/s); with PCIe P100s (9.3) each step computes 14% longer.",
         "",
-        "| GPUs | model | compute/step | predicted | Horovod published | difference | exchange after backprop | "
-        "with PCIe P100s | what the exchange spends (hidden or not) |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in at["horovod"]:
-        lines.append(
-            f"| {r['gpus']} ({r['servers']} × {hv['gpus_per_server']}) | {LABELS.get(r['model'], r['model'])} | "
-            f"{r['compute_s'] * 1e3:.0f} ms | {_pct(r['efficiency'])} | {_pct(r['published'])} | "
-            f"{(r['efficiency'] - r['published']) * 100:+.0f} points | {_pct(r['no_overlap'])} | "
-            f"{_pct(r['pcie_p100'])} | {_spent(r['parts'])} ({sum(r['calls'].values())} allreduces) |"
-        )
-    return lines
+    header = [
+        "GPUs",
+        "model",
+        "compute/step",
+        "predicted",
+        "Horovod published",
+        "difference",
+        "exchange after backprop",
+        "with PCIe P100s",
+        "what the exchange spends (hidden or not)",
+    ]
+    rows = [
+        [
+            f"{r['gpus']} ({r['servers']} × {hv['gpus_per_server']})",
+            LABELS.get(r["model"], r["model"]),
+            f"{r['compute_s'] * 1e3:.0f} ms",
+            _pct(r["efficiency"]),
+            _pct(r["published"]),
+            f"{(r['efficiency'] - r['published']) * 100:+.0f} points",
+            _pct(r["no_overlap"]),
+            _pct(r["pcie_p100"]),
+            f"{_spent(r['parts'])} ({sum(r['calls'].values())} allreduces)",
+        ]
+        for r in at["horovod"]
+    ]
+    return [*lines, *markdown_table(header, rows)]
 
 
 def _auto(at: dict) -> list[str]:
@@ -80,16 +98,29 @@ def _auto(at: dict) -> list[str]:
         "costs less), 4 MiB buckets overlapping backprop, one bucket at a time, sums on a CPU core; with "
         'compression="bf16" (half the bytes between servers); the flat ring; and `auto` were there no host staging:',
         "",
-        "| model | auto | auto, bf16 | ring | auto without host staging | Horovod published | "
-        "what auto's exchange spends (hidden or not) |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in at["auto"]:
-        lines.append(
-            f"| {LABELS.get(r['model'], r['model'])} | {_pct(r['efficiency'])} | {_pct(r['bf16']['efficiency'])} | "
-            f"{_pct(r['ring'])} | {_pct(r['no_staging'])} | {_pct(r['published'])} | {_spent(r['parts'], 4)} |"
-        )
-    return lines
+    header = [
+        "model",
+        "auto",
+        "auto, bf16",
+        "ring",
+        "auto without host staging",
+        "Horovod published",
+        "what auto's exchange spends (hidden or not)",
+    ]
+    rows = [
+        [
+            LABELS.get(r["model"], r["model"]),
+            _pct(r["efficiency"]),
+            _pct(r["bf16"]["efficiency"]),
+            _pct(r["ring"]),
+            _pct(r["no_staging"]),
+            _pct(r["published"]),
+            _spent(r["parts"], 4),
+        ]
+        for r in at["auto"]
+    ]
+    return [*lines, *markdown_table(header, rows)]
 
 
 def _seed(at: dict) -> list[str]:
@@ -103,16 +134,23 @@ def _seed(at: dict) -> list[str]:
         "per-worker mini-batches/s, and against "
         f"{sizes[0]} workers':",
         "",
-        "| model | " + " | ".join(f"{n} workers" for n in sizes) + f" | {sizes[-1]} ÷ {sizes[0]} | "
-        f"what the exchange spends at {sizes[-1]} (hidden or not) |",
-        "|---|" + "---|" * (len(sizes) + 2),
     ]
-    for r in at["seed"]:
-        cells = " | ".join(f"{s['rate']:.2f}" for s in r["sizes"])
-        last = r["sizes"][-1]
-        name = LABELS.get(r["model"], r["model"])
-        lines.append(f"| {name} | {cells} | {_pct(last['vs_first'])} | {_spent(last['parts'], 4)} |")
-    return [*lines, ""]
+    header = [
+        "model",
+        *(f"{n} workers" for n in sizes),
+        f"{sizes[-1]} ÷ {sizes[0]}",
+        f"what the exchange spends at {sizes[-1]} (hidden or not)",
+    ]
+    rows = [
+        [
+            LABELS.get(r["model"], r["model"]),
+            *(f"{s['rate']:.2f}" for s in r["sizes"]),
+            _pct(r["sizes"][-1]["vs_first"]),
+            _spent(r["sizes"][-1]["parts"], 4),
+        ]
+        for r in at["seed"]
+    ]
+    return [*lines, *markdown_table(header, rows), ""]
 
 
 def _at_scale_targets(at: dict) -> list[Target]:

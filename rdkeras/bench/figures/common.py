@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,20 +75,24 @@ def section(title: str, intro: str, table: list[str], png: str) -> list[str]:
     return [f"## {title}", "", intro, "", *table, "", f"![{title}]({png})", ""]
 
 
+def markdown_table(header: Sequence[str | None], rows: Iterable[Sequence[str | None]]) -> list[str]:
+    """A Markdown table's lines: the header, its ``|---|`` line, a line per row of cells. None is a blank cell
+    (``| |``); "" keeps both its spaces (``|  |``): the report has always written both, and stays byte for byte."""
+
+    def line(cells: Sequence[str | None]) -> str:
+        return "|" + "".join(" |" if c is None else f" {c} |" for c in cells)
+
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
+
+
 def size_table(intro: str, first: list[str], rows: list[tuple[list[str], dict[int, str]]]) -> list[str]:
     """A paragraph and a table with a column per message size: `first` names the leading columns; each row
     gives their cells and its cell per size ("–" where it has none). Nothing without rows."""
     if not rows:
         return []
     sizes = sorted({x for _, cells in rows for x in cells})
-    return [
-        "",
-        intro,
-        "",
-        "| " + " | ".join([*first, *map(fmt_size, sizes)]) + " |",
-        "|" + "---|" * (len(first) + len(sizes)),
-        *("| " + " | ".join([*lead, *(cells.get(x, "–") for x in sizes)]) + " |" for lead, cells in rows),
-    ]
+    body = ([*lead, *(cells.get(x, "–") for x in sizes)] for lead, cells in rows)
+    return ["", intro, "", *markdown_table([*first, *map(fmt_size, sizes)], body)]
 
 
 def pyplot() -> Any:

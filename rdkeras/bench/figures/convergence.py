@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rdkeras.bench.figures.common import Section, Target, fmt_x, load_note, pyplot, save_png, section
+from rdkeras.bench.figures.common import Section, Target, fmt_x, load_note, markdown_table, pyplot, save_png, section
 from rdkeras.bench.labels import LABEL, SEED
 
 
@@ -46,32 +46,24 @@ def steps_to_target(curves: dict[str, list[tuple[float, float]]]) -> dict[str, i
 def compression_lines(cv: dict) -> tuple[list[str], list[Target]]:
     """The steps float32 and bf16 gradients took to the common target, per task, and the target (bf16 within 5%
     more steps than float32)."""
-    lines = [
-        "| task | steps to target, float32 | steps to target, bf16 gradients | bf16 / float32 |",
-        "|---|---|---|---|",
-    ]
-    targets = []
+    rows, targets = [], []
     for task, runs in cv.get("tasks", {}).items():
         if "shm" not in runs or "shm+bf16" not in runs:
             continue
         steps = steps_to_target({t: r["curve"] for t, r in runs.items()})
         ratio = steps["shm+bf16"] / steps["shm"]
-        lines.append(f"| {task} | {steps['shm']} | {steps['shm+bf16']} | {ratio:.3f} |")
+        rows.append([task, str(steps["shm"]), str(steps["shm+bf16"]), f"{ratio:.3f}"])
         why = [f"the bf16 run needed {steps['shm+bf16'] - steps['shm']} more steps to the target loss"]
         targets.append(
             Target(f"{task}: bf16 gradients reach the target within 5% more steps", ratio <= 1.05, f"{ratio:.3f}", why)
         )
-    return (lines if targets else []), targets
+    header = ["task", "steps to target, float32", "steps to target, bf16 gradients", "bf16 / float32"]
+    return (markdown_table(header, rows) if targets else []), targets
 
 
 def table(cv: dict) -> tuple[list[str], dict[str, Any]]:
     """Time to the common target per task and transport; the speed-up per task."""
-    lines = [
-        "| task | metric | target | "
-        + " | ".join(f"time to target, {LABEL[t]}" for t in ("shm", "grpc"))
-        + " | speed-up | seconds per step (rdkeras / gRPC) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows: list[list[str | None]] = []
     facts = {}
     for task, runs in cv.get("tasks", {}).items():
         curves = {t: r["curve"] for t, r in runs.items()}
@@ -82,14 +74,22 @@ def table(cv: dict) -> tuple[list[str], dict[str, Any]]:
         speed = times["grpc"] / times["shm"] if times["shm"] else None
         facts[task] = speed
         per_step = {t: r["curve"][-1][0] / max(1, len(r["curve"]) - 1) for t, r in runs.items()}
-        lines.append(
-            f"| {task} | {'perplexity' if lm else 'training loss'} | "
-            f"{math.exp(target) if lm else target:.3f} | {times['shm']:.1f} s | {times['grpc']:.1f} s | "
-            f"{fmt_x(speed, 2)} | {per_step['shm'] * 1e3:.0f} ms / {per_step['grpc'] * 1e3:.0f} ms |"
+        rows.append(
+            [
+                task,
+                "perplexity" if lm else "training loss",
+                f"{math.exp(target) if lm else target:.3f}",
+                f"{times['shm']:.1f} s",
+                f"{times['grpc']:.1f} s",
+                fmt_x(speed, 2),
+                f"{per_step['shm'] * 1e3:.0f} ms / {per_step['grpc'] * 1e3:.0f} ms",
+            ]
         )
     for task, why in cv.get("skipped", {}).items():
-        lines.append(f"| {task} | skipped: {why} | | | | | |")
-    return lines, facts
+        rows.append([task, f"skipped: {why}", None, None, None, None, None])
+    times_to = [f"time to target, {LABEL[t]}" for t in ("shm", "grpc")]
+    header = ["task", "metric", "target", *times_to, "speed-up", "seconds per step (rdkeras / gRPC)"]
+    return markdown_table(header, rows), facts
 
 
 def plot(cv: dict, path: Path) -> None:

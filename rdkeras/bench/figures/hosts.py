@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rdkeras.bench.figures.common import Section, Target, load_note, pyplot, save_png, section
+from rdkeras.bench.figures.common import Section, Target, load_note, markdown_table, pyplot, save_png, section
 from rdkeras.bench.hosts_summary import BOUNDS, describe_parts, summarize
 
 COLORS = {
@@ -21,10 +21,7 @@ def table(summary: dict, links: list[str]) -> list[str]:
     """Seconds per allreduce and per step of each configuration on each link, with its speed-up over the flat
     ring; each float32 run's largest weight difference from one process."""
     labels = list(COLORS)
-    lines = [
-        "| link | what | " + " | ".join(labels) + " |",
-        "|---|---|" + "---|" * len(labels),
-    ]
+    rows = []
     for link in links:
         for what in ("allreduce", "step"):
             part = summary.get(f"{link}/{what}")
@@ -34,12 +31,12 @@ def table(summary: dict, links: list[str]) -> list[str]:
                 f"{part['seconds'][label]:.3f} s ({part['speedup'][label]:.2f}×)" if label in part["seconds"] else "–"
                 for label in labels
             ]
-            lines.append(f"| {link} | {what} | " + " | ".join(cells) + " |")
+            rows.append([link, what, *cells])
         weights = summary.get(f"{link}/weights")
         if weights:
             cells = [f"{weights[label]:.0e}" if label in weights else "–" for label in labels]
-            lines.append(f"| {link} | weights − one process's (max) | " + " | ".join(cells) + " |")
-    return lines
+            rows.append([link, "weights − one process's (max)", *cells])
+    return markdown_table(["link", "what", *labels], rows)
 
 
 def plot(summary: dict, links: list[str], path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rdkeras.bench.figures.common import Section, Target, fmt_ms, load_note, pyplot, save_png
+from rdkeras.bench.figures.common import Section, Target, fmt_ms, load_note, markdown_table, pyplot, save_png
 
 
 def plot(ov: dict, path: Path) -> None:
@@ -40,19 +40,16 @@ def plot(ov: dict, path: Path) -> None:
 def table(ov: dict) -> list[str]:
     """Each configuration's step against max(compute, comm) and their sum; per mode, where the overlapped
     exchange's time went."""
-    lines = [
-        "| | ms per step | ÷ max(compute, comm) | ÷ (compute + comm) |",
-        "|---|---|---|---|",
-        f"| compute alone | {ov['compute_s'] * 1e3:.0f} | | |",
-        f"| communication alone (the same bucketed allreduces) | {ov['comm_s'] * 1e3:.0f} | | |",
+    rows: list[list[str | None]] = [
+        ["compute alone", f"{ov['compute_s'] * 1e3:.0f}", None, None],
+        ["communication alone (the same bucketed allreduces)", f"{ov['comm_s'] * 1e3:.0f}", None, None],
     ]
     for mode in ("allreduce", "ps"):
         for label in ("sequential", "overlapped"):
             v = ov[f"{mode}_{label}_s"]
-            lines.append(
-                f"| {mode}, {'exchange after backprop' if label == 'sequential' else 'overlapped'} | "
-                f"{v * 1e3:.0f} | {v / ov['max_s']:.2f} | {v / ov['sum_s']:.2f} |"
-            )
+            step = f"{mode}, {'exchange after backprop' if label == 'sequential' else 'overlapped'}"
+            rows.append([step, f"{v * 1e3:.0f}", f"{v / ov['max_s']:.2f}", f"{v / ov['sum_s']:.2f}"])
+    lines = markdown_table([None, "ms per step", "÷ max(compute, comm)", "÷ (compute + comm)"], rows)
     for mode in ("allreduce", "ps"):
         b = ov.get(f"{mode}_breakdown") or {}
         if b:

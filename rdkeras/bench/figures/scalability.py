@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rdkeras.bench.figures.common import Section, fmt_x, load_note, pyplot, rate_of, save_png, section
+from rdkeras.bench.figures.common import Section, fmt_x, load_note, markdown_table, pyplot, rate_of, save_png, section
 from rdkeras.bench.labels import SEED
 
 
@@ -13,27 +13,25 @@ def table(sc: dict, cores: int) -> tuple[list[str], dict[str, Any]]:
     """Total rates per model and worker count; rdkeras's ratio to gRPC per (model, workers)."""
     runs = [r for r in sc["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
-    lines = [
-        "| model | workers | Local (1 process) | rdkeras shm, total | gRPC, total | rdkeras ÷ gRPC | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows: list[list[str | None]] = []
     facts: dict[Any, Any] = {}
     for m in models:
         local = rate_of(runs, m, "local", "none")
         for n in sc["workers"]:
             if n == 1:
-                lines.append(f"| {m} | 1 | {local:.2f} | – | – | – | |" if local else f"| {m} | 1 | – | – | – | – | |")
+                rows.append([m, "1", f"{local:.2f}" if local else "–", "–", "–", "–", None])
                 continue
             rd, g = rate_of(runs, m, sc["mode"], "shm", n), rate_of(runs, m, sc["mode"], "grpc", n)
             x = rd / g if rd and g else None
             facts[(m, n)] = x
             note = f"{n} workers on {cores} cores" if n > cores else ""
-            lines.append(
-                f"| {m} | {n} | {local:.2f} | {rd * n:.2f} | {g * n:.2f} | {fmt_x(x, 2)} | {note} |"
+            rows.append(
+                [m, str(n), f"{local:.2f}", f"{rd * n:.2f}", f"{g * n:.2f}", fmt_x(x, 2), note]
                 if rd and g and local
-                else f"| {m} | {n} | – | – | – | – | failed |"
+                else [m, str(n), "–", "–", "–", "–", "failed"]
             )
-    return lines, facts
+    header = ["model", "workers", "Local (1 process)", "rdkeras shm, total", "gRPC, total", "rdkeras ÷ gRPC", "note"]
+    return markdown_table(header, rows), facts
 
 
 def plot(sc: dict, path: Path) -> None:

@@ -6,7 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from rdkeras.bench.figures.at_scale import at_scale
-from rdkeras.bench.figures.common import Section, Target, fmt_x, pyplot, save_png, size_table, step_parts
+from rdkeras.bench.figures.common import (
+    Section,
+    Target,
+    fmt_x,
+    markdown_table,
+    pyplot,
+    save_png,
+    size_table,
+    step_parts,
+)
 from rdkeras.bench.labels import LABEL
 
 
@@ -21,12 +30,13 @@ def _calibration(cal: dict) -> list[str]:
         "projection uses), its exchange (both ways at once) and the Local runs' compute times; see "
         "docs/scale-model.md.",
         "",
-        "| transport | a (per message) | 1/b (per byte) |",
-        "|---|---|---|",
     ]
-    for t, c in sorted(cal["transports"].items()):
-        lines.append(f"| {LABEL.get(t, t)} | {c['latency_us']:.1f} µs | {c['GBps']:.2f} GB/s |")
-    lines.append(f"| memcpy (reduction, assignment) | | {1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s |")
+    rows: list[list[str | None]] = [
+        [LABEL.get(t, t), f"{c['latency_us']:.1f} µs", f"{c['GBps']:.2f} GB/s"]
+        for t, c in sorted(cal["transports"].items())
+    ]
+    rows.append(["memcpy (reduction, assignment)", None, f"{1 / cal['memcpy_per_byte'] / 1e9:.2f} GB/s"])
+    lines += markdown_table(["transport", "a (per message)", "1/b (per byte)"], rows)
     exchanges = []
     for t, c in sorted(cal["transports"].items()):
         one, two = dict(c["points"]), dict(c.get("exchange_points", []))
@@ -64,13 +74,12 @@ def _compute(cal: dict) -> list[str]:
         "the compute each distributed run's own processes measured undistributed before and after it (the "
         "validation's compute column), this table's second column where a run has none:",
         "",
-        "| model | alone | every core at once | |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for m, c in computes.items():
         alone, every = c["alone"], c["all_cores"]
-        lines.append(f"| {m} | {alone * 1e3:.1f} ms | {every * 1e3:.1f} ms | {every / alone:.2f}× |")
-    return lines
+        rows.append([m, f"{alone * 1e3:.1f} ms", f"{every * 1e3:.1f} ms", f"{every / alone:.2f}×"])
+    return lines + markdown_table(["model", "alone", "every core at once", None], rows)
 
 
 def _validation(validation: list[dict]) -> list[str]:
@@ -80,17 +89,22 @@ def _validation(validation: list[dict]) -> list[str]:
         "",
         "Validation: every run measured here, predicted from the calibration alone.",
         "",
-        "| model | mode | transport | workers | compute | measured s/step | predicted | error |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for v in validation:
-        compute = f"{v['compute_s'] * 1e3:.1f} ms" if v.get("compute_s") else "–"
-        lines.append(
-            f"| {v['model']} | {v['mode']} | {LABEL.get(v['transport'], v['transport'])} | {v['workers']} | "
-            f"{compute} | {v['measured_s'] * 1e3:.1f} ms | {v['predicted_s'] * 1e3:.1f} ms | "
-            f"{v['error'] * 100:+.0f}% |"
-        )
-    return lines
+    rows = [
+        [
+            v["model"],
+            v["mode"],
+            LABEL.get(v["transport"], v["transport"]),
+            str(v["workers"]),
+            f"{v['compute_s'] * 1e3:.1f} ms" if v.get("compute_s") else "–",
+            f"{v['measured_s'] * 1e3:.1f} ms",
+            f"{v['predicted_s'] * 1e3:.1f} ms",
+            f"{v['error'] * 100:+.0f}%",
+        ]
+        for v in validation
+    ]
+    header = ["model", "mode", "transport", "workers", "compute", "measured s/step", "predicted", "error"]
+    return lines + markdown_table(header, rows)
 
 
 def _projection(sm: dict) -> list[str]:
@@ -106,21 +120,30 @@ def _projection(sm: dict) -> list[str]:
         "exchange and the averages back after it, which overlap does not hide. Per-worker mini-batches/s, exchange "
         "after backprop (and overlapped):",
         "",
-        "| model | mode | compute/step | rdkeras | RPC over RDMA | gRPC.TCP | rdkeras ÷ gRPC.TCP | "
-        "rdkeras ÷ RPC over RDMA | seed |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for p in sm["projections"]:
         r, o = p["rates"], p["rates_overlap"]
         seed = "up to 21× / about 2× (over the three models)" if p["model"] in ("vgg16", "lstm", "fcn5") else ""
-        cells = " | ".join(f"{r[t]:.2f} ({o[t]:.2f})" if t in r else "–" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
+        cells = [f"{r[t]:.2f} ({o[t]:.2f})" if t in r else "–" for t in ("rdkeras", "rpc_rdma", "grpc_tcp")]
         xg = r["rdkeras"] / r["grpc_tcp"] if "grpc_tcp" in r else None
         xr = r["rdkeras"] / r["rpc_rdma"] if "rpc_rdma" in r else None
-        lines.append(
-            f"| {p['model']} | {p['mode']} | {p['compute_s'] * 1e3:.0f} ms | {cells} | {fmt_x(xg)} | "
-            f"{fmt_x(xr, 2)} | {seed if p['mode'] == 'ps' else ''} |"
+        compute = f"{p['compute_s'] * 1e3:.0f} ms"
+        rows.append(
+            [p["model"], p["mode"], compute, *cells, fmt_x(xg), fmt_x(xr, 2), seed if p["mode"] == "ps" else ""]
         )
-    return lines
+    header = [
+        "model",
+        "mode",
+        "compute/step",
+        "rdkeras",
+        "RPC over RDMA",
+        "gRPC.TCP",
+        "rdkeras ÷ gRPC.TCP",
+        "rdkeras ÷ RPC over RDMA",
+        "seed",
+    ]
+    return lines + markdown_table(header, rows)
 
 
 def _sweep(sweeps: dict | None) -> list[str]:
@@ -130,17 +153,19 @@ def _sweep(sweeps: dict | None) -> list[str]:
         "",
         "Sweep (allreduce, exchange after backprop): per-worker mini-batches/s, rdkeras / RPC over RDMA / gRPC.TCP.",
         "",
-        "| model | " + " | ".join(f"{r['workers']} workers" for r in next(iter(sweeps.values()))) + " |",
-        "|---|" + "---|" * len(next(iter(sweeps.values()))),
     ]
-    for m, rows in sweeps.items():
-        cells = " | ".join(
-            " / ".join(f"{r['rates'].get(t, float('nan')):.2f}" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
-            for r in rows
-        )
-        lines.append(f"| {m} | {cells} |")
-    lines.append("")
-    return lines
+    header = ["model", *(f"{r['workers']} workers" for r in next(iter(sweeps.values())))]
+    rows = [
+        [
+            m,
+            *(
+                " / ".join(f"{r['rates'].get(t, float('nan')):.2f}" for t in ("rdkeras", "rpc_rdma", "grpc_tcp"))
+                for r in runs
+            ),
+        ]
+        for m, runs in sweeps.items()
+    ]
+    return [*lines, *markdown_table(header, rows), ""]
 
 
 def tables(sm: dict) -> list[str]:

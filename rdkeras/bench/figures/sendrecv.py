@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rdkeras.bench.figures.common import Section, Target, fmt_size, load_note, pyplot, save_png, section
+from rdkeras.bench.figures.common import (
+    Section,
+    Target,
+    fmt_size,
+    load_note,
+    markdown_table,
+    pyplot,
+    save_png,
+    section,
+)
 from rdkeras.bench.labels import LABEL, MB, SEED
 
 
@@ -30,16 +39,14 @@ def table(sr: dict) -> tuple[list[str], dict[str, Any]]:
         ("tcp", "static"): "rdkeras tcp static",
         ("memcpy", "glibc"): "memcpy (1 core)",
     }
-    lines = [
-        "| size | " + " | ".join(name.get(s, LABEL.get(s[0], s[0])) for s in series) + " |",
-        "|---|" + "---|" * len(series),
-    ]
+    rows = []
     for size in sizes:
         cells = []
         for s in series:
             r = at.get((*s, size))
             cells.append(f"{r['seconds'] * 1e3:.2f} ms ({r['GBps']:.2f} GB/s)" if r else "–")
-        lines.append(f"| {fmt_size(size)} | " + " | ".join(cells) + " |")
+        rows.append([fmt_size(size), *cells])
+    lines = markdown_table(["size", *(name.get(s, LABEL.get(s[0], s[0])) for s in series)], rows)
     facts: dict[str, Any] = {}
     big = 64 * MB if 64 * MB in sizes else max(sizes)  # the targets are stated at 64 MB
     shm, grpc = at.get(("shm", "static", big)), at.get(("grpc", "rpc", big))
@@ -64,15 +71,12 @@ def _latency_table(lat: dict[str, list]) -> list[str]:
         "",
         "One-way latency (ping-pong / 2, static channels):",
         "",
-        "| transport | " + " | ".join(fmt_size(s) for s in lsizes) + " |",
-        "|---|" + "---|" * len(lsizes),
     ]
+    rows = []
     for t, v in lat.items():
         d = dict((s, sec) for s, sec in v)
-        lines.append(
-            f"| {LABEL.get(t, t)} | " + " | ".join(f"{d[s] * 1e6:.1f} µs" if s in d else "–" for s in lsizes) + " |"
-        )
-    return lines
+        rows.append([LABEL.get(t, t), *(f"{d[s] * 1e6:.1f} µs" if s in d else "–" for s in lsizes)])
+    return lines + markdown_table(["transport", *map(fmt_size, lsizes)], rows)
 
 
 def plot(sr: dict, path: Path) -> None:

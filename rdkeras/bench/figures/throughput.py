@@ -12,6 +12,7 @@ from rdkeras.bench.figures.common import (
     fmt_ms,
     fmt_x,
     load_note,
+    markdown_table,
     pyplot,
     rate_of,
     save_png,
@@ -26,12 +27,7 @@ def table(th: dict) -> tuple[list[str], dict[str, Any]]:
     runs = [r for r in th["runs"] if r["model"] != "probe"]
     models = list(dict.fromkeys(r["model"] for r in runs))
     transports = [t for t in ("grpc", "rpc+shm", "shm", "tcp", "rpc+tcp") if any(r["transport"] == t for r in runs)]
-    lines = [
-        "| model | params | gradients/step | mode | Local | "
-        + " | ".join(LABEL[t] for t in transports)
-        + " | rdkeras ÷ gRPC | rdkeras ÷ RPC |",
-        "|---|---|---|---|---|" + "---|" * (len(transports) + 2),
-    ]
+    rows = []
     facts: dict[str, Any] = {"x_grpc": {}, "x_rpc": {}}
     for m in models:
         first = next(r for r in runs if r["model"] == m)
@@ -43,15 +39,11 @@ def table(th: dict) -> tuple[list[str], dict[str, Any]]:
             xg = rd / grpc if rd and grpc else None
             xr = rd / rpc if rd and rpc else None
             facts["x_grpc"][(m, mode)], facts["x_rpc"][(m, mode)] = xg, xr
-            cells = " | ".join(f"{rates[t]:.2f}" if rates[t] else "–" for t in transports)
-            lines.append(
-                f"| {m} | {first['params'] / 1e6:.1f} M | {first['gradient_bytes'] / 1e6:.1f} MB | {mode} | "
-                f"{local:.2f} | {cells} | {fmt_x(xg)} | {fmt_x(xr, 2)} |"
-                if local
-                else f"| {m} | {first['params'] / 1e6:.1f} M | {first['gradient_bytes'] / 1e6:.1f} MB | {mode} | "
-                f"– | {cells} | {fmt_x(xg)} | {fmt_x(xr, 2)} |"
-            )
-    return lines, facts
+            model_size = [f"{first['params'] / 1e6:.1f} M", f"{first['gradient_bytes'] / 1e6:.1f} MB"]
+            cells = [f"{rates[t]:.2f}" if rates[t] else "–" for t in transports]
+            rows.append([m, *model_size, mode, f"{local:.2f}" if local else "–", *cells, fmt_x(xg), fmt_x(xr, 2)])
+    header = ["model", "params", "gradients/step", "mode", "Local", *(LABEL[t] for t in transports)]
+    return markdown_table([*header, "rdkeras ÷ gRPC", "rdkeras ÷ RPC"], rows), facts
 
 
 def breakdown_table(th: dict, models: list[str]) -> list[str]:
@@ -59,12 +51,7 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
     before it (older results: Local on every core at once), and what the transports measured: time blocked on
     peers, and for RPC its (de)serialization copies and frame writes."""
     runs = th["runs"]
-    lines = [
-        "| model | mode | transport | step | compute (the same processes, undistributed, before and after) | "
-        "blocked on peers | RPC copies | "
-        "RPC frames (wire) | rest (Keras/TF hops, reductions, assignments) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     loaded = {r["model"]: r["step_seconds"] for r in th.get("loaded", [])}
     for m in models:
         local = next((r["step_seconds"] for r in runs if r["model"] == m and r["transport"] == "none"), None)
@@ -77,11 +64,20 @@ def breakdown_table(th: dict, models: list[str]) -> list[str]:
             copy, wire = r.get("copy_seconds_per_step"), r.get("wire_seconds_per_step")
             rest = r["step_seconds"] - compute - wait - (copy or 0) - (wire or 0)
             ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "–"  # noqa: E731
-            lines.append(
-                f"| {m} | {r['mode']} | {LABEL.get(r['transport'], r['transport'])} | {ms(r['step_seconds'])} | "
-                f"{ms(compute)} | {ms(wait)} | {ms(copy)} | {ms(wire)} | {ms(rest)} |"
-            )
-    return lines
+            transport = LABEL.get(r["transport"], r["transport"])
+            rows.append([m, r["mode"], transport, *map(ms, (r["step_seconds"], compute, wait, copy, wire, rest))])
+    header = [
+        "model",
+        "mode",
+        "transport",
+        "step",
+        "compute (the same processes, undistributed, before and after)",
+        "blocked on peers",
+        "RPC copies",
+        "RPC frames (wire)",
+        "rest (Keras/TF hops, reductions, assignments)",
+    ]
+    return markdown_table(header, rows)
 
 
 def plot(th: dict, path: Path) -> None:
