@@ -804,7 +804,8 @@ def reduce_scatter_in_parts(sizes: list[int]) -> dict:
 
 def shards_in_calls(per: int, limit: int) -> dict:
     """A float32 buffer of `per` elements a member reduce-scattered and its shard allgathered, in calls of at most
-    `limit` bytes (collectives.in_calls) and in one call each: both results."""
+    `limit` bytes (collectives.in_calls) and in one call each: both results; and the buffer's shard reduce-scattered
+    from its parts in calls."""
     from rdkeras.parallel.collectives import Collectives, allgather_in_calls, reduce_scatter_in_calls
 
     with open_engine() as eng:
@@ -817,6 +818,10 @@ def shards_in_calls(per: int, limit: int) -> dict:
                 "shard": mine.tolist(),
                 "gathered": allgather_in_calls(collectives, mine + eng.rank, "w", bound).tolist(),
             }
+        # The same buffer as a layer's gradients: parts of uneven sizes, one empty, none aligned to a call.
+        cuts = [0, 7, 7, per + 5, per * eng.world_size]
+        parts = [flat[a:b] for a, b in itertools.pairwise(cuts)]
+        out["parts"] = reduce_scatter_in_calls(collectives, parts, "grads", limit).tolist()
         return out
 
 

@@ -3,11 +3,13 @@ large a layer is."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from rdkeras.parallel.collectives.core import Collectives
 
-CALL_BYTES = 4 << 20  # the most of each worker's shard one gather or reduce-scatter call moves
+CALL_BYTES = 1 << 20  # the most of each worker's shard one gather or reduce-scatter call moves
 
 
 def allgather_in_calls(
@@ -27,17 +29,30 @@ def allgather_in_calls(
 
 
 def reduce_scatter_in_calls(
-    collectives: Collectives, flat: np.ndarray, purpose: str, limit: int = CALL_BYTES
+    collectives: Collectives, flat: np.ndarray | Sequence[np.ndarray], purpose: str, limit: int = CALL_BYTES
 ) -> np.ndarray:
-    """:meth:`Collectives.reduce_scatter` (the mean) of `flat` in calls of at most `limit` bytes of each shard."""
-    n = collectives.size
-    per = flat.size // n
-    step = max(64, limit) // flat.itemsize // 16 * 16
+    """:meth:`Collectives.reduce_scatter` (the mean) of `flat` -- whole, or its consecutive parts, read where they
+    lie: a layer's gradients need no concatenated copy -- in calls of at most `limit` bytes of each shard."""
+    parts = [np.reshape(p, -1) for p in ([flat] if isinstance(flat, np.ndarray) else flat)]
+    n, itemsize = collectives.size, parts[0].itemsize
+    per = sum(p.size for p in parts) // n
+    step = max(64, limit) // itemsize // 16 * 16
     if per <= step:
-        return np.array(collectives.reduce_scatter(flat, average=True, purpose=purpose))
-    rows, mine = np.reshape(flat, (n, per)), np.empty(per, flat.dtype)
+        return np.array(collectives.reduce_scatter(parts, average=True, purpose=purpose))
+    mine = np.empty(per, parts[0].dtype)
     for lo in range(0, per, step):
         hi = min(per, lo + step)
-        part = np.ascontiguousarray(rows[:, lo:hi]).reshape(-1)
-        mine[lo:hi] = collectives.reduce_scatter(part, average=True, purpose=purpose)
+        columns = [view for r in range(n) for view in _views(parts, r * per + lo, r * per + hi)]
+        mine[lo:hi] = collectives.reduce_scatter(columns, average=True, purpose=purpose)
     return mine
+
+
+def _views(parts: Sequence[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
+    """Elements [lo, hi) of the concatenation of `parts`, as views of them."""
+    views, start = [], 0
+    for p in parts:
+        end = start + p.size
+        if p.size and start < hi and lo < end:
+            views.append(p[max(lo, start) - start : min(hi, end) - start])
+        start = end
+    return views
