@@ -32,8 +32,9 @@ class ModelState:
 
     def save_checkpoint(self, model: Any, directory: Any) -> None:
         """Collective: writes `model`'s weights and optimizer state into the folder `directory`, each worker its
-        own shard of the optimizer state where ``shard`` splits it; a worker killed during the save leaves the
-        previous checkpoint there whole. :meth:`load_checkpoint` resumes from it at any worker count."""
+        own shard of the optimizer state where ``shard`` splits it (and of the weights, ``shard="parameters"``); a
+        worker killed during the save leaves the previous checkpoint there whole. :meth:`load_checkpoint` resumes
+        from it at any worker count."""
         self._parallel.save_checkpoint(model, directory)
 
     def load_checkpoint(self, model: Any, directory: Any) -> None:

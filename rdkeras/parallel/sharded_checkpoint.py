@@ -2,11 +2,16 @@
 
 A checkpoint is a folder::
 
-    manifest.json        the layout: each dtype group's variables (by trainable position), sizes and shard length, the
+    manifest.json        the layout: each group's variables (by trainable position), sizes and shard length, the
                          workers that wrote it, the slot names ("momentum", "velocity"), the weights' shapes
     weights.npz          the model's weights (every worker holds them whole), written by the chief
     optimizer.npz        the optimizer's own variables (iteration, learning rate, a loss scale), by the chief
-    shard-R/G-SLOT.npy   worker R's shard of dtype group G's SLOT, written by worker R
+    shard-R/G-SLOT.npy   worker R's shard of group G's SLOT, written by worker R
+
+A group is a dtype's variables where the optimizer state alone is sharded, and a layer's (a unit's) where its weights
+are too (``shard="parameters"``): then each worker writes its shard of the weights as the slot ``weights``, the
+manifest's ``in_shards`` names them ([position in the model's weights, trainable position]), and weights.npz holds
+an empty array in their place.
 
 Saving writes into ``FOLDER.partial`` and renames it over ``FOLDER`` once every worker has written its files, so
 a worker killed during a save leaves the previous checkpoint whole. Loading reads, for each piece this worker owns
@@ -28,8 +33,10 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.parallel.piece_gradients import slots_by_variable
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
+from rdkeras.parallel.sharded_parameters import ShardedParameters
 
 FORMAT = "rdkeras-sharded-checkpoint/1"
+WEIGHTS = "weights"  # the slot name of a unit's weights, where the weights are sharded
 
 
 def _layout(variables: Sequence[Any], update: ShardedUpdate | None, workers: int) -> list[dict]:
@@ -49,6 +56,42 @@ def _layout(variables: Sequence[Any], update: ShardedUpdate | None, workers: int
     return list(groups.values())
 
 
+def _unit_layout(parameters: ShardedParameters, trainable: Sequence[Any]) -> list[dict]:
+    """Each unit of sharded weights as a group: its variables' positions in `trainable`, their sizes, its shard."""
+    position = {id(v): i for i, v in enumerate(trainable)}
+    return [{"dtype": unit.dtype, "variables": [position[id(v)] for v in unit.variables], "sizes": unit.sizes,
+             "per": unit.per} for unit in parameters.units]  # fmt: skip
+
+
+def _unit_shards(parameters: ShardedParameters) -> dict[tuple[int, str], np.ndarray]:
+    """(unit, WEIGHTS or a slot's name) -> this worker's shard of the unit's weights or of that slot."""
+    slots, first, out = parameters.piece_slots(), 0, {}
+    for g, unit in enumerate(parameters.units):
+        pieces = {WEIGHTS: [keras_internals.storage(v) for v in unit.variables]}
+        for name in sorted({name for _, name in slots}):
+            pieces[name] = [slots[(first + k, name)] for k in range(len(unit.variables))]
+        for name, held in pieces.items():
+            shard, at = np.zeros(unit.per, unit.dtype), 0
+            for piece, (lo, hi) in zip(held, unit.owned, strict=True):
+                shard[at : at + hi - lo] = np.reshape(piece.numpy(), -1)
+                at += hi - lo
+            out[(g, name)] = shard
+        first += len(unit.variables)
+    return out
+
+
+def _restore_units(parameters: ShardedParameters, read: Any, trainable: Sequence[Any]) -> None:
+    """Each piece's weights and optimizer state from ``read(trainable position, lo, hi, WEIGHTS or slot name)``."""
+    position, slots, first = {id(v): i for i, v in enumerate(trainable)}, parameters.piece_slots(), 0
+    names = sorted({name for _, name in slots})
+    for unit in parameters.units:
+        for k, (v, (lo, hi)) in enumerate(zip(unit.variables, unit.owned, strict=True)):
+            keras_internals.storage(v).assign(np.asarray(read(position[id(v)], lo, hi, WEIGHTS), unit.dtype))
+            for name in names:
+                slots[(first + k, name)].assign(np.asarray(read(position[id(v)], lo, hi, name), unit.dtype))
+        first += len(unit.variables)
+
+
 def _own_variables(optimizer: Any, slots: dict) -> list[Any]:
     """The optimizer's variables that belong to no model variable: iteration, learning rate, a loss scale."""
     taken = {id(v) for v in slots.values()}
@@ -56,21 +99,29 @@ def _own_variables(optimizer: Any, slots: dict) -> list[Any]:
 
 
 def save(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None, rank: int, workers: int,
-         barrier: Any) -> None:  # fmt: skip
+         barrier: Any, parameters: ShardedParameters | None = None) -> None:  # fmt: skip
     """Collective: writes `model`'s checkpoint into `directory` (see the module). `update`: the sharded update of
-    its optimizer (None: unsharded, the chief writes the whole state); `barrier()` waits for every worker."""
+    its optimizer, or `parameters` its sharded weights and update (None: unsharded, the chief writes the whole
+    state); `barrier()` waits for every worker."""
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
     optimizer = model.optimizer
     variables = update.variables if update is not None else list(model.trainable_variables)
-    if update is None and not optimizer.built:
+    if update is None and parameters is None and not optimizer.built:
         optimizer.build(variables)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # (a save killed before: never the checkpoint itself)
         partial.mkdir(parents=True)
     barrier()
-    groups = _layout(variables, update, workers if update is not None else 1)
-    if update is not None:
+    sharded = update is not None or parameters is not None
+    groups = _layout(variables, update, workers if sharded else 1)
+    in_shards: list[list[int]] = []
+    if parameters is not None:
+        groups = _unit_layout(parameters, variables)
+        mine = _unit_shards(parameters)
+        trainable = {id(v): i for i, v in enumerate(variables)}
+        in_shards = [[k, trainable[id(w)]] for k, w in enumerate(model.weights) if parameters.is_sharded(w)]
+    elif update is not None:
         mine = update.shard_slots()  # (group, slot) -> this worker's shard
     elif rank == 0:
         slots = slots_by_variable(keras_internals.inner_optimizer(optimizer), variables)
@@ -86,14 +137,18 @@ def save(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None,
         folder.mkdir()
         for (g, name), values in mine.items():
             np.save(folder / f"{g}-{name}.npy", values)
-    slot_names = sorted({name for _, name in mine})
+    slot_names = sorted({name for _, name in mine if name != WEIGHTS or parameters is None})
     if rank == 0:
-        np.savez(partial / "weights.npz", *[np.asarray(w) for w in model.get_weights()])
-        own = _own_variables(optimizer, {} if update is not None else slots_by_variable(optimizer, variables))
+        # (the sharded weights' places hold nothing: get_weights would gather them, a collective)
+        elsewhere = {k for k, _ in in_shards}
+        held = [np.zeros(0) if k in elsewhere else np.asarray(w.numpy()) for k, w in enumerate(model.weights)]
+        np.savez(partial / "weights.npz", *held)
+        own = _own_variables(optimizer, {} if sharded else slots_by_variable(optimizer, variables))
         own_values: dict[str, Any] = {v.name: np.asarray(v.numpy()) for v in own}
         np.savez(partial / "optimizer.npz", **own_values)
-        manifest = {"format": FORMAT, "workers": workers if update is not None else 1, "groups": groups,
+        manifest = {"format": FORMAT, "workers": workers if sharded else 1, "groups": groups,
                     "slots": slot_names, "weights": [[w.path, list(w.shape)] for w in model.weights],
+                    "in_shards": in_shards,
                     "optimizer": type(keras_internals.inner_optimizer(optimizer)).__name__}  # fmt: skip
     barrier()  # every shard written
     if rank == 0:
@@ -117,11 +172,13 @@ def _sync(folder: Path) -> None:
             os.close(fd)
 
 
-def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None = None, weights: bool = True) -> None:
+def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None = None, weights: bool = True,
+         parameters: ShardedParameters | None = None) -> None:  # fmt: skip
     """Sets `model`'s weights (unless not `weights`) and its optimizer's state from the checkpoint in `directory`,
     written by any number of workers, sharded or not: this worker's shard of it where `update` shards the
-    optimizer, else the whole state. Every worker of a job calls it (each reads what it needs); in one process,
-    with no strategy, it resumes a plain Keras model (compiled) from a sharded checkpoint."""
+    optimizer, or its pieces of weights and state where `parameters` (laid out) shards the weights too, else the
+    whole state. Every worker of a job calls it (each reads what it needs); in one process, with no strategy, it
+    resumes a plain Keras model (compiled) from a sharded checkpoint."""
     folder = Path(directory)
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
@@ -135,12 +192,30 @@ def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None 
                        for k, (a, b) in enumerate(zip(here, there, strict=False)) if a != b),
                       f"{len(here)} weights here, {len(there)} there")  # fmt: skip
         raise ValueError(f"the checkpoint in {folder} is of another model: {differ}")
+    reader = _Reader(folder, manifest)
+    read: Any = reader.read
     if weights:
         with np.load(folder / "weights.npz") as saved_weights:
-            model.set_weights([saved_weights[f"arr_{i}"] for i in range(len(here))])
+            held = [saved_weights[f"arr_{k}"] for k in range(len(here))]
+        in_shards = dict(manifest.get("in_shards", []))  # position in the weights -> trainable position
+        position = {id(w): k for k, w in enumerate(model.weights)}
+        weight_of = [position[id(v)] for v in model.trainable_variables]
+
+        def read_held(i: int, lo: int, hi: int, slot: str) -> np.ndarray:  # (a trainable weight's too, where it is)
+            if slot != WEIGHTS or weight_of[i] in in_shards:
+                return reader.read(i, lo, hi, slot)
+            return np.reshape(held[weight_of[i]], -1)[lo:hi]
+
+        read = read_held
+
+        for k, (w, shape) in enumerate(zip(model.weights, here, strict=True)):
+            if parameters is not None and parameters.is_sharded(w):
+                continue  # (its piece is set below, with its optimizer state)
+            whole = read(in_shards[k], 0, int(np.prod(shape)), WEIGHTS) if k in in_shards else held[k]
+            w.assign(np.reshape(whole, shape))
     optimizer = model.optimizer
     variables = list(model.trainable_variables)
-    if not optimizer.built:
+    if not optimizer.built and parameters is None:
         optimizer.build(variables)
     if update is not None and not update.variables:
         update.plan(variables)  # (as the first step would, on the same variables)
@@ -150,7 +225,9 @@ def load(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None 
     for v in optimizer.variables:
         if v.name in saved:
             v.assign(saved[v.name])
-    reader = _Reader(folder, manifest)
+    if parameters is not None:
+        _restore_units(parameters, read, variables)
+        return
     if update is not None:
         update.restore(reader.read)
         return

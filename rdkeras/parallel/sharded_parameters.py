@@ -329,7 +329,7 @@ class ShardedParameters:
         full = plain_optimizer(optimizer, variables)
         position = {id(v): i for i, v in enumerate(variables)}
         whole_slots = slots_by_variable(full, variables)
-        mine = slots_by_variable(self._copy, self._pieces())
+        mine = self.piece_slots()
         first = 0
         for unit in self.units:
             for name in sorted({name for _, name in mine}):
@@ -358,6 +358,10 @@ class ShardedParameters:
             for v in unit.variables:
                 keras_internals.set_storage(v, tf.Variable(values[id(v)], trainable=True, name=v.name))
         self.units = []
+
+    def piece_slots(self) -> dict[tuple[int, str], Any]:
+        """(position among the units' pieces, in order, and slot name, e.g. "momentum") -> the copy's slot."""
+        return slots_by_variable(self._copy, self._pieces())
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker stores: its pieces (parameters) and its copy's variables (optimizer)."""

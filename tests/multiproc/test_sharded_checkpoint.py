@@ -1,6 +1,6 @@
-"""Sharded checkpoints (rdkeras.parallel.sharded_checkpoint): 4 workers' checkpoint resumes on 2 workers (sharded
-or not) and in one plain Keras process, each going on as one process that never stopped; a save cut short leaves
-the previous checkpoint whole."""
+"""Sharded checkpoints (rdkeras.parallel.sharded_checkpoint): 4 workers' checkpoint, of a sharded optimizer or of
+sharded weights, resumes on 2 workers (sharded or not) and in one plain Keras process, each going on as one process
+that never stopped; a save cut short leaves the previous checkpoint whole."""
 
 from __future__ import annotations
 
@@ -33,8 +33,31 @@ def test_four_workers_checkpoint_resumes_anywhere_as_one_process_would_go_on(tmp
     assert sorted(p.name for p in (tmp_path / "checkpoint").glob("shard-*")) == [f"shard-{r}" for r in range(4)]
     load = {"directory": folder, "epochs": 1, "load": True}
     resumed = _launch({"two_sharded": (2, {**load, "shard": "optimizer"}), "two_whole": (2, {**load, "shard": "none"}),
+                       "two_parameters": (2, {**load, "shard": "parameters"}),
                        "plain_keras": (1, {**load, "shard": None})})  # fmt: skip
-    reference = first["reference"][0]
+    _went_on_as_one_process(resumed, first["reference"][0])
+
+
+@pytest.mark.extended
+def test_a_checkpoint_of_sharded_weights_resumes_anywhere_as_one_process_would_go_on(tmp_path):
+    # shard="parameters": each of 4 workers writes its shard of every layer's weights and optimizer state; 2 workers
+    # (with sharded weights or not) and one plain Keras process read back what they hold and go on.
+    folder = str(tmp_path / "checkpoint")
+    first = _launch({"reference": (1, {"directory": folder, "epochs": 2, "shard": None}),
+                     "four": (4, {"directory": folder, "epochs": 1, "shard": "parameters", "save": True})})  # fmt: skip
+    manifest = json.loads((tmp_path / "checkpoint" / "manifest.json").read_text())
+    assert manifest["workers"] == 4 and manifest["slots"] == ["momentum", "velocity"]
+    assert [k for k, _ in manifest["in_shards"]] == [0, 1, 2, 3, 4], manifest["in_shards"]  # every weight trains
+    with np.load(tmp_path / "checkpoint" / "weights.npz") as held:  # (the chief held none of them whole)
+        assert all(held[key].size == 0 for key in held.files)
+    load = {"directory": folder, "epochs": 1, "load": True}
+    resumed = _launch({"two_parameters": (2, {**load, "shard": "parameters"}),
+                       "two_gradients": (2, {**load, "shard": "gradients"}),
+                       "plain_keras": (1, {**load, "shard": None})})  # fmt: skip
+    _went_on_as_one_process(resumed, first["reference"][0])
+
+
+def _went_on_as_one_process(resumed: dict, reference: dict) -> None:
     for name, workers in resumed.items():
         for rank, got in enumerate(workers):
             who = f"{name}, worker {rank}"
