@@ -85,7 +85,6 @@ class ShardedState:
         keeps only its pieces; an evaluate or predict traced before read whole variables, so it is traced again."""
         parameters = self._parameters.get(id(model))
         if parameters is not None and not parameters.units:
-            _unmap_freed_large_blocks()
             parameters.shard()
             model.test_function = model.predict_function = None
 
@@ -249,19 +248,3 @@ def consolidated(update: ShardedUpdate) -> Any:
     collectives.release("export")  # (a one-off, as large as the model)
     return full
 
-
-def _unmap_freed_large_blocks() -> None:
-    """glibc's malloc keeps a freed block below its mmap threshold, which it raises (up to 32 MiB) each time a
-    mapped block is freed: a step's gathered layers and shards (numpy arrays TensorFlow adopts) then stay in the
-    process, scattered among live blocks. A fixed 1 MiB threshold maps each larger block and unmaps it once freed:
-    85 MB less at the peak of a worker training a 168 M GPT-2 on 4. Only glibc has it; the process keeps it."""
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return
-    m_mmap_threshold = -3  # (malloc.h)
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
-    except (OSError, AttributeError):
-        logger.debug("shard='parameters': glibc's mallopt is not at hand; freed blocks stay as malloc keeps them")
