@@ -247,4 +247,3 @@ def consolidated(update: ShardedUpdate) -> Any:
                 slots[(i, name)].assign(np.reshape(whole[offset : offset + size], variables[i].shape))
     collectives.release("export")  # (a one-off, as large as the model)
     return full
-
