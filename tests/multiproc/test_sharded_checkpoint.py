@@ -57,6 +57,22 @@ def test_a_checkpoint_of_sharded_weights_resumes_anywhere_as_one_process_would_g
     _went_on_as_one_process(resumed, first["reference"][0])
 
 
+@pytest.mark.extended
+def test_sharded_weights_saved_before_fit_are_the_chiefs_as_built(tmp_path):
+    # Before the first fit no worker has laid its weights out: the save lays out the chief's (worker 1 built other
+    # weights, from another seed) and each writes its shards; one plain Keras process loads them and trains as
+    # one process that built the chief's weights.
+    folder = str(tmp_path / "checkpoint")
+    save = {"directory": folder, "epochs": 1, "shard": "parameters", "save_first": True}
+    runs = _launch({"reference": (1, {"directory": folder, "epochs": 2, "shard": None}), "two": (2, save)})
+    resumed = _launch({"plain_keras": (1, {"directory": folder, "epochs": 2, "shard": None, "load": True})})
+    got, reference = resumed["plain_keras"][0], runs["reference"][0]
+    assert got["iterations"] == reference["iterations"] == 8
+    np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
+    for i, (g, w) in enumerate(zip(got["weights"], reference["weights"], strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"weight {i}")
+
+
 def _went_on_as_one_process(resumed: dict, reference: dict) -> None:
     for name, workers in resumed.items():
         for rank, got in enumerate(workers):
