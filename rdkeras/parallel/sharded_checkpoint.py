@@ -33,7 +33,7 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.parallel.piece_gradients import slots_by_variable
 from rdkeras.parallel.sharded_optimizer import ShardedUpdate
-from rdkeras.parallel.sharded_parameters import ShardedParameters
+from rdkeras.parallel.sharded_parameters import ShardedParameters, shard_of
 
 FORMAT = "rdkeras-sharded-checkpoint/1"
 WEIGHTS = "weights"  # the slot name of a unit's weights, where the weights are sharded
@@ -65,31 +65,21 @@ def _unit_layout(parameters: ShardedParameters, trainable: Sequence[Any]) -> lis
 
 def _unit_shards(parameters: ShardedParameters) -> dict[tuple[int, str], np.ndarray]:
     """(unit, WEIGHTS or a slot's name) -> this worker's shard of the unit's weights or of that slot."""
-    slots, first, out = parameters.piece_slots(), 0, {}
-    for g, unit in enumerate(parameters.units):
-        pieces = {WEIGHTS: [keras_internals.storage(v) for v in unit.variables]}
-        for name in sorted({name for _, name in slots}):
-            pieces[name] = [slots[(first + k, name)] for k in range(len(unit.variables))]
-        for name, held in pieces.items():
-            shard, at = np.zeros(unit.per, unit.dtype), 0
-            for piece, (lo, hi) in zip(held, unit.owned, strict=True):
-                shard[at : at + hi - lo] = np.reshape(piece.numpy(), -1)
-                at += hi - lo
-            out[(g, name)] = shard
-        first += len(unit.variables)
+    out = {}
+    for g, (unit, slots) in enumerate(zip(parameters.units, parameters.slots_of_units(), strict=True)):
+        out[(g, WEIGHTS)] = shard_of(unit, [keras_internals.storage(v) for v in unit.variables])
+        out.update({(g, name): shard_of(unit, pieces) for name, pieces in slots.items()})
     return out
 
 
 def _restore_units(parameters: ShardedParameters, read: Any, trainable: Sequence[Any]) -> None:
     """Each piece's weights and optimizer state from ``read(trainable position, lo, hi, WEIGHTS or slot name)``."""
-    position, slots, first = {id(v): i for i, v in enumerate(trainable)}, parameters.piece_slots(), 0
-    names = sorted({name for _, name in slots})
-    for unit in parameters.units:
+    position = {id(v): i for i, v in enumerate(trainable)}
+    for unit, slots in zip(parameters.units, parameters.slots_of_units(), strict=True):
         for k, (v, (lo, hi)) in enumerate(zip(unit.variables, unit.owned, strict=True)):
             keras_internals.storage(v).assign(np.asarray(read(position[id(v)], lo, hi, WEIGHTS), unit.dtype))
-            for name in names:
-                slots[(first + k, name)].assign(np.asarray(read(position[id(v)], lo, hi, name), unit.dtype))
-        first += len(unit.variables)
+            for name, pieces in slots.items():
+                pieces[k].assign(np.asarray(read(position[id(v)], lo, hi, name), unit.dtype))
 
 
 def _own_variables(optimizer: Any, slots: dict) -> list[Any]:
@@ -114,24 +104,24 @@ def save(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None,
         partial.mkdir(parents=True)
     barrier()
     sharded = update is not None or parameters is not None
-    groups = _layout(variables, update, workers if sharded else 1)
-    in_shards: list[list[int]] = []
     if parameters is not None:
         groups = _unit_layout(parameters, variables)
+    else:
+        groups = _layout(variables, update, workers if sharded else 1)
+    mine: dict[tuple[int, str], np.ndarray] = {}  # (group, slot) -> this worker's shard
+    in_shards: list[list[int]] = []
+    if parameters is not None:
         mine = _unit_shards(parameters)
         trainable = {id(v): i for i, v in enumerate(variables)}
         in_shards = [[k, trainable[id(w)]] for k, w in enumerate(model.weights) if parameters.is_sharded(w)]
     elif update is not None:
-        mine = update.shard_slots()  # (group, slot) -> this worker's shard
+        mine = update.shard_slots()
     elif rank == 0:
         slots = slots_by_variable(keras_internals.inner_optimizer(optimizer), variables)
-        mine = {}
         for g, group in enumerate(groups):
             for name in sorted({name for _, name in slots}):
                 parts = [np.reshape(np.asarray(slots[(i, name)].numpy()), -1) for i in group["variables"]]
                 mine[(g, name)] = np.concatenate(parts) if parts else np.zeros(0, group["dtype"])
-    else:
-        mine = {}
     if mine:
         folder = partial / f"shard-{rank}"
         folder.mkdir()

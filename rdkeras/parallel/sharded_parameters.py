@@ -280,11 +280,7 @@ class ShardedParameters:
         """id(variable) -> its whole value, for every sharded variable (collective)."""
         out = {}
         for unit in self.units:
-            shard = np.zeros(unit.per, unit.dtype)
-            at = 0
-            for v, (lo, hi) in zip(unit.variables, unit.owned, strict=True):
-                shard[at : at + hi - lo] = np.reshape(keras_internals.storage(v).numpy(), -1)
-                at += hi - lo
+            shard = shard_of(unit, [keras_internals.storage(v) for v in unit.variables])
             whole = allgather_in_calls(self.collectives, shard, "whole-parameters")
             for v, at, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
                 out[id(v)] = np.reshape(whole[at : at + size], v.shape).copy()
@@ -329,20 +325,13 @@ class ShardedParameters:
         full = plain_optimizer(optimizer, variables)
         position = {id(v): i for i, v in enumerate(variables)}
         whole_slots = slots_by_variable(full, variables)
-        mine = self.piece_slots()
-        first = 0
-        for unit in self.units:
-            for name in sorted({name for _, name in mine}):
-                shard, at = np.zeros(unit.per, unit.dtype), 0
-                for k, (lo, hi) in enumerate(unit.owned):
-                    shard[at : at + hi - lo] = np.reshape(mine[(first + k, name)].numpy(), -1)
-                    at += hi - lo
-                whole = allgather_in_calls(self.collectives, shard, "whole-parameters")
+        for unit, slots in zip(self.units, self.slots_of_units(), strict=True):
+            for name, pieces in slots.items():
+                whole = allgather_in_calls(self.collectives, shard_of(unit, pieces), "whole-parameters")
                 for v, offset, size in zip(unit.variables, unit.offsets, unit.sizes, strict=True):
                     slot = whole_slots.get((position[id(v)], name))
                     if slot is not None:
                         slot.assign(np.reshape(whole[offset : offset + size], v.shape))
-            first += len(unit.pieces)
         self.collectives.release("whole-parameters")
         return full
 
@@ -359,9 +348,14 @@ class ShardedParameters:
                 keras_internals.set_storage(v, tf.Variable(values[id(v)], trainable=True, name=v.name))
         self.units = []
 
-    def piece_slots(self) -> dict[tuple[int, str], Any]:
-        """(position among the units' pieces, in order, and slot name, e.g. "momentum") -> the copy's slot."""
-        return slots_by_variable(self._copy, self._pieces())
+    def slots_of_units(self) -> list[dict[str, list[Any]]]:
+        """Per unit, in order: slot name (e.g. "momentum") -> the copy's slot of each of the unit's pieces."""
+        mine, out, first = slots_by_variable(self._copy, self._pieces()), [], 0
+        names = sorted({name for _, name in mine})
+        for unit in self.units:
+            out.append({name: [mine[(first + k, name)] for k in range(len(unit.pieces))] for name in names})
+            first += len(unit.pieces)
+        return out
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker stores: its pieces (parameters) and its copy's variables (optimizer)."""
@@ -371,6 +365,16 @@ class ShardedParameters:
     def variables_in(self, variables: Sequence[Any]) -> list[Any]:
         """`variables` less the sharded ones (what replica checks and broadcasts may read whole)."""
         return [v for v in variables if not self.is_sharded(v)]
+
+
+def shard_of(unit: _Unit, pieces: Sequence[Any]) -> np.ndarray:
+    """This worker's shard of `unit`: `pieces` (a variable each, in the unit's order: its storage, or a slot of it)
+    end to end, padded to the shard's length."""
+    shard, at = np.zeros(unit.per, unit.dtype), 0
+    for piece, (lo, hi) in zip(pieces, unit.owned, strict=True):
+        shard[at : at + hi - lo] = np.reshape(piece.numpy(), -1)
+        at += hi - lo
+    return shard
 
 
 def _part(value: np.ndarray, lo: int, hi: int) -> np.ndarray:
