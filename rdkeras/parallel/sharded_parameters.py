@@ -30,6 +30,7 @@ import numpy as np
 from rdkeras import keras_internals
 from rdkeras.fitting.saving import variables_bytes
 from rdkeras.parallel.collectives import Collectives, allgather_in_calls, reduce_scatter_in_calls
+from rdkeras.parallel.memory import trim_free_lists
 from rdkeras.parallel.piece_gradients import (
     clipping,
     elements,
@@ -221,7 +222,13 @@ class ShardedParameters:
         dtypes = [v.dtype for v in inputs] if returns is None else [inputs[0].dtype] * returns
         many = len(dtypes) > 1 or (returns is None and isinstance(values, list))
 
+        first = not tf.executing_eagerly() and not self._previous_ticket()  # a traced step's first collective
+
         def run(*arrays: np.ndarray) -> list[np.ndarray]:
+            nonlocal first
+            if first:  # its first run: what tracing the step left in malloc's free lists goes back
+                first = False
+                trim_free_lists()
             out = collective(*arrays[: len(inputs)])
             return [*(out if many else [out]), np.zeros([], np.int32)]
 

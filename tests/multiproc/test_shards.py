@@ -53,7 +53,7 @@ def test_from_owners_gives_every_member_each_owners_array_exactly_in_chunks(monk
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_parameters_gather_and_scatter_in_calls_as_in_one(world):
     # A layer of 1,000 x 16 float32 elements a shard, moved 1 KiB of each shard a call (16 calls, the last short):
-    # the same bits as one call, and as from the buffer's parts in calls, and numpy's mean.
+    # the same bits as one call, and as from the buffer's parts (or the shard's) in calls, and numpy's mean.
     results = run_threads("shards_in_calls", world, per=16_000 // 16 * 16, limit=1024)
     inputs = [np.random.default_rng(rank).standard_normal(16_000 * world).astype(np.float32) for rank in range(world)]
     mean = np.mean(np.stack(inputs).astype(np.float64), axis=0).reshape(world, -1)
@@ -61,6 +61,7 @@ def test_sharded_parameters_gather_and_scatter_in_calls_as_in_one(world):
         calls, one = result.value["calls"], result.value["one"]
         assert calls == one, f"rank {rank}: in calls, other bits than in one"
         assert result.value["parts"] == calls["shard"], f"rank {rank}: from the buffer's parts, other bits"
+        assert result.value["gathered_from_pieces"] == calls["gathered"], f"rank {rank}: gathered from pieces"
         np.testing.assert_allclose(calls["shard"], mean[rank], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
             calls["gathered"], (mean + np.arange(world)[:, None]).reshape(-1), rtol=1e-5, atol=1e-5

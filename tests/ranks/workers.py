@@ -822,6 +822,11 @@ def shards_in_calls(per: int, limit: int) -> dict:
         cuts = [0, 7, 7, per + 5, per * eng.world_size]
         parts = [flat[a:b] for a, b in itertools.pairwise(cuts)]
         out["parts"] = reduce_scatter_in_calls(collectives, parts, "grads", limit).tolist()
+        # A shard allgathered from its pieces: uneven, one empty, a call's worth spanning three of them.
+        shard = np.array(out["calls"]["shard"], np.float32) + eng.rank
+        cuts = [0, 3, 3, 250, 300, per]
+        pieces = [shard[a:b] for a, b in itertools.pairwise(cuts)]
+        out["gathered_from_pieces"] = allgather_in_calls(collectives, pieces, "w", limit).tolist()
         return out
 
 

@@ -257,3 +257,36 @@ def test_a_rematerialized_layer_recomputes_in_the_forward_passes_compute_dtype()
         keras.mixed_precision.set_global_policy(previous)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_a_tied_reverse_call_on_given_values_is_keras_own_without_transposing_the_table(soft_cap):
+    # Stage 3 runs a tied ReversibleEmbedding's reverse call on its gathered table: the same logits and gradients
+    # as Keras's call, from a matmul that reads the table transposed in place (no Transpose op in either pass).
+    import tensorflow as tf
+
+    layer = keras.layers.ReversibleEmbedding(50, 8, tie_weights=True, logit_soft_cap=soft_cap)
+    layer.build((None,))
+    x = tf.constant(np.random.default_rng(0).standard_normal((2, 3, 8)), tf.float32)
+    table = tf.constant(layer.embeddings.numpy())
+
+    def logits_and_grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([x, table])
+            out = fn()
+            loss = tf.reduce_sum(out * tf.range(50, dtype=tf.float32))
+        return [out, *tape.gradient(loss, [x, table])]
+
+    with keras.StatelessScope([(layer.embeddings, table)]):
+        want = logits_and_grads(lambda: layer(x, reverse=True))
+    keras_internals.call_with_values(layer, [layer.embeddings], lambda inputs: [table])
+    try:
+        got = logits_and_grads(lambda: layer(x, reverse=True))
+        graph = tf.function(lambda: logits_and_grads(lambda: layer(x, reverse=True))).get_concrete_function().graph
+        assert layer(tf.constant([[1, 2]])).shape == (1, 2, 8)  # the lookup is Keras's own
+    finally:
+        keras_internals.restore(layer)
+    for name, a, b in zip(("logits", "inputs' gradient", "table's gradient"), got, want, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert got[0].shape == (2, 3, 50)
+    assert not [op.name for op in graph.get_operations() if op.type == "Transpose"]
