@@ -104,19 +104,18 @@ def save(directory: str | os.PathLike, model: Any, update: ShardedUpdate | None,
         partial.mkdir(parents=True)
     barrier()
     sharded = update is not None or parameters is not None
-    if parameters is not None:
-        groups = _unit_layout(parameters, variables)
-    else:
-        groups = _layout(variables, update, workers if sharded else 1)
     mine: dict[tuple[int, str], np.ndarray] = {}  # (group, slot) -> this worker's shard
     in_shards: list[list[int]] = []
     if parameters is not None:
+        groups = _unit_layout(parameters, variables)
         mine = _unit_shards(parameters)
         trainable = {id(v): i for i, v in enumerate(variables)}
         in_shards = [[k, trainable[id(w)]] for k, w in enumerate(model.weights) if parameters.is_sharded(w)]
-    elif update is not None:
+    else:
+        groups = _layout(variables, update, workers if sharded else 1)
+    if update is not None:
         mine = update.shard_slots()
-    elif rank == 0:
+    elif parameters is None and rank == 0:
         slots = slots_by_variable(keras_internals.inner_optimizer(optimizer), variables)
         for g, group in enumerate(groups):
             for name in sorted({name for _, name in slots}):

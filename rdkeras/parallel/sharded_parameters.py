@@ -151,15 +151,14 @@ class ShardedParameters:
         import tensorflow as tf
 
         dtype, n = tf.as_dtype(unit.dtype), self.collectives.size
-        used = sum(hi - lo for lo, hi in unit.owned)
+        padding = np.zeros(unit.per - sum(hi - lo for lo, hi in unit.owned), unit.dtype)  # (made once, read only)
 
         @tf.custom_gradient
         def gathered(*pieces: Any) -> Any:
             def allgather(*parts: np.ndarray) -> np.ndarray:  # (a fresh array: backprop reads the values again)
-                # The shard is put together here, not as a tensor: the executor would compute every unit's as soon
-                # as the step starts and keep them all until their gathers' turns.
-                shard = np.concatenate([*parts, np.zeros(unit.per - used, unit.dtype)])
-                return allgather_in_calls(self.collectives, shard, "parameters")
+                # The shard is read from the pieces here, where they lie, not put together as a tensor: the
+                # executor would compute every unit's as soon as the step starts and keep them all until their turns.
+                return allgather_in_calls(self.collectives, [*parts, padding], "parameters")
 
             # Not before the call's inputs: a gather needs only the pieces, so a traced step would otherwise run
             # every unit's at its start and hold the whole model until each unit computes.
